@@ -1,0 +1,30 @@
+# Quick start:  make demo  (set up, build the demo model, inspect it)
+#               make test  (set up, run the test suite)
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; set TORCH_SPEC= to keep a torch you already have (e.g. a CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-all bench setup clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/ktc demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

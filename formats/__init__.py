@@ -1,0 +1,1 @@
+"""Readers and writers: SafeTensors, PyTorch, GGUF, model configs (and the bundle, later)."""

@@ -1,0 +1,110 @@
+"""The built-in demo model: a small Qwen3-MoE-style checkpoint that ktc writes itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+DEMO_CONFIG: dict[str, object] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [],
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def default_cache_dir() -> str:
+    """``$KTC_CACHE_DIR``, else ``$XDG_CACHE_HOME/ktc``, else ``~/.cache/ktc``."""
+    if os.environ.get("KTC_CACHE_DIR"):
+        return os.environ["KTC_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ktc")
+
+
+def demo_tensors(config: dict[str, object], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights named as Hugging Face names Qwen3-MoE's, scaled like an init."""
+    rng = np.random.default_rng(seed)
+    h = int(config["hidden_size"])  # type: ignore[arg-type]
+    inter = int(config["moe_intermediate_size"])  # type: ignore[arg-type]
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[arg-type]
+    head_dim = int(config["head_dim"])  # type: ignore[arg-type]
+    vocab, experts = int(config["vocab_size"]), int(config["num_experts"])  # type: ignore[arg-type]
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": w(vocab, h),
+        "model.norm.weight": np.ones(h, np.float32),
+        "lm_head.weight": w(vocab, h),
+    }
+    for layer in range(int(config["num_hidden_layers"])):  # type: ignore[arg-type]
+        p = f"model.layers.{layer}."
+        t[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        t[p + "self_attn.q_proj.weight"] = w(heads * head_dim, h)
+        t[p + "self_attn.k_proj.weight"] = w(kv_heads * head_dim, h)
+        t[p + "self_attn.v_proj.weight"] = w(kv_heads * head_dim, h)
+        t[p + "self_attn.o_proj.weight"] = w(h, heads * head_dim)
+        t[p + "self_attn.q_norm.weight"] = np.ones(head_dim, np.float32)
+        t[p + "self_attn.k_norm.weight"] = np.ones(head_dim, np.float32)
+        t[p + "mlp.gate.weight"] = w(experts, h)
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            t[q + "gate_proj.weight"] = w(inter, h)
+            t[q + "up_proj.weight"] = w(inter, h)
+            t[q + "down_proj.weight"] = w(h, inter)
+    return t
+
+
+def write_demo_model(folder: str, *, seed: int = 0) -> str:
+    """Write the demo checkpoint (``model.safetensors`` + ``config.json``) into ``folder``.
+
+    Files are written beside their final names and renamed into place, so an interrupted run
+    never leaves a half-written model that a later run would take as complete.
+    """
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    model_path = os.path.join(folder, "model.safetensors")
+    config_path = os.path.join(folder, "config.json")
+    tensors = demo_tensors(DEMO_CONFIG, seed)
+    for final, write in (
+        (model_path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})),
+        (config_path, lambda tmp: _write_json(tmp, DEMO_CONFIG)),
+    ):
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(final))
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return folder
+
+
+def _write_json(path: str, value: object) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.write("\n")

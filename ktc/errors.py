@@ -1,0 +1,60 @@
+"""The error types of ktc.
+
+User mistakes (a damaged file, an unsupported model, a budget that cannot be met) are
+``KtcError`` subclasses whose message says what, where, expected against found, and a hint;
+the command line prints them in a line or two. ``InternalError`` is a bug in ktc and is shown
+with its traceback.
+"""
+
+from __future__ import annotations
+
+
+class KtcError(Exception):
+    """Root of every error ktc raises on purpose."""
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None,
+                 hint: str | None = None) -> None:
+        self.message = message
+        self.path = path
+        self.tensor = tensor
+        self.hint = hint
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path:
+            where.append(str(self.path))
+        if self.tensor:
+            where.append(f"tensor '{self.tensor}'")
+        text = f"{': '.join(where)}: {self.message}" if where else self.message
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+
+class FormatError(KtcError):
+    """A checkpoint or bundle file is damaged, truncated or not what its name says."""
+
+
+class UnsupportedModelError(KtcError):
+    """The checkpoint is readable but its Mixture-of-Experts layout is not one ktc knows."""
+
+
+class ConfigError(KtcError):
+    """A model configuration is missing a field or disagrees with the tensors."""
+
+
+class BudgetError(KtcError):
+    """A memory budget cannot be met."""
+
+
+class BundleError(KtcError):
+    """A .ktb bundle fails validation."""
+
+
+class PassError(KtcError):
+    """A compiler pass failed; the message names the pass."""
+
+
+class InternalError(Exception):
+    """A bug in ktc: an invariant that should always hold did not."""

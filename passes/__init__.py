@@ -1,0 +1,1 @@
+"""Compiler passes over the IR: detect experts (plan, quantize, lay out and emit come later)."""

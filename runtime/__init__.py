@@ -1,0 +1,1 @@
+"""The runtime: bundle loading and MoE execution. Not implemented yet (see README)."""
