@@ -100,7 +100,7 @@ def config_from_hf(raw: Mapping[str, Any], path: str) -> ModelConfig:
         first_dense_layers=opt("first_k_dense_replace"),
         moe_layer_step=opt(("decoder_sparse_step", "moe_layer_freq"), 1) or 1,
         dense_layers=tuple(text.get("mlp_only_layers") or ()),
-        gating=Gating.SIGMOID if text.get("scoring_func") == "sigmoid" else Gating.SOFTMAX,
+        gating=_hf_gating(text, inner_type),
         norm_topk_prob=norm_default if norm is None else bool(norm),
         routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0),
         num_expert_groups=opt("n_group", 1) or 1,
@@ -117,6 +117,20 @@ def config_from_hf(raw: Mapping[str, Any], path: str) -> ModelConfig:
                       if inner_type == "gpt_oss" else None),
         torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or "") or None,
     )
+
+
+# Families whose routers score with a sigmoid when the config does not say (transformers'
+# DeepseekV3Config has no scoring_func field; DeepSeek-V3's noaux_tc routing is sigmoid).
+_SIGMOID_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe"}
+
+
+def _hf_gating(text: Mapping[str, Any], model_type: str) -> Gating:
+    scoring = text.get("scoring_func")
+    if scoring is not None:
+        return Gating.SIGMOID if scoring == "sigmoid" else Gating.SOFTMAX
+    if text.get("topk_method") == "noaux_tc" or model_type in _SIGMOID_FAMILIES:
+        return Gating.SIGMOID
+    return Gating.SOFTMAX
 
 
 # GGUF architectures whose llama.cpp graph renormalises top-k weights when the file is silent.

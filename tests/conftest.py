@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import model_factory as mf
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Every family as safetensors, .bin (same tensors), fused .bin and GGUF; built once."""
+    root = tmp_path_factory.mktemp("tiny")
+    models = {}
+    for family in mf.FAMILIES:
+        model = mf.build_hf_model(family)
+        st = mf.write_safetensors(model, str(root / family / "safetensors"))
+        models[family] = {
+            "safetensors": st,
+            "pytorch": mf.write_pytorch_from_safetensors(st, str(root / family / "pytorch")),
+            "gguf": mf.write_gguf(st, str(root / family / "model.gguf"), family=family),
+        }
+        if family != "gpt_oss":  # gpt-oss is already fused in memory and on disk
+            models[family]["pytorch_fused"] = mf.write_pytorch_fused(model, st, str(root / family / "fused"))
+    return models
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    from ktc.demo import write_demo_model
+
+    return write_demo_model(str(tmp_path_factory.mktemp("demo")))
+
+
+def fd_and_map_counts() -> tuple[int, int]:
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return len(os.listdir("/proc/self/fd")), maps

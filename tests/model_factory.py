@@ -1,0 +1,225 @@
+"""Tiny MoE checkpoints written by the real writers: transformers' ``save_pretrained``,
+``torch.save`` and the ``gguf`` package's ``GGUFWriter`` (with llama.cpp's tensor names)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+
+HIDDEN = 32
+LAYERS = 3
+EXPERTS = 8
+TOP_K = 2
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the family ktc should report
+    config_class: str
+    kwargs: dict
+    gguf_arch: str
+    moe_layers: tuple[int, ...]
+    shared: int
+
+
+FAMILIES = {
+    "mixtral": Family("mixtral", "MixtralConfig", dict(num_local_experts=EXPERTS), "llama",
+                      (0, 1, 2), 0),
+    "qwen2_moe": Family("qwen2_moe", "Qwen2MoeConfig",
+                        dict(num_experts=EXPERTS, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=48), "qwen2moe", (0, 1, 2), 1),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeConfig",
+                        dict(num_experts=EXPERTS, moe_intermediate_size=32, norm_topk_prob=True),
+                        "qwen3moe", (0, 1, 2), 0),
+    "olmoe": Family("olmoe", "OlmoeConfig", dict(num_experts=EXPERTS, intermediate_size=16),
+                    "olmoe", (0, 1, 2), 0),
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3Config",
+                          dict(n_routed_experts=EXPERTS, moe_intermediate_size=16,
+                               first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1,
+                               kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                               qk_nope_head_dim=8, v_head_dim=8), "deepseek2", (1, 2), 1),
+    "gpt_oss": Family("gpt_oss", "GptOssConfig", dict(num_local_experts=EXPERTS, intermediate_size=32,
+                                                     head_dim=8), "gpt-oss", (0, 1, 2), 0),
+}
+
+
+def build_hf_model(family: str, seed: int = 0):
+    import torch
+    import transformers
+
+    spec = FAMILIES[family]
+    kwargs = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                  num_experts_per_tok=TOP_K)
+    kwargs.update(spec.kwargs)
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # make every weight non-trivial so value comparisons mean something
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def write_safetensors(model, folder: str) -> str:
+    model.save_pretrained(folder)
+    return folder
+
+
+def write_pytorch_from_safetensors(st_folder: str, folder: str, *, shards: int = 1) -> str:
+    """The same tensors as ``st_folder`` saved with ``torch.save`` as Hugging Face ``.bin``."""
+    import torch
+    from safetensors.torch import load_file
+
+    os.makedirs(folder, exist_ok=True)
+    shutil.copy(os.path.join(st_folder, "config.json"), folder)
+    state = load_file(os.path.join(st_folder, "model.safetensors"))
+    if shards == 1:
+        torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+        return folder
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({n: state[n] for n in part}, os.path.join(folder, fname))
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(folder, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return folder
+
+
+def write_pytorch_fused(model, st_folder: str, folder: str) -> str:
+    """transformers' in-memory state dict, whose experts are fused 3-D tensors."""
+    import torch
+
+    os.makedirs(folder, exist_ok=True)
+    shutil.copy(os.path.join(st_folder, "config.json"), folder)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+    return folder
+
+
+# Hugging Face name (after "model.layers.N.") -> llama.cpp name (after "blk.N.").
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def gguf_tensors(st_folder: str) -> dict[str, np.ndarray]:
+    """The tensors of a transformers checkpoint renamed and stacked as llama.cpp converts them."""
+    from safetensors.numpy import load_file
+
+    state = load_file(os.path.join(st_folder, "model.safetensors"))
+    cfg = json.load(open(os.path.join(st_folder, "config.json")))
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        if name in _GLOBAL_NAMES:
+            out[_GLOBAL_NAMES[name]] = value
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        q = f"blk.{layer}."
+        for hf, gg in _LAYER_NAMES.items():
+            if p + hf in state:
+                out[q + gg] = state[p + hf]
+        # Per-expert 2-D tensors -> [E, out, in] stacks.
+        for moe, (g, u, d) in (("block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+                               ("mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))):
+            first = p + moe.format(e=0) + g + ".weight"
+            if first in state:
+                n = sum(1 for k in state if k.startswith(p + moe.split("{e}")[0]) and k.endswith(g + ".weight"))
+                for proj, gg in ((g, "ffn_gate_exps"), (u, "ffn_up_exps"), (d, "ffn_down_exps")):
+                    out[q + gg + ".weight"] = np.stack(
+                        [state[p + moe.format(e=e) + proj + ".weight"] for e in range(n)])
+        # gpt-oss: gate_up_proj [E, H, 2I] interleaved -> gate/up [E, I, H]; down [E, I, H] -> [E, H, I].
+        if p + "mlp.experts.gate_up_proj" in state:
+            gu = state[p + "mlp.experts.gate_up_proj"]
+            out[q + "ffn_gate_exps.weight"] = np.ascontiguousarray(gu[:, :, 0::2].transpose(0, 2, 1))
+            out[q + "ffn_up_exps.weight"] = np.ascontiguousarray(gu[:, :, 1::2].transpose(0, 2, 1))
+            out[q + "ffn_down_exps.weight"] = np.ascontiguousarray(
+                state[p + "mlp.experts.down_proj"].transpose(0, 2, 1))
+            gub = state[p + "mlp.experts.gate_up_proj_bias"]
+            out[q + "ffn_gate_exps.bias"] = np.ascontiguousarray(gub[:, 0::2])
+            out[q + "ffn_up_exps.bias"] = np.ascontiguousarray(gub[:, 1::2])
+            out[q + "ffn_down_exps.bias"] = state[p + "mlp.experts.down_proj_bias"]
+    return out
+
+
+def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | None = None) -> str:
+    """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys."""
+    import gguf
+
+    spec = FAMILIES[family]
+    cfg = json.load(open(os.path.join(st_folder, "config.json")))
+    arch = spec.gguf_arch
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_expert_count(EXPERTS)
+    writer.add_expert_used_count(TOP_K)
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    writer.add_expert_feed_forward_length(inter)
+    writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", family in ("mixtral", "gpt_oss"))))
+    if cfg.get("head_dim") and family != "deepseek_v3":
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if family == "deepseek_v3":
+        writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        writer.add_expert_shared_count(cfg["n_shared_experts"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+        writer.add_kv_lora_rank(cfg["kv_lora_rank"])
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+        writer.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+        writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        writer.add_value_length(cfg["v_head_dim"])
+    for name, value in gguf_tensors(st_folder).items():
+        value = np.ascontiguousarray(value.astype(np.float32))
+        if expert_qtype and "_exps.weight" in name:
+            qtype = gguf.GGMLQuantizationType[expert_qtype]
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
