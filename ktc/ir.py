@@ -50,7 +50,7 @@ def _plain(name: str, numpy_name: str, size: int, is_float: bool) -> StorageType
 # against the gguf package's GGML_QUANT_SIZES so the two cannot drift apart.
 _QUANT_BLOCKS: dict[str, tuple[int, int]] = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-    "Q8_0": (32, 34), "Q8_1": (32, 36),
+    "Q8_0": (32, 34), "Q8_1": (32, 40),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
     "Q6_K": (256, 210), "Q8_K": (256, 292),
     "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ3_XXS": (256, 98), "IQ1_S": (256, 50),
