@@ -70,32 +70,37 @@ def read_safetensors_header(path: str) -> dict[str, TensorRef]:
 
 
 def _tensor_ref(path: str, name: str, entry: Any, data_start: int, data_size: int) -> TensorRef:
-    if not isinstance(entry, dict):
-        raise FormatError("header entry is not an object", path=path, tensor=name)
-    dtype = entry.get("dtype")
-    shape = entry.get("shape")
-    offsets = entry.get("data_offsets")
-    dtype = _DTYPE_ALIASES.get(dtype, dtype)
-    if dtype not in STORAGE_TYPES or STORAGE_TYPES[dtype].is_quantized:
-        raise FormatError(f"unknown dtype {entry.get('dtype')!r}", path=path, tensor=name)
-    if (not isinstance(shape, list) or len(shape) > 8
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise FormatError(f"shape {shape!r} is not a list of non-negative integers",
+    # This runs once per tensor (90k for DeepSeek-V3), so the checks are written for speed.
+    try:
+        dtype = entry["dtype"]
+        shape = entry["shape"]
+        begin, end = entry["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise FormatError("header entry needs 'dtype', 'shape' and a pair of 'data_offsets'",
+                          path=path, tensor=name) from None
+    st = STORAGE_TYPES.get(_DTYPE_ALIASES.get(dtype, dtype)) if isinstance(dtype, str) else None
+    if st is None or st.is_quantized:
+        raise FormatError(f"unknown dtype {dtype!r}", path=path, tensor=name)
+    if type(shape) is not list or len(shape) > 8:
+        raise FormatError(f"shape {shape!r} is not a list of non-negative integers", path=path, tensor=name)
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise FormatError(f"shape {shape!r} is not a list of non-negative integers",
+                              path=path, tensor=name)
+        count *= d
+    if type(begin) is not int or type(end) is not int:
+        raise FormatError(f"data_offsets {entry['data_offsets']!r} is not a pair of integers",
                           path=path, tensor=name)
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-        raise FormatError(f"data_offsets {offsets!r} is not a pair of integers", path=path, tensor=name)
-    begin, end = offsets
     if not 0 <= begin <= end:
         raise FormatError(f"data_offsets [{begin}, {end}] are not increasing", path=path, tensor=name)
     if end > data_size:
         raise FormatError(f"data_offsets [{begin}, {end}] run past the end of the data "
                           f"({data_size} bytes)", path=path, tensor=name, hint="the file is truncated")
-    expected = STORAGE_TYPES[dtype].nbytes(tuple(shape))
-    if end - begin != expected:
-        raise FormatError(f"shape {shape} at {dtype} needs {expected} bytes but data_offsets "
-                          f"give {end - begin}", path=path, tensor=name)
-    return TensorRef(name=name, dtype=dtype, stored_shape=tuple(shape),
+    if end - begin != count * st.block_bytes:
+        raise FormatError(f"shape {shape} at {st.name} needs {count * st.block_bytes} bytes but "
+                          f"data_offsets give {end - begin}", path=path, tensor=name)
+    return TensorRef(name=name, dtype=st.name, stored_shape=tuple(shape),
                      location=ByteRange(path, data_start + begin, end - begin))
 
 

@@ -69,11 +69,13 @@ def file_size(path: str) -> int:
 
 def reject_duplicate_keys(pairs: list[tuple[str, Any]], *, path: str) -> dict[str, Any]:
     """``json.loads`` hook: a repeated key is an error, not a silent overwrite."""
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise FormatError(f"duplicate key {key!r} in JSON", path=path, tensor=key)
-        result[key] = value
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise FormatError(f"duplicate key {key!r} in JSON", path=path, tensor=key)
+            seen.add(key)
     return result
 
 
