@@ -42,6 +42,11 @@ FAMILIES = {
                                first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1,
                                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                                qk_nope_head_dim=8, v_head_dim=8), "deepseek2", (1, 2), 1),
+    "deepseek_v2": Family("deepseek_v2", "DeepseekV2Config",
+                          dict(n_routed_experts=EXPERTS, moe_intermediate_size=16,
+                               first_k_dense_replace=1, n_shared_experts=2, kv_lora_rank=16,
+                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                               v_head_dim=8, num_key_value_heads=4), "deepseek2", (1, 2), 2),
     "gpt_oss": Family("gpt_oss", "GptOssConfig", dict(num_local_experts=EXPERTS, intermediate_size=32,
                                                      head_dim=8), "gpt-oss", (0, 1, 2), 0),
 }
@@ -194,21 +199,23 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | No
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     writer.add_expert_feed_forward_length(inter)
     writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", family in ("mixtral", "gpt_oss"))))
-    if cfg.get("head_dim") and family != "deepseek_v3":
+    if cfg.get("head_dim") and not family.startswith("deepseek"):
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     if family == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if family == "deepseek_v3":
+    if family.startswith("deepseek"):
         writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
         writer.add_expert_shared_count(cfg["n_shared_experts"])
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        writer.add_kv_lora_rank(cfg["kv_lora_rank"])
+        if cfg.get("q_lora_rank"):
+            writer.add_q_lora_rank(cfg["q_lora_rank"])
+        writer.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    if family == "deepseek_v3":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_group_count(cfg["n_group"])
         writer.add_expert_group_used_count(cfg["topk_group"])
-        writer.add_kv_lora_rank(cfg["kv_lora_rank"])
-        writer.add_q_lora_rank(cfg["q_lora_rank"])
-        writer.add_rope_dimension_count(cfg["qk_rope_head_dim"])
         writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         writer.add_value_length(cfg["v_head_dim"])
     for name, value in gguf_tensors(st_folder).items():
