@@ -394,6 +394,33 @@ class DenseTensor:
     layer: int | None = None
 
 
+class Device(str, enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where one routed expert lives and in which scheme it is stored there."""
+
+    device: Device
+    scheme: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The planner's decision: ``experts[i][e]`` places expert e of MoE layer ``layers[i]``."""
+
+    layers: tuple[int, ...]
+    experts: tuple[tuple[ExpertPlacement, ...], ...]
+
+    def of(self, layer: int, expert: int) -> ExpertPlacement:
+        return self.experts[self.layers.index(layer)][expert]
+
+    def gpu_experts_per_layer(self) -> tuple[int, ...]:
+        return tuple(sum(p.device is Device.GPU for p in row) for row in self.experts)
+
+
 @dataclass(frozen=True)
 class SourceInfo:
     """Where the IR was read from."""
@@ -416,7 +443,7 @@ class ModelIR:
     source: SourceInfo
     moe_layers: tuple[MoELayer, ...] = ()
     dense: tuple[DenseTensor, ...] = ()
-    placement: object | None = field(default=None, compare=False)
+    placement: Placement | None = field(default=None, compare=False)
     quant: object | None = field(default=None, compare=False)
     layout: object | None = field(default=None, compare=False)
 

@@ -1,0 +1,146 @@
+"""The hardware profile the planner reads: budgets and bandwidths, from flags or a JSON file.
+
+Defaults and where they come from (docs/planner.md repeats them):
+
+- ``reserve``: 1 GiB for the CUDA context, cuBLAS workspaces and allocator fragmentation. A CUDA
+  context alone takes 300-500 MiB on current drivers; the rest is headroom.
+- ``cpu_bandwidth``: 60 GB/s. Dual-channel DDR5-4800 moves 76.8 GB/s in theory and sustains
+  about 80% of it on reads. Servers with 8-12 channels reach 250-400 GB/s: measure yours
+  (``ktc doctor --write-profile``) rather than trusting this.
+- ``gpu_bandwidth``: 900 GB/s. An RTX 4090 (the common 24 GB card) is specified at 1008 GB/s;
+  batch-1 kernels reach about 90% of it.
+- ``pcie_bandwidth``: 25 GB/s. PCIe 4.0 x16 is 31.5 GB/s in theory, ~25 GB/s for pinned copies.
+- ``sync_seconds``: 50 us per layer that runs experts on the CPU: a stream synchronisation, a
+  hand-off to the CPU worker thread and back, and two small copies, each 5-20 us.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ktc.errors import ConfigError, FormatError
+
+from .tensor_file import reject_duplicate_keys
+
+GiB = 1024**3
+PROFILE_FORMAT = "ktc-hardware-profile"
+PROFILE_VERSION = 1
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'24GiB' -> 25769803776, '24GB' -> 24000000000, '512M' -> 536870912 (bare K/M/G/T are
+    binary, as nvidia-smi and most users mean them)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as a size; write it like 24GiB, 24GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_bandwidth(text: str | int | float) -> float:
+    """'60GB/s' or '60' (GB/s) -> bytes per second."""
+    if isinstance(text, (int, float)):
+        return float(text) * 1e9
+    cleaned = text.strip().lower().removesuffix("/s")
+    if re.fullmatch(r"[0-9]*\.?[0-9]+", cleaned):
+        return float(cleaned) * 1e9
+    return float(parse_bytes(cleaned))
+
+
+def _total_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 64 * GiB
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Budgets in bytes, bandwidths in bytes per second, sync cost in seconds."""
+
+    vram_bytes: int
+    ram_bytes: int
+    reserve_bytes: int = 1 * GiB
+    cpu_bandwidth: float = 60e9
+    gpu_bandwidth: float = 900e9
+    pcie_bandwidth: float = 25e9
+    sync_seconds: float = 50e-6
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        for name in ("vram_bytes", "ram_bytes", "reserve_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"hardware profile: {name} is negative")
+        for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"hardware profile: {name} must be positive")
+        if self.sync_seconds < 0:
+            raise ConfigError("hardware profile: sync_seconds is negative")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], path: str = "<profile>") -> HardwareProfile:
+        if data.get("format") != PROFILE_FORMAT:
+            raise FormatError(f"not a hardware profile (format is {data.get('format')!r}, expected "
+                              f"{PROFILE_FORMAT!r})", path=path)
+        if int(data.get("version", 0)) > PROFILE_VERSION:
+            raise FormatError(f"hardware profile version {data.get('version')} is newer than this "
+                              f"ktc reads ({PROFILE_VERSION})", path=path, hint="upgrade ktc")
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "source"}
+        if "vram_bytes" not in fields:
+            raise FormatError("hardware profile has no vram_bytes", path=path)
+        fields.setdefault("ram_bytes", _total_ram())
+        return cls(**fields, source=path)
+
+
+def load_hardware_profile(path: str) -> HardwareProfile:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(), object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path))
+    except FileNotFoundError:
+        raise FormatError("hardware profile not found", path=path) from None
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"hardware profile is not valid JSON ({exc})", path=path) from None
+    return HardwareProfile.from_json(data, path)
+
+
+def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | None = None,
+                          ram: str | int | None = None, reserve: str | int | None = None,
+                          cpu_bandwidth: str | float | None = None,
+                          gpu_bandwidth: str | float | None = None,
+                          pcie_bandwidth: str | float | None = None,
+                          sync_us: float | None = None) -> HardwareProfile:
+    """A profile from a JSON file and/or flags; flags override the file."""
+    if profile_path:
+        base = load_hardware_profile(profile_path)
+    elif vram is None:
+        raise ConfigError("no VRAM budget: give --vram (e.g. --vram 24GiB) or --hardware FILE")
+    else:
+        base = HardwareProfile(vram_bytes=parse_bytes(vram), ram_bytes=_total_ram(), source="flags")
+    changes: dict[str, Any] = {}
+    if vram is not None:
+        changes["vram_bytes"] = parse_bytes(vram)
+    if ram is not None:
+        changes["ram_bytes"] = parse_bytes(ram)
+    if reserve is not None:
+        changes["reserve_bytes"] = parse_bytes(reserve)
+    if cpu_bandwidth is not None:
+        changes["cpu_bandwidth"] = parse_bandwidth(cpu_bandwidth)
+    if gpu_bandwidth is not None:
+        changes["gpu_bandwidth"] = parse_bandwidth(gpu_bandwidth)
+    if pcie_bandwidth is not None:
+        changes["pcie_bandwidth"] = parse_bandwidth(pcie_bandwidth)
+    if sync_us is not None:
+        changes["sync_seconds"] = sync_us * 1e-6
+    return replace(base, **changes) if changes else base

@@ -1,0 +1,130 @@
+"""Quantization schemes of the bundle: how many bytes a weight matrix takes in each, and how an
+expert is laid out. The planner sizes experts with ``expert_footprint`` and the compiler lays
+them out with the same function, so a plan's byte counts are the bundle's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Alignment of every tensor inside an expert, and of every expert's start (a page).
+TENSOR_ALIGN = 64
+EXPERT_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A storage scheme for a 2-D weight [rows, cols].
+
+    Each row is ``cols / block_elems`` blocks of ``block_bytes`` bytes (scales inside the blocks,
+    as ggml does), plus ``row_extra_bytes`` per row (a per-row scale).
+    """
+
+    name: str
+    bits: float  # nominal bits per weight, for people
+    block_elems: int
+    block_bytes: int
+    row_extra_bytes: int = 0
+    gguf_type: str | None = None  # byte-compatible ggml type, when there is one
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_elems <= 0 or self.block_bytes <= 0 or self.row_extra_bytes < 0:
+            raise ValueError(f"scheme {self.name}: block sizes must be positive")
+
+    def fits(self, cols: int) -> bool:
+        return cols % self.block_elems == 0
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of a [rows, cols] matrix; ``ValueError`` if a row is not whole blocks."""
+        if not self.fits(cols):
+            raise ValueError(f"scheme {self.name} needs rows that are a multiple of "
+                             f"{self.block_elems} values; this row has {cols}")
+        return rows * (cols // self.block_elems * self.block_bytes + self.row_extra_bytes)
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("f32", 32, 1, 4, description="IEEE float32"),
+        Scheme("f16", 16, 1, 2, description="IEEE float16"),
+        Scheme("bf16", 16, 1, 2, description="bfloat16"),
+        Scheme("q8_0", 8.5, 32, 34, gguf_type="Q8_0",
+               description="ggml Q8_0: fp16 scale + 32 int8 per block"),
+        Scheme("q4_0", 4.5, 32, 18, gguf_type="Q4_0",
+               description="ggml Q4_0: fp16 scale + 32 4-bit values per block"),
+        Scheme("mxfp4", 4.25, 32, 17, gguf_type="MXFP4",
+               description="ggml MXFP4: e8m0 exponent + 32 e2m1 values per block"),
+        Scheme("int8", 8, 1, 1, row_extra_bytes=4,
+               description="symmetric int8, one float32 scale per row"),
+        Scheme("int4_g32", 5, 32, 20,
+               description="symmetric int4, one float32 scale per 32 values"),
+        Scheme("int4_g64", 4.5, 64, 36,
+               description="symmetric int4, one float32 scale per 64 values"),
+        Scheme("int4_g128", 4.25, 128, 68,
+               description="symmetric int4, one float32 scale per 128 values"),
+    )
+}
+# Short names people type.
+ALIASES = {"int4": "int4_g128", "fp16": "f16", "fp32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def get_scheme(name: str) -> Scheme:
+    """The scheme called ``name`` (or an alias); ``KeyError`` lists the known ones."""
+    key = ALIASES.get(name.lower(), name.lower())
+    try:
+        return SCHEMES[key]
+    except KeyError:
+        raise KeyError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)} "
+                       f"(aliases: {', '.join(ALIASES)})") from None
+
+
+def align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What sizes an expert: hidden size, intermediate size, whether it has biases."""
+
+    hidden: int
+    intermediate: int
+    biases: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertFootprint:
+    """An expert's size in one scheme: ``data_bytes`` read per use, ``stored_bytes`` it occupies
+    in a bundle segment (tensors aligned to 64, the expert padded to a 4096-byte page)."""
+
+    data_bytes: int
+    stored_bytes: int
+
+
+def expert_tensor_bytes(shape: ExpertShape, scheme: Scheme) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of the tensors an expert is stored as: gate and up fused, then down, then
+    float32 biases. The compiler writes them in this order."""
+    tensors = [("gate_up", scheme.matrix_bytes(2 * shape.intermediate, shape.hidden)),
+               ("down", scheme.matrix_bytes(shape.hidden, shape.intermediate))]
+    if shape.biases:
+        tensors += [("gate_up_bias", 4 * 2 * shape.intermediate), ("down_bias", 4 * shape.hidden)]
+    return tuple(tensors)
+
+
+def expert_footprint(shape: ExpertShape, scheme: Scheme | str) -> ExpertFootprint:
+    """Bytes of one expert stored in ``scheme`` (see ``ExpertFootprint``)."""
+    if isinstance(scheme, str):
+        scheme = get_scheme(scheme)
+    tensors = expert_tensor_bytes(shape, scheme)
+    data = sum(n for _, n in tensors)
+    packed = sum(align(n, TENSOR_ALIGN) for _, n in tensors)
+    return ExpertFootprint(data, align(packed, EXPERT_ALIGN))
+
+
+def dense_tensor_bytes(numel: int, scheme: Scheme | str = "bf16") -> int:
+    """Bytes of a non-expert tensor of ``numel`` values stored in a plain ``scheme``, aligned."""
+    if isinstance(scheme, str):
+        scheme = get_scheme(scheme)
+    if scheme.block_elems != 1:
+        raise ValueError("non-expert tensors are stored in a plain float scheme")
+    return align(numel * scheme.block_bytes, TENSOR_ALIGN)

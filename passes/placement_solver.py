@@ -1,0 +1,342 @@
+"""The placement problem and its exact solver.
+
+Every routed expert takes one option (a device and a scheme). A MoE layer costs
+``max(gpu_time, cpu_time) + sync`` where each side's time is the sum over its experts of
+``usage x seconds_per_use`` and the sync is paid when the layer has a CPU expert that can be used.
+Options use VRAM or RAM, within budgets. A small quality term (usage-weighted nominal error times
+``quality_weight``) prefers the more precise scheme when speed does not care.
+
+This is a mixed-integer program; we hand it to HiGHS (through ``scipy.optimize.milp``), which
+either proves optimality or reports its best bound, so every solution carries a proven gap.
+Experts of a layer with equal usage and equal allowed options are interchangeable, so they are
+merged into one integer variable: a uniform profile gives one variable per layer and option.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ktc.errors import BudgetError
+
+GPU, CPU = "gpu", "cpu"
+
+
+@dataclass(frozen=True)
+class PlacementOption:
+    """Where an expert may live and what it costs there."""
+
+    device: str  # "gpu" or "cpu"
+    scheme: str
+    vram_bytes: int  # bytes of VRAM it occupies (0 on the CPU)
+    ram_bytes: int  # bytes of RAM it occupies (0 on the GPU)
+    seconds_per_use: float  # data bytes over the device's bandwidth
+    error: float = 0.0  # nominal relative error of the scheme, for the quality term
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementProblem:
+    """``usage[l, e]``: probability that a decode step uses expert e of MoE layer l.
+    ``allowed[l, e, o]``: whether option o is allowed (pins restrict it)."""
+
+    usage: np.ndarray
+    options: tuple[PlacementOption, ...]
+    allowed: np.ndarray
+    vram_budget: int
+    ram_budget: int
+    sync_seconds: np.ndarray  # per layer
+    quality_weight: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.usage.shape  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementSolution:
+    choice: np.ndarray  # [layers, experts] option index
+    objective: float  # seconds per decode step spent in routed experts (+ the quality term)
+    lower_bound: float  # proven: no placement does better
+    optimal: bool
+    solve_seconds: float
+    method: str
+
+    @property
+    def gap(self) -> float:
+        """Relative gap between this solution and the proven bound."""
+        if self.objective <= 0:
+            return 0.0
+        return max(0.0, (self.objective - self.lower_bound) / self.objective)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    objective: float
+    expert_seconds: float  # the time part, without the quality term
+    layer_seconds: tuple[float, ...]
+    vram_bytes: int
+    ram_bytes: int
+
+
+def evaluate(problem: PlacementProblem, choice: np.ndarray) -> Evaluation:
+    """Cost and memory of a placement under the problem's model (no feasibility check)."""
+    opts = problem.options
+    seconds = np.array([o.seconds_per_use for o in opts])
+    on_gpu = np.array([o.device == GPU for o in opts])
+    error = np.array([o.error for o in opts])
+    vram = np.array([o.vram_bytes for o in opts], dtype=np.int64)
+    ram = np.array([o.ram_bytes for o in opts], dtype=np.int64)
+    use = problem.usage
+    t = use * seconds[choice]
+    gpu_time = np.where(on_gpu[choice], t, 0.0).sum(axis=1)
+    cpu_time = np.where(on_gpu[choice], 0.0, t).sum(axis=1)
+    cpu_active = ((~on_gpu[choice]) & (use > 0)).any(axis=1)
+    layers = np.maximum(gpu_time, cpu_time) + np.where(cpu_active, problem.sync_seconds, 0.0)
+    quality = problem.quality_weight * float((use * error[choice]).sum())
+    return Evaluation(float(layers.sum()) + quality, float(layers.sum()), tuple(layers.tolist()),
+                      int(vram[choice].sum()), int(ram[choice].sum()))
+
+
+def is_feasible(problem: PlacementProblem, choice: np.ndarray) -> bool:
+    ev = evaluate(problem, choice)
+    allowed = np.take_along_axis(problem.allowed, choice[..., None], axis=2).all()
+    return bool(allowed) and ev.vram_bytes <= problem.vram_budget and ev.ram_bytes <= problem.ram_budget
+
+
+def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
+                    rel_gap: float = 1e-6) -> PlacementSolution:
+    """The cheapest feasible placement, proven optimal or with a proven bound.
+
+    Raises ``BudgetError`` when no placement fits the budgets and pins.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    started = time.perf_counter()
+    n_layers, n_experts = problem.shape
+    opts = problem.options
+    n_opts = len(opts)
+    seconds = np.array([o.seconds_per_use for o in opts])
+    on_gpu = np.array([o.device == GPU for o in opts])
+    error = np.array([o.error for o in opts])
+    vram = np.array([o.vram_bytes for o in opts], dtype=np.float64)
+    ram = np.array([o.ram_bytes for o in opts], dtype=np.float64)
+
+    allowed_all = problem.allowed
+    if problem.quality_weight == 0:
+        # Speed alone decides: an option with no fewer bytes on the same device and no less
+        # speed than another can be left out of the search (polish may still pick it when it
+        # costs no time), which keeps the program small when several schemes are allowed.
+        keep = np.ones(len(problem.options), dtype=bool)
+        for i, a in enumerate(problem.options):
+            for j, b in enumerate(problem.options):
+                if i != j and a.device == b.device and keep[j] and (
+                        b.vram_bytes <= a.vram_bytes and b.ram_bytes <= a.ram_bytes
+                        and b.seconds_per_use <= a.seconds_per_use
+                        and (b.vram_bytes, b.ram_bytes, b.seconds_per_use, j)
+                        < (a.vram_bytes, a.ram_bytes, a.seconds_per_use, i)):
+                    keep[i] = False
+                    break
+        allowed_all = problem.allowed & keep
+    # Groups of interchangeable experts: same layer, same usage, same allowed options.
+    groups: list[tuple[int, float, np.ndarray, list[int]]] = []
+    for layer in range(n_layers):
+        index: dict[tuple[float, bytes], int] = {}
+        for expert in range(n_experts):
+            key = (float(problem.usage[layer, expert]), allowed_all[layer, expert].tobytes())
+            if key not in index:
+                index[key] = len(groups)
+                groups.append((layer, key[0], allowed_all[layer, expert], []))
+            groups[index[key]][3].append(expert)
+    n_groups = len(groups)
+    g_layer = np.array([g[0] for g in groups])
+    g_use = np.array([g[1] for g in groups])
+    g_size = np.array([len(g[3]) for g in groups], dtype=np.float64)
+    g_allowed = np.array([g[2] for g in groups]).reshape(n_groups, n_opts)
+    if not g_allowed.any(axis=1).all():
+        bad = int(np.argmin(g_allowed.any(axis=1)))
+        raise BudgetError(f"expert {groups[bad][3][0]} of MoE layer {groups[bad][0]} has no allowed "
+                          "placement (pinned to both devices?)")
+
+    # Variables: x[g, o] (count of group g's experts on option o), z[l] (layer time), y[l] (sync).
+    nx = n_groups * n_opts
+    z0, y0 = nx, nx + n_layers
+    n_vars = nx + 2 * n_layers
+    scale = 1e3  # milliseconds keep the coefficients near 1
+    g_idx = np.repeat(np.arange(n_groups), n_opts)
+    o_idx = np.tile(np.arange(n_opts), n_groups)
+    x_cost = (g_use[g_idx] * seconds[o_idx] * scale)
+    cost = np.zeros(n_vars)
+    # The quality term goes into the program only when it is a real trade-off; as a tie-break
+    # (weight 0) it is left to ``polish``: coefficients near the solver's tolerances slow it
+    # down for nothing.
+    cost[:nx] = problem.quality_weight * scale * g_use[g_idx] * error[o_idx]
+    cost[z0:y0] = 1.0
+    cost[y0:] = problem.sync_seconds * scale
+
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    lower: list[np.ndarray] = []
+    upper: list[np.ndarray] = []
+    n_rows = 0
+
+    def add(r: np.ndarray, c: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        nonlocal n_rows
+        rows.append(r + n_rows)
+        cols.append(c)
+        vals.append(v)
+        lower.append(lo)
+        upper.append(hi)
+        n_rows += len(lo)
+
+    # Each group's experts all placed: sum_o x[g, o] = size[g].
+    add(g_idx, np.arange(nx), np.ones(nx), g_size, g_size)
+    # z[l] >= gpu time of layer l and z[l] >= cpu time of layer l.
+    for side, mask in ((0, on_gpu), (1, ~on_gpu)):
+        sel = mask[o_idx] & (x_cost > 0)
+        r = g_layer[g_idx[sel]]
+        add(np.concatenate([r, np.arange(n_layers)]),
+            np.concatenate([np.nonzero(sel)[0], z0 + np.arange(n_layers)]),
+            np.concatenate([x_cost[sel], -np.ones(n_layers)]),
+            np.full(n_layers, -np.inf), np.zeros(n_layers))
+    # Sync: a used expert on the CPU forces y[l] = 1: x[g, o_cpu] <= size[g] * y[l].
+    sel = (~on_gpu[o_idx]) & (g_use[g_idx] > 0)
+    k = int(sel.sum())
+    if k:
+        add(np.concatenate([np.arange(k), np.arange(k)]),
+            np.concatenate([np.nonzero(sel)[0], y0 + g_layer[g_idx[sel]]]),
+            np.concatenate([np.ones(k), -g_size[g_idx[sel]]]),
+            np.full(k, -np.inf), np.zeros(k))
+    # Budgets, in units of the sizes' greatest common divisor (a page, usually): integer
+    # coefficients and an integer right-hand side, so solver tolerances cannot let a placement
+    # overshoot a budget by a few bytes.
+    for per_option, budget in ((vram, problem.vram_budget), (ram, problem.ram_budget)):
+        sel = per_option[o_idx] > 0
+        if sel.any():
+            unit = int(np.gcd.reduce(per_option[per_option > 0].astype(np.int64)))
+            add(np.zeros(int(sel.sum()), dtype=np.int64), np.nonzero(sel)[0],
+                per_option[o_idx[sel]] / unit, np.array([-np.inf]), np.array([float(budget // unit)]))
+
+    matrix = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                        shape=(n_rows, n_vars)).tocsr()
+    upper_x = np.where(g_allowed[g_idx, o_idx], g_size[g_idx], 0.0)
+    bounds = Bounds(np.zeros(n_vars), np.concatenate([upper_x, np.full(n_layers, np.inf), np.ones(n_layers)]))
+    integrality = np.concatenate([np.ones(nx), np.zeros(n_layers), np.ones(n_layers)])
+    result = milp(cost, constraints=LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper)),
+                  integrality=integrality, bounds=bounds,
+                  options={"time_limit": max(time_limit - (time.perf_counter() - started), 0.1),
+                           "mip_rel_gap": rel_gap, "presolve": True})
+    if result.status == 2:  # proven infeasible
+        raise BudgetError("no placement of the experts fits the VRAM and RAM budgets with the "
+                          "given pins")
+    if result.x is not None:
+        counts = np.rint(result.x[:nx]).astype(np.int64).reshape(n_groups, n_opts)
+        choice = np.zeros((n_layers, n_experts), dtype=np.int64)
+        for g, (layer, _, _, members) in enumerate(groups):
+            it = iter(members)
+            for option in range(n_opts):
+                for _ in range(counts[g, option]):
+                    choice[layer, next(it)] = option
+        method = "milp-highs"
+    else:  # out of time before a first solution: start from a greedy one, bound from HiGHS
+        choice = greedy_placement(problem)
+        if choice is None:
+            raise BudgetError(f"the placement solver found no solution in {time_limit:.1f} s "
+                              f"({result.message})", hint="raise the solver's time limit")
+        method = "greedy+milp-bound"
+    choice = polish(problem, choice)
+    objective = evaluate(problem, choice).objective
+    optimal = result.status == 0
+    bound = getattr(result, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        if optimal:
+            bound = result.fun
+        else:  # the linear relaxation is a valid bound and quick to get
+            relaxed = milp(cost, constraints=LinearConstraint(matrix, np.concatenate(lower), np.concatenate(upper)),
+                           integrality=np.zeros(n_vars), bounds=bounds)
+            bound = relaxed.fun if relaxed.status == 0 else 0.0
+    lower_bound = min(float(bound) / scale, objective)
+    return PlacementSolution(choice, objective, lower_bound, optimal,
+                             time.perf_counter() - started, method)
+
+
+def polish(problem: PlacementProblem, choice: np.ndarray) -> np.ndarray:
+    """Move single experts to a better option on the same device while that lowers the
+    objective and keeps the budgets: the solver stops within ``rel_gap`` of the optimum, which
+    can leave the small quality term (the more precise scheme when speed does not care) unused."""
+    choice = choice.copy()
+    opts = problem.options
+    seconds = np.array([o.seconds_per_use for o in opts])
+    on_gpu = np.array([o.device == GPU for o in opts])
+    error = np.array([o.error for o in opts])
+    vram = np.array([o.vram_bytes for o in opts], dtype=np.int64)
+    ram = np.array([o.ram_bytes for o in opts], dtype=np.int64)
+    use = problem.usage
+    t = use * seconds[choice]
+    gpu_time = np.where(on_gpu[choice], t, 0.0).sum(axis=1)
+    cpu_time = np.where(on_gpu[choice], 0.0, t).sum(axis=1)
+    vram_left = problem.vram_budget - int(vram[choice].sum())
+    ram_left = problem.ram_budget - int(ram[choice].sum())
+    qw = problem.quality_weight
+    order = np.argsort(-use, axis=None, kind="stable")
+    for flat in order.tolist():
+        layer, expert = divmod(flat, use.shape[1])
+        current = int(choice[layer, expert])
+        u = float(use[layer, expert])
+        best, best_delta = current, 0.0
+        before = max(gpu_time[layer], cpu_time[layer])
+        for option in range(len(opts)):
+            if option == current or on_gpu[option] != on_gpu[current]:
+                continue
+            if not problem.allowed[layer, expert, option]:
+                continue
+            if vram[option] - vram[current] > vram_left or ram[option] - ram[current] > ram_left:
+                continue
+            shift = u * (seconds[option] - seconds[current])
+            g = gpu_time[layer] + (shift if on_gpu[option] else 0.0)
+            c = cpu_time[layer] + (0.0 if on_gpu[option] else shift)
+            # Lower objective first; at equal objective, the more precise scheme.
+            quality = u * (error[option] - error[current])
+            delta = max(g, c) - before + qw * quality
+            if delta < best_delta - 1e-15 or (abs(delta - best_delta) <= 1e-15 and quality < 0
+                                              and error[option] < error[best]):
+                best, best_delta = option, delta
+        if best != current:
+            shift = u * (seconds[best] - seconds[current])
+            if on_gpu[best]:
+                gpu_time[layer] += shift
+            else:
+                cpu_time[layer] += shift
+            vram_left -= int(vram[best] - vram[current])
+            ram_left -= int(ram[best] - ram[current])
+            choice[layer, expert] = best
+    return choice
+
+
+def greedy_placement(problem: PlacementProblem) -> np.ndarray | None:
+    """A feasible placement without search: every expert at its smallest CPU option, then the
+    most used experts moved to their smallest GPU option while VRAM lasts. None if RAM is short."""
+    opts = problem.options
+    gpu_opts = [i for i, o in enumerate(opts) if o.device == GPU]
+    cpu_opts = [i for i, o in enumerate(opts) if o.device == CPU]
+    n_layers, n_experts = problem.shape
+    choice = np.full((n_layers, n_experts), -1, dtype=np.int64)
+    vram_left, ram_left = problem.vram_budget, problem.ram_budget
+    for flat in np.argsort(-problem.usage, axis=None, kind="stable").tolist():
+        layer, expert = divmod(flat, n_experts)
+        allowed = problem.allowed[layer, expert]
+        gpu = [i for i in gpu_opts if allowed[i] and opts[i].vram_bytes <= vram_left]
+        cpu = [i for i in cpu_opts if allowed[i] and opts[i].ram_bytes <= ram_left]
+        if gpu:
+            pick = min(gpu, key=lambda i: opts[i].vram_bytes)
+        elif cpu:
+            pick = min(cpu, key=lambda i: opts[i].ram_bytes)
+        else:
+            return None
+        choice[layer, expert] = pick
+        vram_left -= opts[pick].vram_bytes
+        ram_left -= opts[pick].ram_bytes
+    return choice

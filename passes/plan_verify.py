@@ -1,0 +1,135 @@
+"""Check any placement from scratch: memory against the budgets, pins, and predicted time.
+
+Deliberately written apart from the planner (plain loops over the IR, no shared arithmetic
+beyond the byte-size function the bundle also uses), so a bug in one is caught by the other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ktc.errors import InternalError
+from ktc.formats.activation_profile import ActivationProfile
+from ktc.formats.hardware_profile import HardwareProfile
+from ktc.formats.schemes import ExpertShape, dense_tensor_bytes, expert_footprint
+from ktc.ir import Device, ModelIR, Placement, TensorRole
+
+from .planner import Plan, PlannerOptions, Workload
+
+
+@dataclass(frozen=True)
+class VerifiedCost:
+    vram_bytes: int
+    ram_bytes: int
+    ms_per_step: float
+    problems: tuple[str, ...]
+
+
+def _tensor_refs(ir: ModelIR):
+    """Every non-routed-expert tensor that the serving model loads, with where it lives."""
+    for tensor in ir.dense:
+        if tensor.layer is not None and tensor.layer >= ir.config.num_layers:
+            continue  # extra layers (multi-token prediction) are not loaded
+        name = tensor.ref.name
+        on_cpu = (tensor.role is TensorRole.EMBEDDING and not ir.config.tie_word_embeddings
+                  and ("embed_tokens" in name or "token_embd" in name or "wte" in name))
+        yield tensor.ref, on_cpu
+    for layer in ir.moe_layers:
+        extras = [layer.router, layer.router_bias, layer.score_correction_bias, layer.shared_expert_gate]
+        extras += [t for e in layer.shared_experts for t in e.tensors]
+        for ref in extras:
+            if ref is not None:
+                yield ref, False
+
+
+def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, workload: Workload,
+              profile: ActivationProfile, options: PlannerOptions) -> VerifiedCost:
+    """Memory and predicted time of ``placement``, recomputed from the IR and inputs."""
+    problems = []
+    cfg = ir.config
+    vram = ram = 0
+    gpu_read = 0
+    for ref, on_cpu in _tensor_refs(ir):
+        size = dense_tensor_bytes(math.prod(ref.shape), options.dense_scheme)
+        if on_cpu:
+            ram += size
+        else:
+            vram += size
+            gpu_read += size
+    # KV cache, workspace and reserve: the planner's estimate of the workspace is part of its
+    # memory model; the verifier recomputes the KV cache and takes the rest as fixed inputs.
+    from .planner import workspace_bytes
+
+    if cfg.kv_lora_rank:
+        kv_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * workload.kv_element_bytes
+    else:
+        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * workload.kv_element_bytes
+    vram += kv_token * workload.max_tokens + workspace_bytes(ir, workload) + hardware.reserve_bytes
+
+    pins = {(l, e): Device.GPU for l, e in options.pin_gpu}
+    pins.update({(l, e): Device.CPU for l, e in options.pin_cpu})
+    total_seconds = gpu_read / hardware.gpu_bandwidth
+    if placement.layers != ir.moe_layer_indices:
+        problems.append(f"placement covers layers {placement.layers}, the model {ir.moe_layer_indices}")
+    for row, layer in enumerate(ir.moe_layers):
+        counts = profile.counts[row]
+        tokens = sum(counts)
+        gpu_seconds = cpu_seconds = 0.0
+        cpu_used = False
+        for expert in layer.experts:
+            where = placement.experts[row][expert.index]
+            allowed = options.gpu_schemes if where.device is Device.GPU else options.cpu_schemes
+            if where.scheme not in allowed:
+                problems.append(f"layer {layer.layer} expert {expert.index}: scheme {where.scheme} is "
+                                f"not allowed on the {where.device.value}")
+            pinned = pins.get((layer.layer, expert.index))
+            if pinned is not None and pinned is not where.device:
+                problems.append(f"layer {layer.layer} expert {expert.index} is pinned to the "
+                                f"{pinned.value} but placed on the {where.device.value}")
+            shape = ExpertShape(cfg.hidden_size, expert.gate.shape[0], expert.gate_bias is not None)
+            footprint = expert_footprint(shape, where.scheme)
+            p_token = cfg.top_k * counts[expert.index] / tokens if tokens > 0 else cfg.top_k / cfg.num_experts
+            p_token = min(max(p_token, 0.0), 1.0)
+            p_step = 1.0 - (1.0 - p_token) ** workload.batch
+            if where.device is Device.GPU:
+                vram += footprint.stored_bytes
+                gpu_seconds += p_step * footprint.data_bytes / hardware.gpu_bandwidth
+            else:
+                ram += footprint.stored_bytes
+                cpu_seconds += p_step * footprint.data_bytes / hardware.cpu_bandwidth
+                cpu_used = cpu_used or p_step > 0
+        total_seconds += max(gpu_seconds, cpu_seconds)
+        if cpu_used:
+            total_seconds += hardware.sync_seconds + 4 * workload.batch * cfg.hidden_size / hardware.pcie_bandwidth
+    if vram > hardware.vram_bytes:
+        problems.append(f"VRAM {vram} bytes exceeds the budget {hardware.vram_bytes}")
+    if ram > hardware.ram_bytes:
+        problems.append(f"RAM {ram} bytes exceeds the budget {hardware.ram_bytes}")
+    return VerifiedCost(vram, ram, 1e3 * total_seconds, tuple(problems))
+
+
+def verify_plan(ir: ModelIR, plan: Plan, *, rel_tol: float = 1e-9) -> VerifiedCost:
+    """Recompute ``plan`` and raise ``InternalError`` if anything disagrees or breaks a budget."""
+    result = recompute(ir, plan.placement, plan.hardware, plan.workload, plan.profile, plan.options)
+    problems = list(result.problems)
+    if result.vram_bytes != plan.memory.vram_total:
+        problems.append(f"VRAM: plan says {plan.memory.vram_total}, recomputed {result.vram_bytes}")
+    if result.ram_bytes != plan.memory.ram_total:
+        problems.append(f"RAM: plan says {plan.memory.ram_total}, recomputed {result.ram_bytes}")
+    if not math.isclose(result.ms_per_step, plan.predicted_ms_per_step, rel_tol=rel_tol, abs_tol=1e-12):
+        problems.append(f"time: plan says {plan.predicted_ms_per_step} ms, recomputed {result.ms_per_step} ms")
+    for baseline in plan.baselines:
+        if baseline.placement is None:
+            continue
+        other = recompute(ir, baseline.placement, plan.hardware, plan.workload, plan.profile,
+                          PlannerOptions(gpu_schemes=plan.options.gpu_schemes,
+                                         cpu_schemes=plan.options.cpu_schemes,
+                                         dense_scheme=plan.options.dense_scheme))
+        problems += [f"baseline {baseline.name}: {p}" for p in other.problems]
+        if not math.isclose(other.ms_per_step, baseline.predicted_ms_per_step or 0.0, rel_tol=rel_tol):
+            problems.append(f"baseline {baseline.name}: says {baseline.predicted_ms_per_step} ms, "
+                            f"recomputed {other.ms_per_step} ms")
+    if problems:
+        raise InternalError("plan verification failed: " + "; ".join(problems[:5]))
+    return result

@@ -1,0 +1,599 @@
+"""The planner: memory model, cost model, the placement it solves for, and today's baselines.
+
+docs/planner.md describes the model in full; the short version:
+
+- VRAM holds the non-expert weights (attention, norms, routers, shared experts, dense MLPs,
+  lm_head) at ``dense_scheme``, the KV cache for ``max_tokens``, an activation workspace, the
+  reserve, and the GPU experts. RAM holds the CPU experts and the input embedding table.
+- A decode step reads every GPU-resident non-expert weight once (a constant), then per MoE layer
+  the experts the batch routes to. GPU and CPU experts run at once, so a layer costs
+  ``max(gpu_time, cpu_time)`` plus a synchronisation when a CPU expert can be used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ktc.errors import BudgetError, ConfigError, InternalError
+from ktc.formats.activation_profile import ActivationProfile, uniform_profile
+from ktc.formats.hardware_profile import HardwareProfile
+from ktc.formats.schemes import (
+    ExpertShape, dense_tensor_bytes, expert_footprint, get_scheme,
+)
+from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
+
+from .base import Pass, PassContext
+from .placement_solver import (
+    CPU, GPU, PlacementOption, PlacementProblem, PlacementSolution, evaluate, is_feasible,
+    solve_placement,
+)
+
+PLAN_FORMAT = "ktc-plan"
+PLAN_VERSION = 1
+
+KV_DTYPE_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "fp8": 1, "fp8_e4m3": 1,
+                  "fp8_e5m2": 1}
+
+# Nominal relative RMS error of each scheme on Gaussian weights, used only to prefer the more
+# precise scheme when speed is indifferent (and, with --quality-weight, to trade speed for it).
+# Half a unit in the last place for floats; step/sqrt(12) relative to the block's typical
+# absolute maximum (about 2.1 sigma for 32 values, 2.6 for 128, 3.5 for a 4096-wide row).
+NOMINAL_ERROR = {
+    "f32": 0.0, "f16": 2.8e-4, "bf16": 2.3e-3, "q8_0": 4.8e-3, "int8": 8.0e-3,
+    "q4_0": 7.6e-2, "int4_g32": 8.7e-2, "int4_g64": 9.8e-2, "int4_g128": 1.07e-1, "mxfp4": 1.1e-1,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the model will serve: KV capacity, concurrent sequences, KV type, prefill chunk."""
+
+    max_tokens: int = 4096  # total tokens the KV cache holds, all sequences together
+    batch: int = 1  # sequences decoded together
+    kv_dtype: str = "bf16"
+    prefill_chunk: int = 512  # tokens per prefill step: sizes the activation workspace
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or self.batch < 1 or self.prefill_chunk < 1:
+            raise ConfigError("workload: max_tokens must be >= 0, batch and prefill_chunk >= 1")
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ConfigError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
+
+    @property
+    def kv_element_bytes(self) -> int:
+        return KV_DTYPE_BYTES[self.kv_dtype]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Schemes each device may use (the first is the baselines' choice), pins, and knobs."""
+
+    gpu_schemes: tuple[str, ...] = ("bf16",)
+    cpu_schemes: tuple[str, ...] = ("int8",)
+    dense_scheme: str = "bf16"
+    pin_gpu: tuple[tuple[int, int], ...] = ()
+    pin_cpu: tuple[tuple[int, int], ...] = ()
+    # Seconds per step worth one unit of usage-weighted nominal error. 0: speed alone decides,
+    # and among equally fast placements the more precise schemes are kept.
+    quality_weight: float = 0.0
+    time_limit: float = 1.5  # seconds the solver may take
+
+    def __post_init__(self) -> None:
+        if not self.gpu_schemes or not self.cpu_schemes:
+            raise ConfigError("give at least one GPU scheme and one CPU scheme")
+        try:  # canonical names, so "int4" and "int4_g128" are one scheme everywhere
+            object.__setattr__(self, "gpu_schemes", tuple(get_scheme(n).name for n in self.gpu_schemes))
+            object.__setattr__(self, "cpu_schemes", tuple(get_scheme(n).name for n in self.cpu_schemes))
+            object.__setattr__(self, "dense_scheme", get_scheme(self.dense_scheme).name)
+        except KeyError as exc:
+            raise ConfigError(str(exc.args[0])) from None
+        if len(set(self.gpu_schemes)) != len(self.gpu_schemes) or len(set(self.cpu_schemes)) != len(self.cpu_schemes):
+            raise ConfigError("a scheme is listed twice for one device")
+        both = set(self.pin_gpu) & set(self.pin_cpu)
+        if both:
+            layer, expert = sorted(both)[0]
+            raise ConfigError(f"expert {layer}:{expert} is pinned to both the GPU and the CPU")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes by component on each device, against the budgets."""
+
+    vram: tuple[tuple[str, int], ...]
+    ram: tuple[tuple[str, int], ...]
+    vram_budget: int
+    ram_budget: int
+
+    @property
+    def vram_total(self) -> int:
+        return sum(b for _, b in self.vram)
+
+    @property
+    def ram_total(self) -> int:
+        return sum(b for _, b in self.ram)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"vram": dict(self.vram), "ram": dict(self.ram), "vram_total": self.vram_total,
+                "ram_total": self.ram_total, "vram_budget": self.vram_budget,
+                "ram_budget": self.ram_budget}
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    name: str
+    description: str
+    feasible: bool
+    predicted_ms_per_step: float | None
+    gpu_experts: int
+    setting: str  # the flag value a user would type: "--n-cpu-moe 12", "N=3 per layer", ...
+    placement: Placement | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "feasible": self.feasible,
+                "predicted_ms_per_step": self.predicted_ms_per_step, "gpu_experts": self.gpu_experts,
+                "setting": self.setting}
+
+
+@dataclass(frozen=True)
+class SolveInfo:
+    seconds: float
+    optimal: bool
+    gap: float
+    lower_bound_ms: float
+    method: str
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a plan records about its model, to refuse being used with another."""
+
+    family: str
+    architecture: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate_size: int
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A placement with its memory breakdown, predicted speed and the baselines beside it."""
+
+    model: ModelFacts
+    hardware: HardwareProfile
+    workload: Workload
+    options: PlannerOptions
+    placement: Placement
+    memory: MemoryBreakdown
+    constant_ms: float  # non-expert weights read per step
+    expert_ms: float  # routed experts per step
+    baselines: tuple[BaselineResult, ...]
+    solve: SolveInfo
+    profile: ActivationProfile = field(repr=False)
+    usage: np.ndarray = field(repr=False)  # [moe layers, experts] per-step use probability
+    layer_ms: tuple[float, ...] = ()
+
+    @property
+    def predicted_ms_per_step(self) -> float:
+        return self.constant_ms + self.expert_ms
+
+    @property
+    def predicted_ms_per_token(self) -> float:
+        return self.predicted_ms_per_step / self.workload.batch
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1000.0 * self.workload.batch / self.predicted_ms_per_step
+
+    def baseline(self, name: str) -> BaselineResult:
+        return next(b for b in self.baselines if b.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "feasible": True,
+            "model": {**asdict(self.model), "moe_layers": list(self.model.moe_layers)},
+            "hardware": self.hardware.to_json(),
+            "workload": asdict(self.workload),
+            "options": {**asdict(self.options), "pin_gpu": [list(p) for p in self.options.pin_gpu],
+                        "pin_cpu": [list(p) for p in self.options.pin_cpu]},
+            "predicted_ms_per_step": self.predicted_ms_per_step,
+            "predicted_ms_per_token": self.predicted_ms_per_token,
+            "tokens_per_second": self.tokens_per_second,
+            "constant_ms": self.constant_ms,
+            "expert_ms": self.expert_ms,
+            "layer_ms": list(self.layer_ms),
+            "memory": self.memory.to_json(),
+            "gpu_experts_per_layer": dict(zip(map(str, self.placement.layers),
+                                              self.placement.gpu_experts_per_layer())),
+            "placement": {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
+                          for layer, row in zip(self.placement.layers, self.placement.experts)},
+            "baselines": {b.name: b.to_json() for b in self.baselines},
+            "solve_seconds": self.solve.seconds,
+            "solver": asdict(self.solve),
+        }
+
+
+def placement_from_json(data: dict[str, Any]) -> Placement:
+    """The placement recorded in a plan's JSON (what ``ktc compile --plan`` reads)."""
+    rows = data.get("placement")
+    if not isinstance(rows, dict):
+        raise ConfigError("plan has no 'placement'")
+    layers = tuple(sorted(int(k) for k in rows))
+    experts = []
+    for layer in layers:
+        row = []
+        for item in rows[str(layer)]:
+            device, _, scheme = str(item).partition(":")
+            row.append(ExpertPlacement(Device(device), scheme))
+        experts.append(tuple(row))
+    return Placement(layers, tuple(experts))
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory model
+
+
+def expert_shape(ir: ModelIR) -> ExpertShape:
+    expert = ir.moe_layers[0].experts[0]
+    return ExpertShape(ir.config.hidden_size, expert.intermediate_size, expert.gate_bias is not None)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def non_expert_bytes(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[str, int], int]:
+    """(VRAM bytes by component, RAM bytes by component, bytes read per decode step: all of
+    the VRAM part).
+
+    Layers past ``num_layers`` (DeepSeek-V3's multi-token-prediction layer) are not loaded.
+    The input embedding table stays in RAM (one row is read per token); lm_head is on the GPU.
+    """
+    vram = dict.fromkeys(("attention", "norms", "routers", "shared_experts", "dense_mlp",
+                          "lm_head", "other"), 0)
+    ram = {"embeddings": 0}
+    role_key = {TensorRole.ATTENTION: "attention", TensorRole.NORM: "norms",
+                TensorRole.ROUTER: "routers", TensorRole.SHARED_EXPERT: "shared_experts",
+                TensorRole.DENSE_MLP: "dense_mlp", TensorRole.OTHER: "other"}
+    for tensor in ir.dense:
+        if tensor.layer is not None and tensor.layer >= ir.config.num_layers:
+            continue
+        nbytes = dense_tensor_bytes(_numel(tensor.ref.shape), scheme)
+        if tensor.role is TensorRole.EMBEDDING:
+            is_input = any(k in tensor.ref.name for k in ("embed_tokens", "token_embd", "wte"))
+            if is_input and not ir.config.tie_word_embeddings:
+                ram["embeddings"] += nbytes
+                continue
+            vram["lm_head"] += nbytes
+        else:
+            vram[role_key.get(tensor.role, "other")] += nbytes
+    for layer in ir.moe_layers:
+        for ref in (layer.router, layer.router_bias, layer.score_correction_bias):
+            if ref is not None:
+                vram["routers"] += dense_tensor_bytes(_numel(ref.shape), scheme)
+        shared = [t for e in layer.shared_experts for t in e.tensors]
+        if layer.shared_expert_gate is not None:
+            shared.append(layer.shared_expert_gate)
+        vram["shared_experts"] += sum(dense_tensor_bytes(_numel(t.shape), scheme) for t in shared)
+    return vram, ram, sum(vram.values())
+
+
+def workspace_bytes(ir: ModelIR, workload: Workload) -> int:
+    """Activation workspace of one prefill chunk, in bf16: hidden states and residuals
+    (4 x hidden), q/k/v, the widest MLP intermediate (x2 for gate and up), plus float32 logits
+    for the decode batch. An estimate; docs/planner.md says what it leaves out."""
+    cfg = ir.config
+    if cfg.kv_lora_rank:
+        qkv = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    else:
+        qkv = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    widest = max(cfg.dense_intermediate_size, cfg.top_k * cfg.expert_intermediate_size,
+                 cfg.shared_expert_intermediate_size)
+    per_token = 2 * (4 * cfg.hidden_size + qkv + 2 * widest)
+    return workload.prefill_chunk * per_token + 4 * workload.batch * cfg.vocab_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the problem
+
+
+@dataclass(frozen=True, eq=False)
+class PlanningContext:
+    """Everything derived from the model and budgets before solving."""
+
+    problem: PlacementProblem
+    profile: ActivationProfile
+    fixed_vram: dict[str, int]  # everything in VRAM but the experts
+    fixed_ram: dict[str, int]
+    constant_seconds: float
+    kv_bytes_per_token: int
+    moe_layers: tuple[int, ...]
+
+
+def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[PlacementOption, ...]:
+    shape = expert_shape(ir)
+    result = []
+    for device, names, bandwidth in ((GPU, opts.gpu_schemes, hw.gpu_bandwidth),
+                                     (CPU, opts.cpu_schemes, hw.cpu_bandwidth)):
+        for name in names:
+            scheme = get_scheme(name)
+            if not (scheme.fits(shape.hidden) and scheme.fits(shape.intermediate)):
+                raise ConfigError(f"scheme {scheme.name} needs rows that are a multiple of "
+                                  f"{scheme.block_elems} values; this model's experts have rows of "
+                                  f"{shape.hidden} and {shape.intermediate}",
+                                  hint="pick another --gpu-schemes / --cpu-schemes")
+            fp = expert_footprint(shape, scheme)
+            result.append(PlacementOption(
+                device=device, scheme=scheme.name,
+                vram_bytes=fp.stored_bytes if device == GPU else 0,
+                ram_bytes=fp.stored_bytes if device == CPU else 0,
+                seconds_per_use=fp.data_bytes / bandwidth,
+                error=NOMINAL_ERROR.get(scheme.name, 0.1)))
+    return tuple(result)
+
+
+def usage_probability(profile: ActivationProfile, top_k: int, batch: int) -> np.ndarray:
+    """Probability that a decode step of ``batch`` independent tokens uses each expert."""
+    p = profile.selection_probability(top_k)
+    return 1.0 - (1.0 - p) ** batch
+
+
+def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
+                  profile: ActivationProfile | None, opts: PlannerOptions) -> PlanningContext:
+    if not ir.moe_layers:
+        raise ConfigError("the model has no MoE layers to plan")
+    cfg = ir.config
+    layers = ir.moe_layer_indices
+    if profile is None:
+        profile = uniform_profile(layers, cfg.num_experts)
+    if profile.layers != layers or profile.num_experts != cfg.num_experts:
+        raise ConfigError(f"activation profile is [{len(profile.layers)} layers x {profile.num_experts} "
+                          f"experts]; the model has [{len(layers)} x {cfg.num_experts}]",
+                          path=profile.source)
+    vram, ram, read = non_expert_bytes(ir, opts.dense_scheme)
+    kv_per_token = cfg.kv_bytes_per_token(workload.kv_element_bytes)
+    vram["kv_cache"] = kv_per_token * workload.max_tokens
+    vram["workspace"] = workspace_bytes(ir, workload)
+    vram["reserve"] = hw.reserve_bytes
+    options = _options(ir, hw, opts)
+    usage = usage_probability(profile, cfg.top_k, workload.batch)
+    allowed = np.ones((len(layers), cfg.num_experts, len(options)), dtype=bool)
+    on_gpu = np.array([o.device == GPU for o in options])
+    for pins, device_mask in ((opts.pin_gpu, on_gpu), (opts.pin_cpu, ~on_gpu)):
+        for layer, expert in pins:
+            if layer not in layers or not 0 <= expert < cfg.num_experts:
+                raise ConfigError(f"pin {layer}:{expert} is not an expert of this model (MoE layers "
+                                  f"{layers[0]}-{layers[-1]}, experts 0-{cfg.num_experts - 1})")
+            allowed[layers.index(layer), expert] &= device_mask
+    # Moving a layer's hidden states to the CPU and the results back, on top of the sync.
+    transfer = 2 * workload.batch * cfg.hidden_size * 2 / hw.pcie_bandwidth
+    sync = np.full(len(layers), hw.sync_seconds + transfer)
+    problem = PlacementProblem(
+        usage=usage, options=options, allowed=allowed,
+        vram_budget=hw.vram_bytes - sum(vram.values()),
+        ram_budget=hw.ram_bytes - sum(ram.values()),
+        sync_seconds=sync, quality_weight=opts.quality_weight)
+    return PlanningContext(problem, profile, vram, ram, read / hw.gpu_bandwidth, kv_per_token, layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Infeasible budgets
+
+
+def _min_expert_vram(problem: PlacementProblem) -> int | None:
+    """Fewest VRAM bytes the experts need so that the rest fit in RAM (None: never)."""
+    gpu = [o for o in problem.options if o.device == GPU]
+    cpu = [o for o in problem.options if o.device == CPU]
+    total = problem.usage.size
+    smallest_cpu = min(o.ram_bytes for o in cpu)
+    smallest_gpu = min(o.vram_bytes for o in gpu)
+    pinned_gpu = int((~problem.allowed[..., [o.device == CPU for o in problem.options]].any(axis=-1)).sum())
+    pinned_cpu = int((~problem.allowed[..., [o.device == GPU for o in problem.options]].any(axis=-1)).sum())
+    if pinned_cpu * smallest_cpu > problem.ram_budget:
+        return None
+    on_cpu_max = min(total - pinned_gpu, max(problem.ram_budget, 0) // smallest_cpu)
+    return (total - on_cpu_max) * smallest_gpu
+
+
+def budget_error(ctx: PlanningContext, hw: HardwareProfile, workload: Workload) -> BudgetError:
+    """A ``BudgetError`` listing each component against the budgets and the largest max-tokens."""
+    problem = ctx.problem
+    need_vram = _min_expert_vram(problem)
+    lines = ["the model does not fit:"]
+    vram_items = dict(ctx.fixed_vram)
+    vram_items["gpu experts (at least)"] = need_vram if need_vram is not None else 0
+    lines.append("  VRAM " + _fmt(sum(vram_items.values())) + f" needed of {_fmt(hw.vram_bytes)}: " +
+                 ", ".join(f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in vram_items.items() if v))
+    smallest_cpu = min(o.ram_bytes for o in problem.options if o.device == CPU)
+    ram_items = dict(ctx.fixed_ram)
+    lines.append("  RAM  " + _fmt(sum(ram_items.values())) + f" fixed of {_fmt(hw.ram_bytes)}, "
+                 f"{_fmt(smallest_cpu)} per CPU expert: " +
+                 ", ".join(f"{k} {_fmt(v)}" for k, v in ram_items.items() if v))
+    largest = largest_feasible_max_tokens(ctx, hw, workload)
+    if largest is None or need_vram is None:
+        hint = "no --max-tokens fits: lower the weights' precision, add RAM or VRAM, or unpin experts"
+    else:
+        hint = f"the largest --max-tokens that fits is {largest}"
+    error = BudgetError("\n".join(lines), hint=hint)
+    error.largest_max_tokens = largest  # type: ignore[attr-defined]
+    return error
+
+
+def largest_feasible_max_tokens(ctx: PlanningContext, hw: HardwareProfile,
+                                workload: Workload) -> int | None:
+    need = _min_expert_vram(ctx.problem)
+    if need is None or ctx.kv_bytes_per_token <= 0:
+        return None
+    fixed = sum(v for k, v in ctx.fixed_vram.items() if k != "kv_cache")
+    room = hw.vram_bytes - fixed - need
+    return room // ctx.kv_bytes_per_token if room >= 0 else None
+
+
+def _fmt(n: float) -> str:
+    from ktc.formats.hardware_profile import GiB
+
+    return f"{n / GiB:.2f} GiB" if abs(n) >= 0.01 * GiB else f"{n / 1024**2:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# Baselines: what users do today, under the same memory and cost model
+
+
+def _fill(problem: PlacementProblem, gpu_mask: np.ndarray) -> np.ndarray:
+    """Choice array: the first GPU option where ``gpu_mask``, else the first CPU option."""
+    gpu_opt = next(i for i, o in enumerate(problem.options) if o.device == GPU)
+    cpu_opt = next(i for i, o in enumerate(problem.options) if o.device == CPU)
+    return np.where(gpu_mask, gpu_opt, cpu_opt)
+
+
+def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray]) -> tuple[int, np.ndarray] | None:
+    """The last of increasingly GPU-heavy masks that fits (masks[0] is the CPU-only extreme)."""
+    best = None
+    for i, mask in enumerate(masks):
+        choice = _fill(problem, mask)
+        if is_feasible(problem, choice):
+            best = (i, choice)
+        elif best is not None:
+            break
+    return best
+
+
+def baseline_uniform(problem: PlacementProblem) -> tuple[str, np.ndarray] | None:
+    """KTransformers' --kt-num-gpu-experts N: experts 0..N-1 of every layer on the GPU."""
+    n_layers, n_experts = problem.shape
+    masks = [np.broadcast_to(np.arange(n_experts) < n, (n_layers, n_experts)) for n in range(n_experts + 1)]
+    found = _largest_feasible(problem, masks)
+    return (f"--kt-num-gpu-experts {found[0]}", found[1]) if found else None
+
+
+def baseline_global_topk(problem: PlacementProblem) -> tuple[str, np.ndarray] | None:
+    """KTransformers' generate_gpu_experts_masks: the k most used experts of the whole model."""
+    order = np.argsort(-problem.usage, axis=None, kind="stable")
+    n = problem.usage.size
+    gpu_opt = next(o for o in problem.options if o.device == GPU)
+    cpu_opt = next(o for o in problem.options if o.device == CPU)
+    # The largest k that fits, computed directly rather than by trying every k.
+    k_vram = problem.vram_budget // gpu_opt.vram_bytes if gpu_opt.vram_bytes else n
+    k_ram = n - (problem.ram_budget // cpu_opt.ram_bytes if cpu_opt.ram_bytes else n)
+    k = int(min(n, max(k_vram, 0)))
+    if k < max(k_ram, 0):
+        return None
+    mask = np.zeros(n, dtype=bool)
+    mask[order[:k]] = True
+    choice = _fill(problem, mask.reshape(problem.shape))
+    return (f"top {k} experts", choice) if is_feasible(problem, choice) else None
+
+
+def baseline_n_cpu_moe(problem: PlacementProblem) -> tuple[str, np.ndarray] | None:
+    """llama.cpp's --n-cpu-moe N: all experts of the first N MoE layers on the CPU."""
+    n_layers, n_experts = problem.shape
+    masks = [np.broadcast_to((np.arange(n_layers) >= n)[:, None], (n_layers, n_experts))
+             for n in range(n_layers, -1, -1)]
+    found = _largest_feasible(problem, masks)
+    return (f"--n-cpu-moe {n_layers - found[0]}", found[1]) if found else None
+
+
+BASELINES = (
+    ("uniform", "same N experts per layer on the GPU (KTransformers --kt-num-gpu-experts)", baseline_uniform),
+    ("global_topk", "globally most used experts on the GPU (KTransformers generate_gpu_experts_masks)",
+     baseline_global_topk),
+    ("n_cpu_moe", "experts of the first N layers on the CPU (llama.cpp --n-cpu-moe)", baseline_n_cpu_moe),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning
+
+
+def model_facts(ir: ModelIR) -> ModelFacts:
+    return ModelFacts(ir.family, ir.config.architecture, ir.config.num_layers, ir.moe_layer_indices,
+                      ir.config.num_experts, ir.config.top_k, ir.config.hidden_size,
+                      expert_shape(ir).intermediate)
+
+
+def to_placement(ctx: PlanningContext, choice: np.ndarray) -> Placement:
+    opts = [ExpertPlacement(Device(o.device), o.scheme) for o in ctx.problem.options]
+    return Placement(ctx.moe_layers, tuple(tuple(opts[c] for c in row) for row in choice.tolist()))
+
+
+def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | None = None,
+                   profile: ActivationProfile | None = None,
+                   options: PlannerOptions | None = None) -> Plan:
+    """Solve the placement of every routed expert and compare it with today's baselines."""
+    workload = workload or Workload()
+    options = options or PlannerOptions()
+    ctx = build_context(ir, hardware, workload, profile, options)
+    problem = ctx.problem
+    if problem.vram_budget < 0 or problem.ram_budget < 0:
+        raise budget_error(ctx, hardware, workload)
+    started = time.perf_counter()
+    try:
+        solution: PlacementSolution = solve_placement(problem, time_limit=options.time_limit)
+    except BudgetError:
+        raise budget_error(ctx, hardware, workload) from None
+    ev = evaluate(problem, solution.choice)
+    if not is_feasible(problem, solution.choice):
+        raise InternalError("the solver returned a placement that breaks the budgets or pins")
+    baselines = []
+    for name, description, method in BASELINES:
+        found = method(problem)
+        if found is None:
+            baselines.append(BaselineResult(name, description, False, None, 0, "does not fit"))
+            continue
+        setting, choice = found
+        b = evaluate(problem, choice)
+        baselines.append(BaselineResult(
+            name, description, True, 1e3 * (ctx.constant_seconds + b.expert_seconds),
+            int((choice == _fill(problem, np.ones(problem.shape, bool))).sum()), setting,
+            to_placement(ctx, choice)))
+    solve_seconds = time.perf_counter() - started
+    memory = MemoryBreakdown(
+        vram=tuple(ctx.fixed_vram.items()) + (("gpu_experts", ev.vram_bytes),),
+        ram=tuple(ctx.fixed_ram.items()) + (("cpu_experts", ev.ram_bytes),),
+        vram_budget=hardware.vram_bytes, ram_budget=hardware.ram_bytes)
+    quality = ev.objective - ev.expert_seconds
+    return Plan(
+        model=model_facts(ir), hardware=hardware, workload=workload, options=options,
+        placement=to_placement(ctx, solution.choice), memory=memory,
+        constant_ms=1e3 * ctx.constant_seconds, expert_ms=1e3 * ev.expert_seconds,
+        baselines=tuple(baselines),
+        solve=SolveInfo(solution.solve_seconds, solution.optimal, solution.gap,
+                        1e3 * max(solution.lower_bound - quality, 0.0), solution.method),
+        profile=ctx.profile, usage=problem.usage, layer_ms=tuple(1e3 * s for s in ev.layer_seconds))
+
+
+class PlanPlacement(Pass):
+    """Decide each expert's device and scheme under the budgets."""
+
+    name: ClassVar[str] = "plan"
+    requires: ClassVar[frozenset[str]] = frozenset({"experts", "config"})
+    produces: ClassVar[frozenset[str]] = frozenset({"placement"})
+
+    def __init__(self, hardware: HardwareProfile, workload: Workload | None = None,
+                 profile: ActivationProfile | None = None, options: PlannerOptions | None = None) -> None:
+        self.hardware, self.workload, self.profile, self.options = hardware, workload, profile, options
+        self.plan: Plan | None = None
+
+    def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
+        from dataclasses import replace
+
+        if ir is None:
+            raise InternalError("plan needs an IR")
+        self.plan = plan_placement(ir, self.hardware, self.workload, self.profile, self.options)
+        return replace(ir, placement=self.plan.placement)
+
+    def verify(self, ir: ModelIR) -> None:
+        from .plan_verify import verify_plan
+
+        if self.plan is None or ir.placement is None:
+            raise InternalError("plan pass produced no placement")
+        verify_plan(ir, self.plan)
