@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ktc.api import load_model
+    from ktc.api import generate_gpu_experts_masks, load_model, plan
 
-__all__ = ["__version__", "load_model"]
+__all__ = ["__version__", "generate_gpu_experts_masks", "load_model", "plan"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "load_model":
-        from ktc.api import load_model
+    if name in ("load_model", "plan", "generate_gpu_experts_masks"):
+        from ktc import api
 
-        return load_model
+        return getattr(api, name)
     raise AttributeError(f"module 'ktc' has no attribute {name!r}")

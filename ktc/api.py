@@ -20,3 +20,96 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True) -> ModelIR:
     with open_checkpoint(path) as ckpt:
         manager = PassManager((DetectExperts(ckpt),))
         return manager.run(PassContext(check=check))
+
+
+def _pins(values: object) -> tuple[tuple[int, int], ...]:
+    """Pins as (layer, expert) pairs from pairs or "L:E" strings (comma lists allowed)."""
+    from ktc.errors import ConfigError
+
+    out = []
+    for value in values or ():  # type: ignore[attr-defined]
+        if isinstance(value, str):
+            for part in value.split(","):
+                layer, sep, expert = part.strip().partition(":")
+                if not sep or not layer.strip().isdigit() or not expert.strip().isdigit():
+                    raise ConfigError(f"cannot read pin {part!r}; write LAYER:EXPERT, e.g. 3:17")
+                out.append((int(layer), int(expert)))
+        else:
+            layer, expert = value  # type: ignore[misc]
+            out.append((int(layer), int(expert)))
+    return tuple(out)
+
+
+def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = None,
+         ram: str | int | None = None, hardware: str | None = None, reserve: str | int | None = None,
+         max_tokens: int = 4096, batch: int = 1, kv_dtype: str = "bf16", prefill_chunk: int = 512,
+         profile: str | object | None = None, gpu_schemes: tuple[str, ...] = ("bf16",),
+         cpu_schemes: tuple[str, ...] = ("int8",), dense_scheme: str = "bf16",
+         pin_gpu: object = (), pin_cpu: object = (), quality_weight: float = 0.0,
+         time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
+         gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
+         sync_us: float | None = None):
+    """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
+
+    ``vram``/``ram`` take sizes like "24GiB"; ``hardware`` a profile JSON (flags override it).
+    ``profile`` is an activation profile path (ktc JSON or a KTransformers/SGLang ``.pt``), an
+    ``ActivationProfile``, or None for uniform routing.
+
+    >>> p = ktc.plan("./Qwen3-30B-A3B", vram="24GiB", ram="64GiB", max_tokens=32768)
+    >>> p.predicted_ms_per_token, p.placement.gpu_experts_per_layer()
+    """
+    from ktc.formats.activation_profile import ActivationProfile, load_activation_profile
+    from ktc.formats.hardware_profile import make_hardware_profile
+    from ktc.passes.planner import PlannerOptions, Workload, plan_placement
+
+    ir = model if isinstance(model, ModelIR) else load_model(model)
+    hw = make_hardware_profile(profile_path=hardware, vram=vram, ram=ram, reserve=reserve,
+                               cpu_bandwidth=cpu_bandwidth, gpu_bandwidth=gpu_bandwidth,
+                               pcie_bandwidth=pcie_bandwidth, sync_us=sync_us)
+    if isinstance(profile, (str, os.PathLike)):
+        activation = load_activation_profile(os.fspath(profile), moe_layers=ir.moe_layer_indices,
+                                             num_layers=ir.config.num_layers,
+                                             num_experts=ir.config.num_experts)
+    else:
+        activation = profile if isinstance(profile, ActivationProfile) else None
+    options = PlannerOptions(gpu_schemes=tuple(gpu_schemes), cpu_schemes=tuple(cpu_schemes),
+                             dense_scheme=dense_scheme, pin_gpu=_pins(pin_gpu), pin_cpu=_pins(pin_cpu),
+                             quality_weight=quality_weight, time_limit=time_limit)
+    workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+    return plan_placement(ir, hw, workload, activation, options)
+
+
+def generate_gpu_experts_masks(activation_freq, vram_budget_bytes: int, *, expert_bytes: int,
+                               cpu_expert_bytes: int | None = None, top_k: int = 8, batch: int = 1,
+                               gpu_bandwidth: float = 900e9, cpu_bandwidth: float = 60e9,
+                               sync_seconds: float = 50e-6):
+    """A drop-in for KTransformers' ``generate_gpu_experts_masks(activation_freq, num_gpu_experts)``
+    that takes a VRAM budget in bytes instead of a count and places experts optimally under
+    ktc's cost model (per layer, GPU and CPU run at once; a layer with CPU experts pays a sync).
+
+    ``activation_freq``: [num_layers, num_experts] routing counts (torch or numpy).
+    ``expert_bytes``: one expert's size on the GPU; ``cpu_expert_bytes`` on the CPU (default the
+    same). Returns a boolean mask of the same shape and kind (True: on the GPU).
+    """
+    import numpy as np
+
+    from ktc.formats.activation_profile import ActivationProfile
+    from ktc.passes.placement_solver import CPU, GPU, PlacementOption, PlacementProblem, solve_placement
+
+    is_torch = type(activation_freq).__module__.startswith("torch")
+    freq = np.asarray(activation_freq.detach().cpu().numpy() if is_torch else activation_freq, dtype=np.float64)
+    profile = ActivationProfile(tuple(range(freq.shape[0])), freq, "activation_freq")
+    usage = 1.0 - (1.0 - profile.selection_probability(top_k)) ** batch
+    cpu_bytes = expert_bytes if cpu_expert_bytes is None else cpu_expert_bytes
+    options = (PlacementOption(GPU, "gpu", int(expert_bytes), 0, expert_bytes / gpu_bandwidth),
+               PlacementOption(CPU, "cpu", 0, int(cpu_bytes), cpu_bytes / cpu_bandwidth))
+    problem = PlacementProblem(usage=usage, options=options,
+                               allowed=np.ones(usage.shape + (2,), dtype=bool),
+                               vram_budget=int(vram_budget_bytes), ram_budget=2**62,
+                               sync_seconds=np.full(usage.shape[0], sync_seconds))
+    mask = solve_placement(problem).choice == 0
+    if is_torch:
+        import torch
+
+        return torch.from_numpy(mask)
+    return mask

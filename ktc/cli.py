@@ -109,6 +109,134 @@ def _tensor_rows(ir: Any) -> list[dict[str, Any]]:
     return result
 
 
+def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Flags shared by the commands that plan: the target machine and the workload."""
+    options = [
+        click.option("--vram", help="GPU memory budget, e.g. 24GiB (or give --hardware)."),
+        click.option("--ram", help="CPU memory budget, e.g. 256GiB [default: this machine's RAM]."),
+        click.option("--hardware", "hardware", type=click.Path(dir_okay=False),
+                     help="Hardware profile JSON (ktc doctor --write-profile); flags override it."),
+        click.option("--reserve", help="VRAM kept free for the CUDA context and allocator [default: 1GiB]."),
+        click.option("--cpu-bandwidth", help="CPU memory read bandwidth, e.g. 60GB/s [default: 60GB/s]."),
+        click.option("--gpu-bandwidth", help="GPU memory bandwidth [default: 900GB/s]."),
+        click.option("--pcie-bandwidth", help="PCIe bandwidth [default: 25GB/s]."),
+        click.option("--sync-us", type=float, help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
+        click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
+                     help="KV cache capacity: total tokens over all sequences."),
+        click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Sequences decoded together."),
+        click.option("--kv-dtype", default="bf16", show_default=True,
+                     type=click.Choice(["bf16", "f16", "f32", "fp8"]), help="KV cache element type."),
+        click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="Tokens per prefill step (sizes the activation workspace)."),
+        click.option("--profile", "profile", type=click.Path(dir_okay=False),
+                     help="Activation profile: ktc JSON or a KTransformers/SGLang expert "
+                          "distribution .pt. Default: uniform routing."),
+        click.option("--gpu-schemes", default="bf16", show_default=True,
+                     help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4."),
+        click.option("--cpu-schemes", default="int8", show_default=True,
+                     help="Comma list of schemes CPU experts may use, e.g. int8,int4."),
+        click.option("--pin-gpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the GPU."),
+        click.option("--pin-cpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the CPU."),
+        click.option("--quality-weight", type=float, default=0.0, show_default=True,
+                     help="Seconds per step worth one unit of usage-weighted quantization error "
+                          "(0: fastest, ties go to the more precise scheme)."),
+        click.option("--time-limit", type=float, default=1.5, show_default=True,
+                     help="Seconds the solver may take before it reports its proven gap."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
+    from ktc.api import plan as make_plan
+
+    if not os.path.exists(model):
+        raise KtcError("no such file or folder", path=model)
+    split = lambda text: tuple(s.strip() for s in text.split(",") if s.strip())  # noqa: E731
+    return make_plan(model, vram=kw["vram"], ram=kw["ram"], hardware=kw["hardware"],
+                     reserve=kw["reserve"], max_tokens=kw["max_tokens"], batch=kw["batch"],
+                     kv_dtype=kw["kv_dtype"], prefill_chunk=kw["prefill_chunk"], profile=kw["profile"],
+                     gpu_schemes=split(kw["gpu_schemes"]), cpu_schemes=split(kw["cpu_schemes"]),
+                     pin_gpu=kw["pin_gpu"], pin_cpu=kw["pin_cpu"], quality_weight=kw["quality_weight"],
+                     time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
+                     gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
+                     sync_us=kw["sync_us"])
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=False))
+@_hardware_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write an HTML heatmap page.")
+@click.option("--export-kt", "export_kt_dir", type=click.Path(file_okay=False),
+              help="Write KTransformers' gpu_experts_mask.pt and kt_args.json into this folder.")
+@click.option("--export-llamacpp", is_flag=True, help="Print llama.cpp -ot rules for the best whole-layer plan.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write plan.json for ktc compile.")
+@_handle_errors
+def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | None,
+         export_llamacpp: bool, output: str | None, **kw: Any) -> None:
+    """Plan which experts live on the GPU under a VRAM budget, and predict decode speed.
+
+    Everything in VRAM is counted: non-expert weights, the KV cache for --max-tokens, an
+    activation workspace, the reserve, and the GPU experts. The placement is solved exactly
+    (or with a proven gap) and compared with KTransformers' and llama.cpp's ways of placing
+    experts on the same budget.
+
+    \b
+    Examples:
+      ktc plan ./Qwen3-30B-A3B --vram 24GiB --ram 64GiB --max-tokens 32768
+      ktc plan ./DeepSeek-V3 --vram 80GiB --profile expert_distribution.pt --json
+      ktc plan model.gguf --vram 12GiB --export-llamacpp
+      ktc plan ./Mixtral-8x7B --vram 24GiB --export-kt kt/ -o plan.json --html plan.html
+    """
+    from ktc.plan_report import export_kt, llamacpp_plan, render_plan_html, render_plan_text
+
+    result = _plan_from_flags(model, kw)
+    out = result.to_json()
+    if html_path:
+        _write_text(html_path, render_plan_html(result))
+    if output:
+        _write_text(output, json.dumps(out, indent=1) + "\n")
+    kt_info = export_kt(result, export_kt_dir) if export_kt_dir else None
+    cpp = llamacpp_plan(result) if export_llamacpp else None
+    if as_json:
+        out.pop("placement")
+        if kt_info:
+            out["export_kt"] = kt_info
+        if cpp:
+            out["llamacpp"] = {"rules": cpp.rules, "cpu_layers": list(cpp.cpu_layers),
+                               "predicted_ms_per_step": cpp.predicted_ms_per_step}
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(render_plan_text(result))
+    if kt_info:
+        click.echo(f"KTransformers: mask written to {kt_info['gpu_experts_mask']} "
+                   f"({kt_info['gpu_experts_total']} GPU experts; nearest --kt-num-gpu-experts "
+                   f"{kt_info['kt_num_gpu_experts_nearest']})")
+    if cpp:
+        click.echo(f"llama.cpp: {cpp.rules}")
+        click.echo(f"  predicted {cpp.predicted_ms_per_step / result.workload.batch:.3f} ms/token with whole "
+                   f"layers on one device ({len(cpp.cpu_layers)} layers' experts on the CPU); "
+                   f"ktc's per-expert plan is {cpp.predicted_ms_per_step / result.predicted_ms_per_step:.2f}x faster")
+    if output:
+        click.echo(f"plan written to {output}")
+    if html_path:
+        click.echo(f"heatmap written to {html_path}")
+
+
+def _write_text(path: str, text: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        raise KtcError(f"cannot write: {exc.strerror}", path=path) from None
+
+
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for the demo checkpoint (default: the ktc cache folder).")

@@ -108,3 +108,83 @@ def _write_json(path: str, value: object) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(value, f, indent=1, sort_keys=True)
         f.write("\n")
+
+
+def _hf_tensor_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of a Mixtral, Qwen-MoE or DeepSeek-V3 model."""
+    get = lambda key, default=0: int(config.get(key) or default)  # type: ignore[arg-type]  # noqa: E731
+    h, layers, vocab = get("hidden_size"), get("num_hidden_layers"), get("vocab_size")
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads", heads)
+    head_dim = get("head_dim", h // heads)
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts")
+    mixtral = config.get("model_type") == "mixtral"
+    moe_inter = get("moe_intermediate_size") or get("intermediate_size")
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,),
+                                          "lm_head.weight": (vocab, h)}
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.get("kv_lora_rank"):
+            q_rank, kv_rank = get("q_lora_rank"), get("kv_lora_rank")
+            nope, rope, v = get("qk_nope_head_dim"), get("qk_rope_head_dim"), get("v_head_dim")
+            shapes.update({p + "self_attn.q_a_proj.weight": (q_rank, h),
+                           p + "self_attn.q_a_layernorm.weight": (q_rank,),
+                           p + "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
+                           p + "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, h),
+                           p + "self_attn.kv_a_layernorm.weight": (kv_rank,),
+                           p + "self_attn.kv_b_proj.weight": (heads * (nope + v), kv_rank),
+                           p + "self_attn.o_proj.weight": (h, heads * v)})
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, h),
+                           p + "self_attn.k_proj.weight": (kv_heads * head_dim, h),
+                           p + "self_attn.v_proj.weight": (kv_heads * head_dim, h),
+                           p + "self_attn.o_proj.weight": (h, heads * head_dim)})
+        if layer < get("first_k_dense_replace"):
+            inter = get("intermediate_size")
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
+            continue
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        shapes[moe + "gate.weight"] = (experts, h)
+        if config.get("n_routed_experts"):
+            shapes[moe + "gate.e_score_correction_bias"] = (experts,)
+        for e in range(experts):
+            q = f"{moe}experts.{e}."
+            shapes[q + names[0] + ".weight"] = (moe_inter, h)
+            shapes[q + names[1] + ".weight"] = (moe_inter, h)
+            shapes[q + names[2] + ".weight"] = (h, moe_inter)
+        shared = get("n_shared_experts")
+        if shared:
+            width = moe_inter * shared
+            shapes.update({moe + "shared_experts.gate_proj.weight": (width, h),
+                           moe + "shared_experts.up_proj.weight": (width, h),
+                           moe + "shared_experts.down_proj.weight": (h, width)})
+    return shapes
+
+
+def write_sparse_checkpoint(config: dict[str, object], folder: str, dtype: str = "BF16") -> int:
+    """Write ``config.json`` and a ``model.safetensors`` whose header describes the model's
+    full-size tensors over a sparse file (no data blocks are written): a way to plan and inspect
+    a model at its real size without its weights. Returns the bytes the header describes."""
+    import struct
+
+    from ktc.ir import STORAGE_TYPES
+
+    os.makedirs(folder, exist_ok=True)
+    header: dict[str, object] = {}
+    offset = 0
+    for name, shape in _hf_tensor_shapes(config).items():
+        nbytes = STORAGE_TYPES[dtype].nbytes(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + offset)
+    _write_json(os.path.join(folder, "config.json"), config)
+    return offset

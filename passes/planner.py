@@ -160,6 +160,11 @@ class ModelFacts:
     top_k: int
     hidden_size: int
     expert_intermediate_size: int
+    expert_biases: bool = False
+
+
+def expert_shape_from_facts(facts: ModelFacts) -> ExpertShape:
+    return ExpertShape(facts.hidden_size, facts.expert_intermediate_size, facts.expert_biases)
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,7 +221,11 @@ class Plan:
                                               self.placement.gpu_experts_per_layer())),
             "placement": {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
                           for layer, row in zip(self.placement.layers, self.placement.experts)},
-            "baselines": {b.name: b.to_json() for b in self.baselines},
+            "baselines": {b.name: {**b.to_json(), "predicted_ms_per_token": (
+                None if b.predicted_ms_per_step is None else b.predicted_ms_per_step / self.workload.batch),
+                "ktc_speedup": (None if b.predicted_ms_per_step is None
+                                else b.predicted_ms_per_step / self.predicted_ms_per_step)}
+                for b in self.baselines},
             "solve_seconds": self.solve.seconds,
             "solver": asdict(self.solve),
         }
@@ -515,9 +524,10 @@ BASELINES = (
 
 
 def model_facts(ir: ModelIR) -> ModelFacts:
+    shape = expert_shape(ir)
     return ModelFacts(ir.family, ir.config.architecture, ir.config.num_layers, ir.moe_layer_indices,
                       ir.config.num_experts, ir.config.top_k, ir.config.hidden_size,
-                      expert_shape(ir).intermediate)
+                      shape.intermediate, shape.biases)
 
 
 def to_placement(ctx: PlanningContext, choice: np.ndarray) -> Placement:

@@ -1,0 +1,77 @@
+"""``ktc plan`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+from click.testing import CliRunner
+
+from ktc.cli import main
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_plan_json_fields(demo_model):
+    result = run("plan", demo_model, "--vram", "40MiB", "--reserve", "0", "--max-tokens", "512", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    for key in ("feasible", "predicted_ms_per_token", "memory", "gpu_experts_per_layer", "baselines",
+                "solve_seconds"):
+        assert key in out
+    assert out["feasible"] is True
+    assert set(out["baselines"]) == {"uniform", "global_topk", "n_cpu_moe"}
+    for baseline in out["baselines"].values():
+        assert baseline["predicted_ms_per_token"] >= out["predicted_ms_per_token"] * (1 - 1e-9)
+        assert baseline["ktc_speedup"] >= 1 - 1e-9
+    assert out["memory"]["vram_total"] <= out["memory"]["vram_budget"]
+    assert set(out["memory"]["vram"]) >= {"kv_cache", "workspace", "reserve", "gpu_experts", "attention"}
+
+
+def test_plan_text_exports_and_html(demo_model, tmp_path):
+    import torch
+
+    profile = {"format": "ktc-activation-profile", "version": 1, "layers": [0, 1, 2, 3], "num_experts": 16,
+               "counts": [list(np.random.default_rng(i).zipf(1.5, 16).astype(float)) for i in range(4)]}
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    result = run("plan", demo_model, "--vram", "40MiB", "--reserve", "0", "--max-tokens", "512",
+                 "--profile", str(tmp_path / "profile.json"), "--export-kt", str(tmp_path / "kt"),
+                 "--export-llamacpp", "--html", str(tmp_path / "plan.html"), "-o", str(tmp_path / "plan.json"))
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "ms/token" in text and "tokens/s" in text and "x faster" in text
+    for name in ("uniform", "global_topk", "n_cpu_moe"):
+        assert name in text
+    assert "-ngl 999" in text
+    mask = torch.load(tmp_path / "kt" / "gpu_experts_mask.pt", weights_only=True)
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (4, 16)
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["format"] == "ktc-plan" and len(saved["placement"]["0"]) == 16
+    assert int(mask.sum()) == sum(saved["gpu_experts_per_layer"].values())
+    page = (tmp_path / "plan.html").read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and page.count("<rect") == 64
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+
+
+def test_plan_budget_error_is_short_and_nonzero(demo_model):
+    proc = subprocess.run([sys.executable, "-m", "ktc.cli", "plan", demo_model, "--vram", "4MiB",
+                           "--reserve", "0", "--max-tokens", "100000"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert 2 <= len(lines) <= 6, proc.stderr
+    assert "VRAM" in proc.stderr and "--max-tokens" in proc.stderr
+
+
+def test_plan_needs_a_budget(demo_model):
+    result = CliRunner().invoke(main, ["plan", demo_model])
+    assert result.exit_code != 0 and "--vram" in result.output
+
+
+def test_plan_help_has_examples():
+    result = run("plan", "--help")
+    assert result.exit_code == 0 and "Examples" in result.output and "--export-llamacpp" in result.output

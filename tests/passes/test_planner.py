@@ -1,0 +1,215 @@
+"""The planner: memory model, baselines, verifier, profiles, pins, infeasible budgets."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+import public_configs
+from ktc.api import load_model, plan
+from ktc.errors import BudgetError, ConfigError
+from ktc.formats.activation_profile import ActivationProfile, load_activation_profile
+from ktc.formats.hardware_profile import GiB, HardwareProfile
+from ktc.formats.model_config import config_from_hf
+from ktc.formats.schemes import ExpertShape, expert_footprint
+from ktc.ir import Device
+from ktc.passes.plan_verify import recompute, verify_plan
+from ktc.passes.planner import PlannerOptions, Workload, build_context, plan_placement
+
+
+def test_kv_bytes_per_token_of_published_configs():
+    mixtral = config_from_hf(public_configs.MIXTRAL_8X7B, "mixtral")
+    qwen = config_from_hf(public_configs.QWEN3_30B_A3B, "qwen3")
+    deepseek = config_from_hf(public_configs.DEEPSEEK_V3, "deepseek")
+    assert mixtral.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2 == 131072
+    assert qwen.kv_bytes_per_token(2) == 2 * 48 * 4 * 128 * 2 == 98304
+    assert deepseek.kv_bytes_per_token(2) == 61 * (512 + 64) * 2 == 70272
+    assert deepseek.kv_bytes_per_token(1) == 35136
+
+
+def zipf_profile(ir, seed: int = 0, exponent: float = 1.2) -> ActivationProfile:
+    rng = np.random.default_rng(seed)
+    n = ir.config.num_experts
+    counts = np.array([rng.permutation(1000.0 / np.arange(1, n + 1) ** exponent) for _ in ir.moe_layers])
+    return ActivationProfile(ir.moe_layer_indices, counts, "zipf")
+
+
+def quarter_budget(ir, workload: Workload, scheme: str = "bf16", reserve: int = 0) -> HardwareProfile:
+    """VRAM for everything fixed plus a quarter of the routed experts at ``scheme``."""
+    probe = HardwareProfile(vram_bytes=10**15, ram_bytes=10**15, reserve_bytes=reserve)
+    ctx = build_context(ir, probe, workload, None, PlannerOptions())
+    fixed = sum(ctx.fixed_vram.values())
+    shape = ExpertShape(ir.config.hidden_size, ir.moe_layers[0].experts[0].intermediate_size,
+                        ir.moe_layers[0].experts[0].gate_bias is not None)
+    total = len(ir.moe_layers) * ir.config.num_experts
+    return HardwareProfile(vram_bytes=fixed + total // 4 * expert_footprint(shape, scheme).stored_bytes,
+                           ram_bytes=64 * GiB, reserve_bytes=reserve)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_zipf_quarter_budget_never_worse_than_baselines(demo_model, seed):
+    ir = load_model(demo_model)
+    workload = Workload(max_tokens=1024, batch=1 + seed % 3)
+    hw = quarter_budget(ir, workload)
+    result = plan_placement(ir, hw, workload, zipf_profile(ir, seed))
+    verify_plan(ir, result)
+    assert result.solve.optimal
+    assert 0 < sum(result.placement.gpu_experts_per_layer()) < ir.config.num_experts * len(ir.moe_layers)
+    for baseline in result.baselines:
+        assert baseline.feasible, baseline.name
+        assert result.predicted_ms_per_step <= baseline.predicted_ms_per_step * (1 + 1e-9), baseline.name
+
+
+def test_every_code_path_passes_the_verifier(tiny_models, demo_model):
+    cases = []
+    for family in ("mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe"):
+        ir = load_model(tiny_models[family]["safetensors"])
+        w = Workload(max_tokens=64)
+        cases.append((ir, quarter_budget(ir, w, "bf16"), w, None, PlannerOptions()))
+    ir = load_model(demo_model)
+    w = Workload(max_tokens=256, batch=4, kv_dtype="fp8")
+    hw = quarter_budget(ir, w)
+    cases += [
+        (ir, hw, w, zipf_profile(ir), PlannerOptions(gpu_schemes=("bf16", "int8", "int4"),
+                                                     cpu_schemes=("int8", "int4"))),
+        (ir, hw, w, zipf_profile(ir, 3), PlannerOptions(pin_gpu=((0, 5), (2, 1)), pin_cpu=((1, 0),))),
+        (ir, hw, w, zipf_profile(ir, 4), PlannerOptions(gpu_schemes=("q8_0", "bf16"), cpu_schemes=("q4_0",),
+                                                        quality_weight=1e-3)),
+    ]
+    for ir, hw, w, profile, options in cases:
+        result = plan_placement(ir, hw, w, profile, options)
+        verified = verify_plan(ir, result)  # checks the plan and every baseline
+        assert verified.vram_bytes <= hw.vram_bytes
+        for pin in options.pin_gpu:
+            assert result.placement.of(*pin).device is Device.GPU
+        for pin in options.pin_cpu:
+            assert result.placement.of(*pin).device is Device.CPU
+
+
+def test_llamacpp_plan_is_verified_and_not_better_than_per_expert(demo_model):
+    from ktc.ir import ExpertPlacement, Placement
+    from ktc.plan_report import llamacpp_plan
+
+    ir = load_model(demo_model)
+    w = Workload(max_tokens=256)
+    result = plan_placement(ir, quarter_budget(ir, w), w, zipf_profile(ir, 1))
+    cpp = llamacpp_plan(result)
+    gpu, cpu = ExpertPlacement(Device.GPU, "bf16"), ExpertPlacement(Device.CPU, "int8")
+    placement = Placement(result.placement.layers, tuple(
+        tuple(cpu if layer in cpp.cpu_layers else gpu for _ in range(ir.config.num_experts))
+        for layer in result.placement.layers))
+    again = recompute(ir, placement, result.hardware, w, result.profile, result.options)
+    assert not again.problems
+    assert math.isclose(again.ms_per_step, cpp.predicted_ms_per_step, rel_tol=1e-9)
+    assert cpp.predicted_ms_per_step >= result.predicted_ms_per_step * (1 - 1e-9)
+    assert "-ot" in cpp.rules or not cpp.cpu_layers
+
+
+def test_batch_raises_the_use_of_every_expert(demo_model):
+    ir = load_model(demo_model)
+    hw = quarter_budget(ir, Workload())
+    one = plan_placement(ir, hw, Workload(batch=1), zipf_profile(ir))
+    many = plan_placement(ir, hw, Workload(batch=16), zipf_profile(ir))
+    assert (many.usage >= one.usage).all() and many.usage.max() <= 1.0
+    assert many.predicted_ms_per_step > one.predicted_ms_per_step
+    assert many.predicted_ms_per_token < one.predicted_ms_per_token
+
+
+def test_infeasible_max_tokens_reports_the_largest_that_fits(demo_model):
+    ir = load_model(demo_model)
+    hw = quarter_budget(ir, Workload(max_tokens=1000))
+    with pytest.raises(BudgetError) as info:
+        plan_placement(ir, hw, Workload(max_tokens=10**7))
+    largest = info.value.largest_max_tokens
+    message = str(info.value)
+    assert "kv cache" in message and "VRAM" in message and f"--max-tokens that fits is {largest}" in message
+    assert largest >= 1000
+    plan_placement(ir, hw, Workload(max_tokens=largest))  # fits exactly
+    with pytest.raises(BudgetError):
+        plan_placement(ir, hw, Workload(max_tokens=largest + 1))
+
+
+def test_weights_alone_too_big(demo_model):
+    ir = load_model(demo_model)
+    with pytest.raises(BudgetError, match="no --max-tokens fits"):
+        plan_placement(ir, HardwareProfile(vram_bytes=4 * 1024**2, ram_bytes=1024**2, reserve_bytes=0))
+
+
+def test_pins_that_cannot_fit(demo_model):
+    ir = load_model(demo_model)
+    hw = quarter_budget(ir, Workload())
+    pins = tuple((layer, e) for layer in ir.moe_layer_indices for e in range(ir.config.num_experts))
+    with pytest.raises(BudgetError):
+        plan_placement(ir, hw, Workload(), None, PlannerOptions(pin_gpu=pins))
+    with pytest.raises(ConfigError, match="both"):
+        PlannerOptions(pin_gpu=((0, 1),), pin_cpu=((0, 1),))
+    with pytest.raises(ConfigError, match="not an expert"):
+        plan_placement(ir, hw, Workload(), None, PlannerOptions(pin_gpu=((0, 99),)))
+
+
+def test_activation_profile_files(demo_model, tmp_path):
+    import torch
+
+    ir = load_model(demo_model)
+    layers, n = ir.moe_layer_indices, ir.config.num_experts
+    kw = dict(moe_layers=layers, num_layers=ir.config.num_layers, num_experts=n)
+    # ktc's own JSON round-trips.
+    zipf = zipf_profile(ir)
+    zipf.save(str(tmp_path / "p.json"))
+    np.testing.assert_array_equal(load_activation_profile(str(tmp_path / "p.json"), **kw).counts, zipf.counts)
+    # SGLang/KTransformers logical_count [buffer, layers, experts] is summed over the buffer.
+    counts = torch.randint(0, 50, (3, len(layers), n))
+    torch.save({"logical_count": counts}, tmp_path / "d.pt")
+    loaded = load_activation_profile(str(tmp_path / "d.pt"), **kw)
+    np.testing.assert_array_equal(loaded.counts, counts.sum(0).numpy())
+    # Wrong shape, NaN and negative counts are refused.
+    torch.save({"logical_count": torch.ones(2, len(layers), n + 1)}, tmp_path / "wrong.pt")
+    with pytest.raises(ConfigError, match="experts"):
+        load_activation_profile(str(tmp_path / "wrong.pt"), **kw)
+    bad = zipf.to_json()
+    bad["counts"][1][2] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="NaN"):
+        load_activation_profile(str(tmp_path / "nan.json"), **kw)
+    bad["counts"][1][2] = -3
+    (tmp_path / "neg.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="negative"):
+        load_activation_profile(str(tmp_path / "neg.json"), **kw)
+
+
+def test_full_scale_deepseek_v3_from_a_sparse_header(tmp_path):
+    """Planning DeepSeek-V3 (58 MoE layers x 256 experts, 3 schemes) answers in seconds."""
+    from ktc.demo import write_sparse_checkpoint
+
+    described = write_sparse_checkpoint(public_configs.DEEPSEEK_V3, str(tmp_path / "ds3"))
+    assert described > 1e12  # 1.3 TB of bf16 weights described, none written
+    started = time.perf_counter()
+    result = plan(str(tmp_path / "ds3"), vram="80GiB", ram="1.5TiB", max_tokens=32768,
+                  gpu_schemes=("bf16", "int4"), cpu_schemes=("int4",))
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10, elapsed
+    assert result.model.num_experts == 256 and len(result.model.moe_layers) == 58
+    assert result.solve.optimal or result.solve.gap < 1e-3
+    with pytest.raises(BudgetError) as info:
+        plan(str(tmp_path / "ds3"), vram="80GiB", ram="1.5TiB", max_tokens=10**8)
+    largest = info.value.largest_max_tokens
+    assert largest and largest > 32768
+    plan(str(tmp_path / "ds3"), vram="80GiB", ram="1.5TiB", max_tokens=largest)
+
+
+def test_generate_gpu_experts_masks_api():
+    import torch
+
+    import ktc
+
+    freq = torch.tensor([[1.0, 50, 3, 80], [20, 4, 90, 1]])
+    mask = ktc.generate_gpu_experts_masks(freq, vram_budget_bytes=3 * 1000, expert_bytes=1000, top_k=2)
+    assert mask.dtype == torch.bool and mask.shape == freq.shape
+    assert int(mask.sum()) <= 3
+    # With no sync cost and equal sizes, the best 3 are the globally most used (KTransformers' rule).
+    exact = ktc.generate_gpu_experts_masks(freq.numpy(), 3000, expert_bytes=1000, top_k=2, sync_seconds=0)
+    assert exact.sum() == 3 and exact[0, 3] and exact[1, 2] and exact[0, 1]
