@@ -240,31 +240,45 @@ def _write_text(path: str, text: str) -> None:
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for the demo checkpoint (default: the ktc cache folder).")
-@click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON.")
+@click.option("--vram", default="16MiB", show_default=True,
+              help="VRAM budget to plan the demo for (its experts take 12 MiB at bf16).")
+@click.option("--json", "as_json", is_flag=True, help="Print the inspection and plan as JSON.")
 @_handle_errors
-def demo(out: str | None, as_json: bool) -> None:
-    """Build the built-in demo MoE model (Qwen3-MoE layout, safetensors) and inspect it.
+def demo(out: str | None, vram: str, as_json: bool) -> None:
+    """Build the built-in demo MoE model (Qwen3-MoE layout, safetensors), inspect it and plan it.
+
+    The demo model has 4 layers of 16 experts (top-4) with random weights, and a synthetic
+    Zipf-skewed routing profile; the plan is made for a tiny GPU so that experts must be split.
 
     \b
     Example:
-      ktc demo --out ./demo-model
+      ktc demo --out ./demo-model --vram 16MiB
     """
     from ktc.api import load_model
-    from ktc.demo import default_cache_dir, write_demo_model
+    from ktc.api import plan as make_plan
+    from ktc.demo import default_cache_dir, write_demo_model, write_demo_profile
+    from ktc.plan_report import render_plan_text
     from ktc.summary import render_text, summarize
 
     folder = out or os.path.join(default_cache_dir(), "demo-model")
     try:
         write_demo_model(folder)
+        profile = write_demo_profile(folder)
     except OSError as exc:
         raise KtcError(f"cannot write the demo model: {exc.strerror}", path=folder) from None
-    summary = summarize(load_model(folder))
+    ir = load_model(folder)
+    summary = summarize(ir)
+    result = make_plan(ir, vram=vram, ram="1GiB", reserve=0, max_tokens=4096, profile=profile)
     if as_json:
-        click.echo(json.dumps(summary.to_json(), indent=1))
+        plan_json = result.to_json()
+        plan_json.pop("placement")
+        click.echo(json.dumps({**summary.to_json(), "plan": plan_json}, indent=1))
         return
     click.echo(f"demo model written to {folder}\n")
     click.echo(render_text(summary))
-    click.echo("\nnext: planning, compiling and running the bundle are not implemented yet.")
+    click.echo(f"\n$ ktc plan {folder} --vram {vram} --ram 1GiB --reserve 0 --profile {profile}")
+    click.echo(render_plan_text(result))
+    click.echo("\nnot yet: compiling the bundle and running it (see the README's table).")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -188,3 +188,17 @@ def write_sparse_checkpoint(config: dict[str, object], folder: str, dtype: str =
         f.truncate(8 + len(raw) + offset)
     _write_json(os.path.join(folder, "config.json"), config)
     return offset
+
+
+def write_demo_profile(folder: str, seed: int = 0) -> str:
+    """A synthetic, Zipf-skewed routing profile for the demo model (it is not measured: the demo
+    model's weights are random). Real profiles come from a serving run."""
+    from ktc.formats.activation_profile import ActivationProfile
+
+    rng = np.random.default_rng(seed)
+    experts = int(DEMO_CONFIG["num_experts"])  # type: ignore[arg-type]
+    layers = tuple(range(int(DEMO_CONFIG["num_hidden_layers"])))  # type: ignore[arg-type]
+    counts = np.array([rng.permutation(1000.0 / np.arange(1, experts + 1) ** 1.2) for _ in layers]).round()
+    path = os.path.join(folder, "demo-profile.json")
+    ActivationProfile(layers, counts, path).save(path)
+    return path

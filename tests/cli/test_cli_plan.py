@@ -75,3 +75,15 @@ def test_plan_needs_a_budget(demo_model):
 def test_plan_help_has_examples():
     result = run("plan", "--help")
     assert result.exit_code == 0 and "Examples" in result.output and "--export-llamacpp" in result.output
+
+
+def test_plan_json_on_real_stdout_is_clean_and_deterministic(demo_model):
+    """Nothing else (a solver banner, progress) may reach standard output with --json."""
+    args = [sys.executable, "-m", "ktc.cli", "plan", demo_model, "--vram", "40MiB", "--reserve", "0",
+            "--gpu-schemes", "bf16,int8", "--cpu-schemes", "int8,int4"]
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run(args + ["--json"], capture_output=True, text=True, check=True)
+        out = json.loads(proc.stdout)
+        outs.append((out["gpu_experts_per_layer"], out["predicted_ms_per_step"]))
+    assert outs[0] == outs[1]
