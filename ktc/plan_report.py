@@ -75,20 +75,26 @@ def render_plan_html(plan: Plan) -> str:
     orange: CPU) above the memory breakdown and the baselines."""
     usage = plan.usage
     layers, experts = usage.shape
-    cell = max(3, min(14, 900 // max(experts, 1)))
+    width = max(3, min(28, 1000 // max(experts, 1)))
+    height = max(6, min(28, 560 // max(layers, 1)))
+    label = 34  # room for layer numbers on the left
     top = float(usage.max()) if usage.size and usage.max() > 0 else 1.0
     rects = []
     for i, layer in enumerate(plan.placement.layers):
+        y = i * height
+        if i % max(1, 14 // height) == 0 or len(plan.placement.layers) <= 16:
+            rects.append(f'<text x="{label - 4}" y="{y + height - 1}" font-size="{min(height, 11)}" '
+                         f'text-anchor="end" fill="#555">{layer}</text>')
         for e in range(experts):
             p = plan.placement.experts[i][e]
             level = 0.12 + 0.88 * float(usage[i, e]) / top
             hue = 215 if p.device is Device.GPU else 28
             light = 92 - 55 * level
-            rects.append(f'<rect x="{e * cell}" y="{i * cell}" width="{cell}" height="{cell}" '
+            rects.append(f'<rect x="{label + e * width}" y="{y}" width="{width}" height="{height}" '
                          f'fill="hsl({hue},80%,{light:.0f}%)"><title>layer {layer} expert {e}: '
                          f'{p.device.value} {p.scheme}, used {float(usage[i, e]):.3f} per step</title></rect>')
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{experts * cell}" height="{layers * cell}" '
-           f'shape-rendering="crispEdges">{"".join(rects)}</svg>')
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label + experts * width}" '
+           f'height="{layers * height}" shape-rendering="crispEdges">{"".join(rects)}</svg>')
     rows = "".join(f"<tr><td>{html.escape(k.replace('_', ' '))}</td><td>{format_bytes(v)}</td></tr>"
                    for k, v in plan.memory.vram)
     ram_rows = "".join(f"<tr><td>{html.escape(k.replace('_', ' '))}</td><td>{format_bytes(v)}</td></tr>"
@@ -110,7 +116,7 @@ table{{border-collapse:collapse;margin:8px 0 20px}}td,th{{border:1px solid #ccc;
 <p>{len(m.moe_layers)} MoE layers x {m.num_experts} experts, top-{m.top_k}. Predicted
 <b>{plan.predicted_ms_per_token:.3f} ms/token</b> ({plan.tokens_per_second:.1f} tokens/s),
 {sum(plan.placement.gpu_experts_per_layer())} experts on the GPU.</p>
-<p class="key">Rows: MoE layers {plan.placement.layers[0]} (top) to {plan.placement.layers[-1]}; columns: experts.
+<p class="key">Rows: MoE layers (numbered on the left); columns: experts 0 to {m.num_experts - 1}. Hover a cell for details.
 <span style="background:hsl(215,80%,40%)"></span>GPU
 <span style="background:hsl(28,80%,40%)"></span>CPU; darker = routed to more often.</p>
 <div class="map">{svg}</div>
