@@ -1,0 +1,253 @@
+"""Quantize and dequantize 2-D weights [rows, cols] in every bundle scheme.
+
+Byte layouts (per row; ``docs/bundle-format.md`` is the reference):
+
+- ``f32``, ``f16``, ``bf16``: the values. bf16 rounds to nearest even, as ggml does.
+- ``q8_0``, ``q4_0``, ``mxfp4``: ggml's blocks of 32, bit-identical to the ``gguf`` package.
+- ``int8``: ``cols`` int8 values, then one float32 scale (``amax / 127``); ``x = q * scale``.
+- ``int4_gN``: ``cols / 2`` bytes of 4-bit codes, then ``cols / N`` float32 scales. Symmetric:
+  ``scale = amax / 7`` per group, ``q = clamp(round(x / scale), -7, 7)``, stored as ``q + 8``.
+  Within each run of 32 values, byte ``j`` holds value ``j`` in its low nibble and ``j + 16`` in
+  its high nibble (ggml's order, which lets a kernel unpack 32 values with two masks).
+  Symmetric rather than with a minimum: expert weights are centred on zero, so a minimum buys
+  little accuracy, and without it a kernel needs one multiply per group instead of two.
+
+q8_0 and q4_0 have their own Numba kernels because the ``gguf`` package's numpy versions run at
+300-550 MB/s here, too slow to compile a 1 TB model; tests check them bit for bit against it.
+mxfp4 uses the ``gguf`` package itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ktc.errors import FormatError
+from ktc.ir import TensorRef
+
+from .dequant import to_float32
+from .schemes import Scheme, get_scheme
+
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_F2 = np.float32(2.0)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _q8_0_kernel(x, scales, codes):  # pragma: no cover - compiled
+    # ggml's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (half away from zero).
+    for b in prange(x.shape[0]):
+        amax = _F0
+        for j in range(32):
+            v = abs(x[b, j])
+            if v > amax:
+                amax = v
+        d = amax / np.float32(127.0)
+        inv = _F0 if d == _F0 else _F1 / d
+        scales[b] = d
+        for j in range(32):
+            v = x[b, j] * inv
+            a = abs(v)
+            fl = np.floor(a)
+            r = fl + np.floor(_F2 * (a - fl))
+            codes[b, j] = np.int8(r) if v >= _F0 else np.int8(-r)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _q4_0_kernel(x, scales, codes):  # pragma: no cover - compiled
+    # ggml's quantize_row_q4_0_ref: d = (signed value of largest magnitude) / -8,
+    # q = min(15, trunc(x / d + 8.5)); value j in the low nibble, j + 16 in the high one.
+    for b in prange(x.shape[0]):
+        amax = _F0
+        vmax = _F0
+        for j in range(32):
+            v = x[b, j]
+            if abs(v) > amax:
+                amax = abs(v)
+                vmax = v
+        d = vmax / np.float32(-8.0)
+        inv = _F0 if d == _F0 else _F1 / d
+        scales[b] = d
+        for j in range(16):
+            lo = np.trunc(x[b, j] * inv + np.float32(8.5))
+            hi = np.trunc(x[b, j + 16] * inv + np.float32(8.5))
+            qlo = np.uint8(min(lo, np.float32(15.0)))
+            qhi = np.uint8(min(hi, np.float32(15.0)))
+            codes[b, j] = qlo | (qhi << np.uint8(4))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _int8_kernel(x, scales, codes):  # pragma: no cover - compiled
+    for r in prange(x.shape[0]):
+        amax = _F0
+        for j in range(x.shape[1]):
+            v = abs(x[r, j])
+            if v > amax:
+                amax = v
+        d = amax / np.float32(127.0)
+        inv = _F0 if d == _F0 else _F1 / d
+        scales[r] = d
+        for j in range(x.shape[1]):
+            v = x[r, j] * inv
+            a = abs(v)
+            fl = np.floor(a)
+            q = fl + np.floor(_F2 * (a - fl))
+            if q > np.float32(127.0):
+                q = np.float32(127.0)
+            codes[r, j] = np.int8(q) if v >= _F0 else np.int8(-q)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _int4_kernel(x, group, scales, codes):  # pragma: no cover - compiled
+    # x: [rows, cols]; scales: [rows, cols // group]; codes: [rows, cols // 2]
+    groups = x.shape[1] // group
+    for r in prange(x.shape[0]):
+        for g in range(groups):
+            start = g * group
+            amax = _F0
+            for j in range(group):
+                v = abs(x[r, start + j])
+                if v > amax:
+                    amax = v
+            d = amax / np.float32(7.0)
+            inv = _F0 if d == _F0 else _F1 / d
+            scales[r, g] = d
+            for sub in range(group // 32):
+                base = start + sub * 32
+                for j in range(16):
+                    lo = x[r, base + j] * inv
+                    hi = x[r, base + j + 16] * inv
+                    ql = np.floor(abs(lo) + np.float32(0.5))
+                    qh = np.floor(abs(hi) + np.float32(0.5))
+                    ql = min(ql, np.float32(7.0))
+                    qh = min(qh, np.float32(7.0))
+                    cl = np.uint8(8 + (np.int32(ql) if lo >= _F0 else -np.int32(ql)))
+                    ch = np.uint8(8 + (np.int32(qh) if hi >= _F0 else -np.int32(qh)))
+                    codes[r, base // 2 + j] = cl | (ch << np.uint8(4))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _bf16_kernel(bits, out):  # pragma: no cover - compiled
+    # ggml_compute_fp32_to_bf16: quiet NaNs, round to nearest even.
+    for i in prange(bits.shape[0]):
+        n = np.uint32(bits[i])
+        if (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            out[i] = np.uint16((n >> np.uint32(16)) | np.uint32(64))
+        else:
+            out[i] = np.uint16((np.uint64(n) + np.uint64(0x7FFF) + np.uint64((n >> np.uint32(16)) & np.uint32(1)))
+                               >> np.uint64(16))
+
+
+def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    out = np.empty(values.size, dtype=np.uint16)
+    _bf16_kernel(values.reshape(-1).view(np.uint32), out)
+    return out.reshape(values.shape)
+
+
+def quantize(values: np.ndarray, scheme: Scheme | str) -> np.ndarray:
+    """Bytes [rows, row_bytes] of float32 ``values`` [rows, cols] in ``scheme``."""
+    scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"quantize takes a 2-D matrix, not shape {x.shape}")
+    rows, cols = x.shape
+    if not scheme.fits(cols):
+        raise FormatError(f"scheme {scheme.name} needs rows that are a multiple of "
+                          f"{scheme.block_elems} values; this row has {cols}")
+    name = scheme.name
+    if name == "f32":
+        return x.view(np.uint8).reshape(rows, cols * 4)
+    if name == "f16":
+        return x.astype(np.float16).view(np.uint8).reshape(rows, cols * 2)
+    if name == "bf16":
+        return _f32_to_bf16(x).view(np.uint8).reshape(rows, cols * 2)
+    if name in ("q8_0", "q4_0"):
+        blocks = x.reshape(-1, 32)
+        scales = np.empty(blocks.shape[0], dtype=np.float32)
+        out = np.empty((blocks.shape[0], scheme.block_bytes), dtype=np.uint8)
+        if name == "q8_0":
+            codes = np.empty((blocks.shape[0], 32), dtype=np.int8)
+            _q8_0_kernel(blocks, scales, codes)
+            out[:, 2:] = codes.view(np.uint8)
+        else:
+            codes = np.empty((blocks.shape[0], 16), dtype=np.uint8)
+            _q4_0_kernel(blocks, scales, codes)
+            out[:, 2:] = codes
+        out[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return out.reshape(rows, -1)
+    if name == "mxfp4":
+        from gguf import GGMLQuantizationType, quants
+
+        return np.ascontiguousarray(quants.quantize(x, GGMLQuantizationType.MXFP4)).reshape(rows, -1)
+    if name == "int8":
+        scales = np.empty(rows, dtype=np.float32)
+        codes = np.empty((rows, cols), dtype=np.int8)
+        _int8_kernel(x, scales, codes)
+        return np.concatenate([codes.view(np.uint8), scales.view(np.uint8).reshape(rows, 4)], axis=1)
+    if name.startswith("int4_g"):
+        group = scheme.block_elems
+        scales = np.empty((rows, cols // group), dtype=np.float32)
+        codes = np.empty((rows, cols // 2), dtype=np.uint8)
+        _int4_kernel(x, group, scales, codes)
+        return np.concatenate([codes, scales.view(np.uint8).reshape(rows, -1)], axis=1)
+    raise FormatError(f"no quantizer for scheme {name}")
+
+
+def dequantize(raw: np.ndarray, scheme: Scheme | str, cols: int) -> np.ndarray:
+    """Float32 [rows, cols] from bytes [rows, row_bytes] in ``scheme``."""
+    scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows = raw.shape[0]
+    name = scheme.name
+    if name == "f32":
+        return raw.view(np.float32).reshape(rows, cols).copy()
+    if name == "f16":
+        return raw.view(np.float16).reshape(rows, cols).astype(np.float32)
+    if name == "bf16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, cols)
+    if scheme.gguf_type:
+        from gguf import GGMLQuantizationType, quants
+
+        return quants.dequantize(raw, GGMLQuantizationType[scheme.gguf_type]).reshape(rows, cols).astype(
+            np.float32, copy=False)
+    if name == "int8":
+        codes = raw[:, :cols].view(np.int8).astype(np.float32)
+        scales = raw[:, cols:cols + 4].copy().view(np.float32)
+        return codes * scales
+    if name.startswith("int4_g"):
+        group = scheme.block_elems
+        packed = raw[:, : cols // 2].reshape(rows, cols // 32, 16)
+        scales = raw[:, cols // 2:].copy().view(np.float32).reshape(rows, cols // group)
+        values = np.concatenate([packed & 15, packed >> 4], axis=2).astype(np.float32) - 8
+        values = values.reshape(rows, cols // group, group)
+        return (values * scales[:, :, None]).reshape(rows, cols)
+    raise FormatError(f"no dequantizer for scheme {name}")
+
+
+# Source storage types that are already a bundle scheme, byte for byte.
+_PASS_THROUGH = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
+                 "MXFP4": "mxfp4"}
+
+
+def _mxfp4_blocks_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss MXFP4 (byte j: values 2j and 2j+1) -> ggml MXFP4 blocks (scale byte, then byte j:
+    values j and j+16). The codes and exponents are the same; only their order changes."""
+    rows = blocks.shape[0]
+    nib = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(rows, -1, 32)
+    packed = nib[..., :16] | (nib[..., 16:] << 4)
+    out = np.concatenate([scales.reshape(rows, -1, 1), packed], axis=-1)
+    return out.reshape(rows, -1)
+
+
+def convert(ref: TensorRef, scheme: Scheme | str) -> np.ndarray:
+    """A 2-D source tensor in ``scheme``: the stored bytes when the source already is that
+    scheme (no requantizing), else dequantized exactly and quantized."""
+    scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+    if len(ref.shape) != 2:
+        raise FormatError(f"expected a 2-D weight, found shape {ref.shape}", tensor=ref.name)
+    if _PASS_THROUGH.get(ref.dtype) == scheme.name and ref.scale is None:
+        raw = ref.load()
+        return np.ascontiguousarray(raw.view(np.uint8).reshape(ref.shape[0], -1))
+    if ref.dtype == "MXFP4_BLOCKS" and scheme.name == "mxfp4" and ref.scale is not None:
+        return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), np.asarray(ref.scale.load()))
+    return quantize(to_float32(ref), scheme)

@@ -1,0 +1,84 @@
+"""Quantization schemes: ggml byte compatibility, round trips, pass-through of quantized sources."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ktc.formats.quantize import dequantize, quantize
+from ktc.formats.schemes import SCHEMES, get_scheme
+
+
+def sample(seed: int, rows: int = 24, cols: int = 256) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 3)
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 5] = 40.0  # an outlier
+    x[2, :32] = np.float32(0.5)  # ties in the maximum
+    x[3, ::7] = -x[3, ::7]
+    x[4, :32] = np.arange(32, dtype=np.float32) - 16  # exact halves after scaling
+    return x
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4", "bf16", "f16", "f32"])
+@pytest.mark.parametrize("seed", range(4))
+def test_bit_identical_to_gguf(name, seed):
+    import gguf
+
+    x = sample(seed)
+    qtype = gguf.GGMLQuantizationType[name.upper()] if name not in ("f32", "f16") else \
+        {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16}[name]
+    ours = quantize(x, name)
+    theirs = np.ascontiguousarray(gguf.quants.quantize(x, qtype)).view(np.uint8).reshape(x.shape[0], -1)
+    assert ours.shape == theirs.shape
+    assert ours.shape[1] == get_scheme(name).matrix_bytes(1, x.shape[1])
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(dequantize(ours, name, x.shape[1]),
+                                  gguf.quants.dequantize(theirs, qtype).reshape(x.shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("name, tolerance", [("int8", 0.01), ("int4_g32", 0.12), ("int4_g64", 0.13),
+                                             ("int4_g128", 0.14), ("q8_0", 0.01), ("q4_0", 0.12),
+                                             ("bf16", 0.005), ("mxfp4", 0.15)])
+def test_round_trip_error(name, tolerance):
+    x = np.random.default_rng(7).standard_normal((64, 512)).astype(np.float32)
+    raw = quantize(x, name)
+    assert raw.shape == (64, get_scheme(name).matrix_bytes(1, 512))
+    back = dequantize(raw, name, 512)
+    rel_rmse = np.sqrt(np.mean((back - x) ** 2) / np.mean(x ** 2))
+    assert rel_rmse < tolerance, rel_rmse
+
+
+def test_int_schemes_reference():
+    """int8 and int4 against a plain numpy statement of their definitions."""
+    x = sample(3, rows=8, cols=128)
+    raw = quantize(x, "int8")
+    scale = np.abs(x).max(axis=1) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale[:, None] > 0, x * (np.float32(1) / scale[:, None]), 0)
+    q = np.sign(q) * np.floor(np.abs(q) + 0.5)
+    np.testing.assert_array_equal(raw[:, :128].view(np.int8), q.astype(np.int8))
+    np.testing.assert_array_equal(raw[:, 128:].copy().view(np.float32).ravel(), scale)
+
+    raw4 = quantize(x, "int4_g64")
+    groups = x.reshape(8, 2, 64)
+    s4 = np.abs(groups).max(axis=2) / np.float32(7)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(s4[..., None] > 0, groups * (np.float32(1) / s4[..., None]), 0)
+    codes = (np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), -7, 7) + 8).astype(np.uint8).reshape(8, 4, 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    np.testing.assert_array_equal(raw4[:, :64], packed.reshape(8, 64))
+    np.testing.assert_array_equal(raw4[:, 64:].copy().view(np.float32).reshape(8, 2), s4)
+
+
+def test_every_scheme_has_a_quantizer():
+    x = np.random.default_rng(0).standard_normal((2, 128)).astype(np.float32)
+    for name in SCHEMES:
+        assert dequantize(quantize(x, name), name, 128).shape == (2, 128)
+
+
+def test_scheme_that_does_not_fit_a_row():
+    from ktc.errors import FormatError
+
+    with pytest.raises(FormatError, match="multiple of 32"):
+        quantize(np.zeros((2, 40), np.float32), "q8_0")
