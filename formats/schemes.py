@@ -128,3 +128,20 @@ def dense_tensor_bytes(numel: int, scheme: Scheme | str = "bf16") -> int:
     if scheme.block_elems != 1:
         raise ValueError("non-expert tensors are stored in a plain float scheme")
     return align(numel * scheme.block_bytes, TENSOR_ALIGN)
+
+
+def non_expert_scheme(shape: tuple[int, ...], *, router: bool, dense_scheme: str) -> str:
+    """The scheme a non-expert tensor is stored in: float32 for 1-D tensors (norms, biases) and
+    for routers, whose scores pick the experts and are cheap to keep exact; ``dense_scheme`` for
+    every other matrix."""
+    if router or len(shape) <= 1:
+        return "f32"
+    return get_scheme(dense_scheme).name
+
+
+def non_expert_bytes(shape: tuple[int, ...], *, router: bool, dense_scheme: str) -> int:
+    """Bytes a non-expert tensor occupies in a bundle (rounded up to the tensor alignment)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return dense_tensor_bytes(numel, non_expert_scheme(shape, router=router, dense_scheme=dense_scheme))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ktc.errors import InternalError
 from ktc.formats.activation_profile import ActivationProfile
 from ktc.formats.hardware_profile import HardwareProfile
-from ktc.formats.schemes import ExpertShape, dense_tensor_bytes, expert_footprint
+from ktc.formats.schemes import ExpertShape, expert_footprint, non_expert_bytes
 from ktc.ir import Device, ModelIR, Placement, TensorRole
 
 from .planner import Plan, PlannerOptions, Workload
@@ -27,20 +27,20 @@ class VerifiedCost:
 
 
 def _tensor_refs(ir: ModelIR):
-    """Every non-routed-expert tensor that the serving model loads, with where it lives."""
+    """Every non-routed-expert tensor the serving model loads: (ref, on the CPU?, router?)."""
     for tensor in ir.dense:
         if tensor.layer is not None and tensor.layer >= ir.config.num_layers:
             continue  # extra layers (multi-token prediction) are not loaded
         name = tensor.ref.name
         on_cpu = (tensor.role is TensorRole.EMBEDDING and not ir.config.tie_word_embeddings
                   and ("embed_tokens" in name or "token_embd" in name or "wte" in name))
-        yield tensor.ref, on_cpu
+        yield tensor.ref, on_cpu, tensor.role is TensorRole.ROUTER
     for layer in ir.moe_layers:
-        extras = [layer.router, layer.router_bias, layer.score_correction_bias, layer.shared_expert_gate]
-        extras += [t for e in layer.shared_experts for t in e.tensors]
-        for ref in extras:
+        for ref in (layer.router, layer.router_bias, layer.score_correction_bias, layer.shared_expert_gate):
             if ref is not None:
-                yield ref, False
+                yield ref, False, True
+        for ref in (t for e in layer.shared_experts for t in e.tensors):
+            yield ref, False, False
 
 
 def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, workload: Workload,
@@ -50,8 +50,8 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
     cfg = ir.config
     vram = ram = 0
     gpu_read = 0
-    for ref, on_cpu in _tensor_refs(ir):
-        size = dense_tensor_bytes(math.prod(ref.shape), options.dense_scheme)
+    for ref, on_cpu, router in _tensor_refs(ir):
+        size = non_expert_bytes(ref.shape, router=router, dense_scheme=options.dense_scheme)
         if on_cpu:
             ram += size
         else:

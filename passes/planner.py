@@ -12,7 +12,6 @@ docs/planner.md describes the model in full; the short version:
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -23,7 +22,7 @@ from ktc.errors import BudgetError, ConfigError, InternalError
 from ktc.formats.activation_profile import ActivationProfile, uniform_profile
 from ktc.formats.hardware_profile import HardwareProfile
 from ktc.formats.schemes import (
-    ExpertShape, dense_tensor_bytes, expert_footprint, get_scheme,
+    ExpertShape, expert_footprint, get_scheme, non_expert_bytes,
 )
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
 
@@ -256,11 +255,7 @@ def expert_shape(ir: ModelIR) -> ExpertShape:
     return ExpertShape(ir.config.hidden_size, expert.intermediate_size, expert.gate_bias is not None)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def non_expert_bytes(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[str, int], int]:
+def non_expert_memory(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[str, int], int]:
     """(VRAM bytes by component, RAM bytes by component, bytes read per decode step: all of
     the VRAM part).
 
@@ -276,7 +271,8 @@ def non_expert_bytes(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[str
     for tensor in ir.dense:
         if tensor.layer is not None and tensor.layer >= ir.config.num_layers:
             continue
-        nbytes = dense_tensor_bytes(_numel(tensor.ref.shape), scheme)
+        nbytes = non_expert_bytes(tensor.ref.shape, router=tensor.role is TensorRole.ROUTER,
+                                  dense_scheme=scheme)
         if tensor.role is TensorRole.EMBEDDING:
             is_input = any(k in tensor.ref.name for k in ("embed_tokens", "token_embd", "wte"))
             if is_input and not ir.config.tie_word_embeddings:
@@ -288,11 +284,12 @@ def non_expert_bytes(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[str
     for layer in ir.moe_layers:
         for ref in (layer.router, layer.router_bias, layer.score_correction_bias):
             if ref is not None:
-                vram["routers"] += dense_tensor_bytes(_numel(ref.shape), scheme)
-        shared = [t for e in layer.shared_experts for t in e.tensors]
+                vram["routers"] += non_expert_bytes(ref.shape, router=True, dense_scheme=scheme)
         if layer.shared_expert_gate is not None:
-            shared.append(layer.shared_expert_gate)
-        vram["shared_experts"] += sum(dense_tensor_bytes(_numel(t.shape), scheme) for t in shared)
+            vram["shared_experts"] += non_expert_bytes(layer.shared_expert_gate.shape, router=True,
+                                                       dense_scheme=scheme)
+        vram["shared_experts"] += sum(non_expert_bytes(t.shape, router=False, dense_scheme=scheme)
+                                      for e in layer.shared_experts for t in e.tensors)
     return vram, ram, sum(vram.values())
 
 
@@ -368,7 +365,7 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         raise ConfigError(f"activation profile is [{len(profile.layers)} layers x {profile.num_experts} "
                           f"experts]; the model has [{len(layers)} x {cfg.num_experts}]",
                           path=profile.source)
-    vram, ram, read = non_expert_bytes(ir, opts.dense_scheme)
+    vram, ram, read = non_expert_memory(ir, opts.dense_scheme)
     kv_per_token = cfg.kv_bytes_per_token(workload.kv_element_bytes)
     vram["kv_cache"] = kv_per_token * workload.max_tokens
     vram["workspace"] = workspace_bytes(ir, workload)
