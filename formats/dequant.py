@@ -80,3 +80,24 @@ def _mxfp4_blocks_to_float32(blocks: np.ndarray, scales: np.ndarray) -> np.ndarr
     values = FP4_E2M1_VALUES[nibbles].reshape(*scales.shape, 32)
     exponent = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127).astype(np.float32)
     return (values * exponent[..., None]).reshape(*blocks.shape[:-1], -1)
+
+
+def to_float32_rows(ref: TensorRef, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a 2-D tensor as float32, reading only those rows.
+
+    Tensors with 2-D block scales (FP8) cannot take a view, so their rows and the matching
+    rows of scales are read directly; ``start`` must then be a multiple of the block height.
+    """
+    if ref.scale is not None and ref.scale_block is not None:
+        if ref.view:
+            raise FormatError("a tensor with block scales cannot be viewed", tensor=ref.name)
+        rows_per_block = ref.scale_block[0]
+        if start % rows_per_block:
+            raise FormatError(f"row {start} is not at a scale block boundary", tensor=ref.name)
+        raw = ref.load()[start:stop]
+        scales = to_float32(ref.scale)[start // rows_per_block: -(-stop // rows_per_block)]
+        scales = np.repeat(np.repeat(scales, rows_per_block, axis=0), ref.scale_block[1], axis=1)
+        return plain_to_float32(raw, ref.dtype) * scales[: stop - start, : ref.shape[1]]
+    from ktc.ir import Slice
+
+    return to_float32(ref.with_view(Slice(0, start, stop)))

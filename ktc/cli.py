@@ -67,6 +67,9 @@ def inspect(path: str, as_json: bool, tensors: bool) -> None:
 
     if not os.path.exists(path):
         raise KtcError("no such file or folder", path=path)
+    if os.path.isfile(path) and _is_bundle(path):
+        _inspect_bundle(path, as_json, tensors)
+        return
     started = time.perf_counter()
     ir = load_model(path)
     summary = summarize(ir)
@@ -83,6 +86,71 @@ def inspect(path: str, as_json: bool, tensors: bool) -> None:
         click.echo("")
         for row in _tensor_rows(ir):
             click.echo(f"  {row['name']:<64} {row['role']:<15} {row['dtype']:<8} {row['shape']}")
+
+
+def _is_bundle(path: str) -> bool:
+    from ktc.formats.bundle import MAGIC
+
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
+    from ktc.formats.bundle import open_bundle
+    from ktc.summary import format_bytes
+
+    with open_bundle(path) as b:
+        m = b.manifest
+        experts = [blk for blk in b.blocks if blk.kind == "expert"]
+        schemes: dict[str, int] = {}
+        for blk in experts:
+            key = f"{blk.segment}:{m_scheme(b, blk)}"
+            schemes[key] = schemes.get(key, 0) + 1
+        out: dict[str, Any] = {
+            "format_version": m["format_version"], "file_bytes": b.header.file_size,
+            "family": m["model"]["family"], "architecture": m["model"]["architecture"],
+            "moe_layers": [layer["layer"] for layer in m["model"]["moe_layers"]],
+            "segments": m["segments"], "experts": len(experts),
+            "gpu_experts": sum(blk.segment == "device" for blk in experts),
+            "cpu_experts": sum(blk.segment == "host" for blk in experts),
+            "schemes": schemes, "compressed_experts": sum(bool(blk.compression) for blk in experts),
+            "plan": {k: v for k, v in m["plan"].items() if k != "placement"},
+            "provenance": m["provenance"],
+        }
+        if tensors:
+            out["tensors"] = [{"name": t.name, "scheme": t.scheme, "offset": t.offset, "nbytes": t.nbytes,
+                               "shape": list(t.shape), "segment": t.segment, "role": t.role}
+                              for t in b.tensors.values()]
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(f"{path}  (ktc bundle {out['format_version'][0]}.{out['format_version'][1]}, "
+               f"{format_bytes(out['file_bytes'])})")
+    click.echo(f"model         {out['family']} ({out['architecture']}), MoE layers "
+               f"{out['moe_layers'][0]}-{out['moe_layers'][-1]}")
+    click.echo(f"experts       {out['gpu_experts']} on the GPU, {out['cpu_experts']} on the CPU; " +
+               ", ".join(f"{k} x{v}" for k, v in sorted(schemes.items())) +
+               (f"; {out['compressed_experts']} compressed" if out["compressed_experts"] else ""))
+    for seg in out["segments"]:
+        click.echo(f"segment       {seg['name']:<7} at {seg['offset']}, {format_bytes(seg['length'])}")
+    plan = out["plan"]
+    if "predicted_ms_per_token" in plan:
+        click.echo(f"plan          {plan['source']}: predicted {plan['predicted_ms_per_token']:.3f} ms/token")
+    else:
+        click.echo(f"plan          {plan['source']}")
+    prov = out["provenance"]
+    click.echo(f"provenance    ktc {prov['ktc_version']} from {prov['source_format']} "
+               f"({', '.join(f['name'] for f in prov['source_files'])})")
+    if tensors:
+        click.echo("")
+        for t in out["tensors"]:
+            offset = "compressed" if t["offset"] is None else t["offset"]
+            click.echo(f"  {t['name']:<48} {t['scheme']:<10} {str(offset):>12} {t['nbytes']:>12} {t['shape']}")
+
+
+def m_scheme(bundle: Any, block: Any) -> str:
+    first = bundle.tensors[block.tensors[0]]
+    return first.scheme
 
 
 def _tensor_rows(ir: Any) -> list[dict[str, Any]]:
@@ -235,6 +303,118 @@ def _write_text(path: str, text: str) -> None:
         os.replace(path + ".tmp", path)
     except OSError as exc:
         raise KtcError(f"cannot write: {exc.strerror}", path=path) from None
+
+
+@main.command(name="compile")
+@click.argument("source", type=click.Path(exists=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The bundle to write (.ktb).")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="A plan from `ktc plan -o`.")
+@click.option("--vram", help="Plan for this VRAM budget first (the planner flags below apply).")
+@click.option("--ram", help="RAM budget for the planner [default: this machine's RAM].")
+@click.option("--hardware", type=click.Path(dir_okay=False), help="Hardware profile JSON for the planner.")
+@click.option("--reserve", help="VRAM reserve for the planner [default: 1GiB].")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
+              help="KV cache capacity the planner keeps room for.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Decode batch for the planner.")
+@click.option("--profile", type=click.Path(dir_okay=False), help="Activation profile for the planner.")
+@click.option("--cpu-scheme", default="int8", show_default=True,
+              help="Scheme of CPU experts: int8, int4_g32/64/128, q8_0, q4_0, mxfp4, bf16, f16, f32.")
+@click.option("--gpu-scheme", default="bf16", show_default=True, help="Scheme of GPU experts.")
+@click.option("--dense-scheme", default="bf16", show_default=True,
+              type=click.Choice(["bf16", "f16", "f32"]), help="Scheme of non-expert matrices.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes building experts (the bytes do not depend on it).")
+@click.option("--compress", is_flag=True, help="zstd-compress each expert (random access is kept).")
+@click.option("--report-error", is_flag=True, help="Print each expert's relative RMSE and max error.")
+@click.option("--hash-sources", is_flag=True,
+              help="Record full sha256 of the source files (default: of their first 16 MiB).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_handle_errors
+def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
+                    hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
+                    profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str, jobs: int,
+                    compress: bool, report_error: bool, hash_sources: bool, as_json: bool) -> None:
+    """Compile a checkpoint into one packed, checksummed, reproducible bundle.
+
+    Experts are placed by --plan, by the planner when a budget is given (--vram or
+    --hardware), or all on the CPU. The bundle is written beside OUTPUT and renamed into place
+    only when complete: a failure or interruption leaves OUTPUT as it was.
+
+    \b
+    Examples:
+      ktc compile ./Qwen3-30B-A3B -o qwen.ktb --vram 24GiB --max-tokens 32768
+      ktc plan ./DeepSeek-V3 --vram 80GiB -o plan.json && ktc compile ./DeepSeek-V3 --plan plan.json -o ds3.ktb --jobs 2
+      ktc compile model.gguf -o cpu-only.ktb --cpu-scheme q8_0 --compress
+    """
+    from ktc.compile import check_writable_target, compile_bundle
+
+    if not os.path.exists(source):
+        raise KtcError("no such file or folder", path=source)
+    check_writable_target(output)
+    if plan_path and (vram or hardware):
+        raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
+    plan_kwargs = None
+    if vram or hardware:
+        plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,
+                       "max_tokens": max_tokens, "batch": batch, "profile": profile}
+    started = time.perf_counter()
+    result = compile_bundle(source, output, plan_path=plan_path, plan_kwargs=plan_kwargs,
+                            cpu_scheme=cpu_scheme, gpu_scheme=gpu_scheme, dense_scheme=dense_scheme,
+                            jobs=jobs, compress=compress, report_error=report_error,
+                            hash_sources=hash_sources, progress=not as_json)
+    elapsed = time.perf_counter() - started
+    if as_json:
+        out = result.to_json()
+        out["seconds"] = round(elapsed, 3)
+        click.echo(json.dumps(out, indent=1))
+        return
+    from ktc.summary import format_bytes
+
+    click.echo(f"wrote {result.path}: {format_bytes(result.file_bytes)}, {result.gpu_experts} GPU and "
+               f"{result.cpu_experts} CPU experts, from {format_bytes(result.source_bytes)} of source "
+               f"in {elapsed:.1f} s ({result.source_bytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
+    click.echo(f"sha256 {result.sha256}")
+    if result.emit.errors:
+        errors = sorted(result.emit.errors, key=lambda e: -e.rel_rmse)
+        mean = sum(e.rel_rmse for e in errors) / len(errors)
+        click.echo(f"quantization error: mean relative RMSE {mean:.4f}; worst experts:")
+        for e in errors[:10]:
+            click.echo(f"  layer {e.layer} expert {e.expert}: relative RMSE {e.rel_rmse:.4f}, "
+                       f"max error {e.max_abs_error:.4g}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(exists=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_handle_errors
+def verify(bundle: str, as_json: bool) -> None:
+    """Check a bundle: header, manifest, every checksum and every padding byte.
+
+    Exits 0 when the bundle is sound; otherwise names each damaged tensor and exits non-zero.
+
+    \b
+    Example:
+      ktc verify qwen.ktb && scp qwen.ktb server:
+    """
+    from ktc.formats.bundle import open_bundle
+
+    started = time.perf_counter()
+    with open_bundle(bundle) as b:
+        problems = b.verify()
+        blocks = len(b.blocks)
+    elapsed = time.perf_counter() - started
+    if as_json:
+        click.echo(json.dumps({"ok": not problems, "problems": problems, "blocks": blocks,
+                               "seconds": round(elapsed, 3)}, indent=1))
+    elif problems:
+        for p in problems[:20]:
+            click.echo(f"damaged: {p}", err=True)
+        if len(problems) > 20:
+            click.echo(f"... and {len(problems) - 20} more", err=True)
+    else:
+        click.echo(f"{bundle}: ok ({blocks} blocks checked in {elapsed:.2f} s)")
+    if problems:
+        sys.exit(1)
 
 
 @main.command()

@@ -1,0 +1,351 @@
+"""The ``.ktb`` bundle: header, manifest, segments (docs/bundle-format.md is the specification).
+
+This module is the one reader the verifier, ``ktc inspect`` and the runtime share: it validates
+the header and the manifest (every offset and length inside the file, blocks that tile the data
+without overlap) before anything is mapped, and maps tensors zero-copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ktc.errors import BundleError
+
+from .schemes import EXPERT_ALIGN, get_scheme
+
+MAGIC = b"KTCBNDL\x00"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+HEADER_SIZE = 128
+PAGE = EXPERT_ALIGN
+# magic, major, minor, header size, manifest offset, manifest length, data offset, file size,
+# manifest-region sha256, reserved; the header's own sha256 follows at byte 96.
+_HEADER = struct.Struct("<8sHHIQQQQ32s16s")
+assert _HEADER.size == 96
+
+
+@dataclass(frozen=True)
+class BundleHeader:
+    """The fixed 128 bytes at the start of every bundle."""
+
+    manifest_offset: int
+    manifest_length: int
+    data_offset: int
+    file_size: int
+    manifest_sha256: bytes
+    major: int = FORMAT_MAJOR
+    minor: int = FORMAT_MINOR
+
+    def to_bytes(self) -> bytes:
+        body = _HEADER.pack(MAGIC, self.major, self.minor, HEADER_SIZE, self.manifest_offset,
+                            self.manifest_length, self.data_offset, self.file_size,
+                            self.manifest_sha256, bytes(16))
+        return body + hashlib.sha256(body).digest()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, path: str = "<bundle>") -> BundleHeader:
+        if len(raw) < HEADER_SIZE:
+            raise BundleError(f"file is {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header",
+                              path=path, hint="the file is truncated or not a ktc bundle")
+        magic, major, minor, size, m_off, m_len, d_off, f_size, m_sha, reserved = _HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise BundleError(f"bad magic {magic!r}; not a ktc bundle", path=path)
+        if major > FORMAT_MAJOR:
+            raise BundleError(f"bundle format version {major}.{minor} is newer than this ktc reads "
+                              f"({FORMAT_MAJOR}.x)", path=path, hint="upgrade ktc to read it")
+        if major < 1:
+            raise BundleError(f"bundle format version {major}.{minor} is not valid", path=path)
+        if hashlib.sha256(raw[:96]).digest() != raw[96:128]:
+            raise BundleError("header checksum does not match: the header is damaged", path=path)
+        if size != HEADER_SIZE or reserved != bytes(16):
+            raise BundleError("header size or reserved bytes are not as version 1 defines them", path=path)
+        return cls(m_off, m_len, d_off, f_size, m_sha, major, minor)
+
+
+def align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def manifest_json(manifest: dict[str, Any]) -> bytes:
+    """The canonical bytes of a manifest: sorted keys, no spaces, ASCII."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass(frozen=True)
+class BundleTensor:
+    name: str
+    role: str
+    segment: str
+    block: int
+    offset: int | None  # absolute in the file; None when its expert is compressed
+    offset_in_block: int
+    nbytes: int
+    shape: tuple[int, ...]
+    scheme: str
+    layout: str
+    layer: int | None = None
+    expert: int | None = None
+
+
+@dataclass(frozen=True)
+class BundleBlock:
+    """A checksummed range: one expert, or one non-expert tensor with its padding."""
+
+    index: int
+    kind: str  # "expert" or "tensor"
+    name: str
+    segment: str
+    offset: int
+    length: int
+    sha256: str
+    compression: str | None = None
+    compressed_length: int | None = None  # bytes of the compressed frame at the block's start
+    raw_length: int | None = None  # decompressed length when compressed
+    tensors: tuple[str, ...] = ()
+
+
+@dataclass
+class Bundle:
+    """An opened bundle: validated header and manifest; tensors mapped on request."""
+
+    path: str
+    header: BundleHeader
+    manifest: dict[str, Any]
+    blocks: tuple[BundleBlock, ...]
+    tensors: dict[str, BundleTensor]
+    _file: Any = None
+    _map: mmap.mmap | None = None
+    _views: list[Any] = field(default_factory=list)
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._views.clear()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # arrays still use the map; it closes when they are gone
+            self._map = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _mapped(self) -> mmap.mmap:
+        if self._map is None:
+            self._file = open(self.path, "rb")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self._file.close()  # the map keeps what it needs; no descriptor stays open
+            self._file = None
+        return self._map
+
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        return self.manifest["segments"]
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """Zero-copy uint8 view of one tensor (decompressing its expert when it is compressed)."""
+        t = self.tensors[name]
+        block = self.blocks[t.block]
+        if block.compression:
+            raw = self.block_payload(block)
+            return np.frombuffer(raw, np.uint8, t.nbytes, t.offset_in_block)
+        assert t.offset is not None
+        return np.frombuffer(self._mapped(), np.uint8, t.nbytes, t.offset)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The stored bytes of a tensor shaped [rows, row_bytes] (or as stored for plain types)."""
+        t = self.tensors[name]
+        raw = self.tensor_bytes(name)
+        scheme = get_scheme(t.scheme)
+        if scheme.block_elems == 1 and scheme.row_extra_bytes == 0:
+            dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[scheme.name]
+            return raw.view(dtype).reshape(t.shape)
+        rows = t.shape[0] if len(t.shape) > 1 else 1
+        return raw.reshape(rows, -1)
+
+    def block_payload(self, block: BundleBlock) -> bytes | memoryview:
+        data = memoryview(self._mapped())[block.offset: block.offset + block.length]
+        if block.compression == "zstd":
+            import zstandard
+
+            frame = bytes(data[: block.compressed_length])
+            return zstandard.ZstdDecompressor().decompress(frame, max_output_size=block.raw_length or 0)
+        return data
+
+    def verify(self) -> list[str]:
+        """Recompute every checksum and check every padding byte; returns the problems found,
+        each naming the damaged block's tensors (empty when the bundle is sound)."""
+        problems: list[str] = []
+        with open(self.path, "rb") as f:
+            f.seek(self.header.manifest_offset)
+            region = f.read(self.header.data_offset - self.header.manifest_offset)
+            if hashlib.sha256(region).digest() != self.header.manifest_sha256:
+                problems.append("manifest region checksum does not match")
+            for block in self.blocks:
+                f.seek(block.offset)
+                data = f.read(block.length)
+                if hashlib.sha256(data).hexdigest() != block.sha256:
+                    problems.append(f"{block.kind} '{block.name}' is damaged (checksum mismatch at "
+                                    f"{block.offset}+{block.length}; tensors: {', '.join(block.tensors)})")
+                    continue
+                problems += self._check_padding(block, data)
+        return problems
+
+    def _check_padding(self, block: BundleBlock, data: bytes) -> list[str]:
+        if block.compression:
+            used = block.compressed_length or 0
+            return [] if not any(data[used:]) else [f"{block.kind} '{block.name}': padding is not zero"]
+        end = 0
+        view = memoryview(data)
+        for name in block.tensors:
+            t = self.tensors[name]
+            if any(view[end:t.offset_in_block]):
+                return [f"{block.kind} '{block.name}': padding before '{name}' is not zero"]
+            end = t.offset_in_block + t.nbytes
+        return [] if not any(view[end:]) else [f"{block.kind} '{block.name}': trailing padding is not zero"]
+
+
+def _int(value: Any, what: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BundleError(f"manifest: {what} is {value!r}, not a non-negative integer", path=path)
+    return value
+
+
+def open_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Open and validate a bundle's header and manifest. Maps nothing until a tensor is read."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+            header = BundleHeader.from_bytes(head, path)
+            if header.file_size != size:
+                raise BundleError(f"header says the file is {header.file_size} bytes; it is {size}",
+                                  path=path, hint="the file is truncated or was appended to")
+            if not (header.manifest_offset == HEADER_SIZE
+                    and header.manifest_offset + header.manifest_length <= header.data_offset <= size
+                    and header.data_offset % PAGE == 0):
+                raise BundleError("manifest or data offsets in the header are out of range", path=path)
+            f.seek(header.manifest_offset)
+            raw = f.read(header.manifest_length)
+    except FileNotFoundError:
+        raise BundleError("no such bundle", path=path) from None
+    except IsADirectoryError:
+        raise BundleError("is a folder, not a bundle", path=path) from None
+    try:
+        manifest = json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"manifest is not valid JSON ({exc})", path=path) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "ktc-bundle":
+        raise BundleError("manifest does not describe a ktc bundle", path=path)
+    blocks, tensors = _validate_manifest(manifest, header, size, path)
+    return Bundle(path, header, manifest, blocks, tensors)
+
+
+def _validate_manifest(manifest: dict[str, Any], header: BundleHeader, size: int,
+                       path: str) -> tuple[tuple[BundleBlock, ...], dict[str, BundleTensor]]:
+    try:
+        segments = manifest["segments"]
+        raw_blocks = manifest["blocks"]
+        raw_tensors = manifest["tensors"]
+    except KeyError as exc:
+        raise BundleError(f"manifest lacks {exc.args[0]!r}", path=path) from None
+    seg_ranges = {}
+    cursor = header.data_offset
+    for seg in segments:
+        off, length = _int(seg.get("offset"), "segment offset", path), _int(seg.get("length"), "segment length", path)
+        if off != cursor or off % PAGE or length % PAGE:
+            raise BundleError(f"segment '{seg.get('name')}' at {off}+{length} is not page-aligned "
+                              "right after the previous one", path=path)
+        seg_ranges[seg["name"]] = (off, off + length)
+        cursor = off + length
+    if cursor != size:
+        raise BundleError(f"segments end at {cursor} but the file is {size} bytes", path=path)
+    blocks = []
+    cursor = header.data_offset
+    for i, b in enumerate(raw_blocks):
+        off, length = _int(b.get("offset"), "block offset", path), _int(b.get("length"), "block length", path)
+        seg = seg_ranges.get(b.get("segment"))
+        if seg is None or off != cursor or not (seg[0] <= off and off + length <= seg[1]):
+            raise BundleError(f"block '{b.get('name')}' at {off}+{length} overlaps, leaves a gap or "
+                              "lies outside its segment", path=path)
+        sha = b.get("sha256")
+        if not isinstance(sha, str) or len(sha) != 64:
+            raise BundleError(f"block '{b.get('name')}' has no sha256", path=path)
+        compression = b.get("compression")
+        if compression not in (None, "zstd"):
+            raise BundleError(f"block '{b.get('name')}' uses unknown compression {compression!r}", path=path)
+        if compression:
+            if _int(b.get("compressed_length"), "compressed length", path) > length:
+                raise BundleError(f"block '{b.get('name')}': compressed frame is longer than the block",
+                                  path=path)
+            _int(b.get("raw_length"), "raw length", path)
+        blocks.append(BundleBlock(i, str(b.get("kind")), str(b.get("name")), b["segment"], off, length,
+                                  sha, compression, b.get("compressed_length"), b.get("raw_length"),
+                                  tuple(b.get("tensors", ()))))
+        cursor = off + length
+    if cursor != size:
+        raise BundleError(f"blocks end at {cursor} but the data runs to {size}", path=path)
+    tensors: dict[str, BundleTensor] = {}
+    for t in raw_tensors:
+        name = t.get("name")
+        if not isinstance(name, str) or name in tensors:
+            raise BundleError(f"tensor name {name!r} is missing or repeated", path=path)
+        block_index = _int(t.get("block"), f"block of '{name}'", path)
+        if block_index >= len(blocks):
+            raise BundleError(f"tensor '{name}' names block {block_index}, which does not exist", path=path)
+        block = blocks[block_index]
+        inner = _int(t.get("offset_in_block"), f"offset of '{name}'", path)
+        nbytes = _int(t.get("nbytes"), f"length of '{name}'", path)
+        limit = block.raw_length if block.compression else block.length
+        if inner + nbytes > (limit or 0):
+            raise BundleError(f"tensor '{name}' runs past the end of its block", path=path, tensor=name)
+        absolute = None if block.compression else block.offset + inner
+        if absolute is not None and t.get("offset") != absolute:
+            raise BundleError(f"tensor '{name}': offset {t.get('offset')} disagrees with its block "
+                              f"({absolute})", path=path, tensor=name)
+        try:
+            scheme = get_scheme(str(t.get("scheme")))
+        except KeyError:
+            raise BundleError(f"tensor '{name}' has unknown scheme {t.get('scheme')!r}", path=path) from None
+        shape = tuple(_int(d, f"shape of '{name}'", path) for d in t.get("shape", ()))
+        rows = shape[0] if len(shape) > 1 else 1
+        cols = shape[-1] if shape else 1
+        if scheme.block_elems == 1 and scheme.row_extra_bytes == 0:
+            expected = int(np.prod(shape)) * scheme.block_bytes
+        else:
+            expected = scheme.matrix_bytes(rows, cols)
+        if expected != nbytes:
+            raise BundleError(f"tensor '{name}': shape {list(shape)} in {scheme.name} is {expected} bytes, "
+                              f"the manifest says {nbytes}", path=path, tensor=name)
+        tensors[name] = BundleTensor(name, str(t.get("role")), block.segment, block_index, absolute, inner,
+                                     nbytes, shape, scheme.name, str(t.get("layout")), t.get("layer"),
+                                     t.get("expert"))
+    for block in blocks:
+        ends = []
+        for name in block.tensors:
+            t = tensors.get(name)
+            if t is None or t.block != block.index:
+                raise BundleError(f"block '{block.name}' lists tensor '{name}' that is not in it", path=path)
+            ends.append((t.offset_in_block, t.offset_in_block + t.nbytes))
+        for (_, end), (start, _) in zip(ends, ends[1:]):
+            if start < end:
+                raise BundleError(f"tensors of block '{block.name}' overlap", path=path)
+    return tuple(blocks), tensors

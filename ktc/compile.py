@@ -1,0 +1,205 @@
+"""``ktc compile``: checkpoint (+ plan) -> one ``.ktb`` bundle."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ktc import __version__
+from ktc.errors import ConfigError, FormatError, KtcError
+from ktc.formats.bundle import FORMAT_MAJOR, FORMAT_MINOR
+from ktc.formats.schemes import get_scheme
+from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
+from ktc.passes.emit import EmitResult, emit_bundle
+from ktc.passes.layout import plan_layout
+from ktc.passes.planner import PLAN_FORMAT, model_facts, placement_from_json
+
+HEAD_HASH_BYTES = 16 * 1024 * 1024
+# Plan fields that describe how long solving took: not part of a reproducible bundle.
+_TIMING_KEYS = ("solve_seconds", "solver")
+
+
+@dataclass
+class CompileResult:
+    path: str
+    sha256: str
+    file_bytes: int
+    source_bytes: int
+    gpu_experts: int
+    cpu_experts: int
+    emit: EmitResult
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"path": self.path, "sha256": self.sha256, "file_bytes": self.file_bytes,
+               "source_bytes": self.source_bytes, "gpu_experts": self.gpu_experts,
+               "cpu_experts": self.cpu_experts}
+        if self.emit.errors:
+            out["expert_errors"] = [dataclasses.asdict(e) for e in self.emit.errors]
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def model_section(ir: ModelIR) -> dict[str, Any]:
+    """What the runtime needs to run the MoE layers, in the manifest."""
+    layers = []
+    for layer in ir.moe_layers:
+        layers.append({
+            "layer": layer.layer, "top_k": layer.top_k, "gating": layer.gating.value,
+            "norm_topk_prob": layer.norm_topk_prob, "activation": layer.activation.value,
+            "routed_scaling_factor": layer.routed_scaling_factor, "num_groups": layer.num_groups,
+            "topk_groups": layer.topk_groups, "num_experts": len(layer.experts),
+            "intermediate_size": layer.experts[0].intermediate_size,
+            "shared_experts": len(layer.shared_experts),
+            "router_bias": layer.router_bias is not None,
+            "score_correction_bias": layer.score_correction_bias is not None,
+            "shared_expert_gate": layer.shared_expert_gate is not None,
+        })
+    config = {k: _plain(v) for k, v in dataclasses.asdict(ir.config).items()}
+    return {"family": ir.family, "architecture": ir.config.architecture, "config": config,
+            "moe_layers": layers}
+
+
+def _source_files(ir: ModelIR, hash_sources: bool) -> list[dict[str, Any]]:
+    files = []
+    for path in ir.source.files:
+        entry: dict[str, Any] = {"name": os.path.basename(path), "bytes": os.path.getsize(path)}
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            if hash_sources:
+                for chunk in iter(lambda: f.read(16 * 1024 * 1024), b""):
+                    digest.update(chunk)
+                entry["sha256"] = digest.hexdigest()
+            else:
+                digest.update(f.read(HEAD_HASH_BYTES))
+                entry["head_sha256"] = digest.hexdigest()
+        files.append(entry)
+    return files
+
+
+def load_plan_file(path: str, ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
+    """A plan JSON written by ``ktc plan -o``, checked against the model."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        raise FormatError("plan file not found", path=path) from None
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"plan is not valid JSON ({exc})", path=path) from None
+    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+        raise FormatError(f"not a ktc plan (expected \"format\": \"{PLAN_FORMAT}\")", path=path)
+    facts = dataclasses.asdict(model_facts(ir))
+    recorded = data.get("model", {})
+    mismatched = [k for k in ("family", "num_layers", "num_experts", "hidden_size", "expert_intermediate_size")
+                  if recorded.get(k) != facts[k]]
+    if list(recorded.get("moe_layers", [])) != list(facts["moe_layers"]):
+        mismatched.append("moe_layers")
+    if mismatched:
+        detail = ", ".join(f"{k} {recorded.get(k)!r} vs {facts[k]!r}" for k in mismatched[:3])
+        raise ConfigError(f"the plan was made for another model ({detail})", path=path,
+                          hint="run ktc plan on this checkpoint")
+    placement = placement_from_json(data)
+    for row in placement.experts:
+        for where in row:
+            try:
+                get_scheme(where.scheme)
+            except KeyError as exc:
+                raise ConfigError(str(exc.args[0]), path=path) from None
+    return placement, {k: v for k, v in data.items() if k not in _TIMING_KEYS and k != "placement"}
+
+
+def all_on_cpu(ir: ModelIR, scheme: str) -> Placement:
+    where = ExpertPlacement(Device.CPU, get_scheme(scheme).name)
+    return Placement(ir.moe_layer_indices, tuple(tuple(where for _ in layer.experts) for layer in ir.moe_layers))
+
+
+def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
+                   plan_kwargs: dict[str, Any] | None = None, cpu_scheme: str = "int8",
+                   gpu_scheme: str = "bf16", dense_scheme: str = "bf16", jobs: int = 1,
+                   compress: bool = False, report_error: bool = False, hash_sources: bool = False,
+                   progress: bool = False) -> CompileResult:
+    """Compile ``source`` into the bundle ``out``.
+
+    The placement comes from ``plan_path`` (a ``ktc plan -o`` file), from the planner when
+    ``plan_kwargs`` has a budget (``vram=...``), or puts every expert on the CPU. Nothing is left
+    at ``out`` unless the whole bundle was written.
+    """
+    from ktc.api import load_model
+
+    if jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
+    for name in (cpu_scheme, gpu_scheme, dense_scheme):
+        try:
+            get_scheme(name)
+        except KeyError as exc:
+            raise ConfigError(str(exc.args[0])) from None
+    if get_scheme(dense_scheme).block_elems != 1 or get_scheme(dense_scheme).row_extra_bytes:
+        raise ConfigError(f"non-expert tensors need a float scheme (f32, f16, bf16), not {dense_scheme}")
+    ir = load_model(source)
+    if plan_path:
+        placement, plan_info = load_plan_file(plan_path, ir)
+        plan_section = {"source": "file", **plan_info}
+    elif plan_kwargs:
+        from ktc.api import plan as make_plan
+
+        made = make_plan(ir, gpu_schemes=(gpu_scheme,), cpu_schemes=(cpu_scheme,), dense_scheme=dense_scheme,
+                         **plan_kwargs)
+        placement = made.placement
+        info = made.to_json()
+        plan_section = {"source": "planner", **{k: v for k, v in info.items()
+                                                if k not in _TIMING_KEYS and k != "placement"}}
+    else:
+        placement = all_on_cpu(ir, cpu_scheme)
+        plan_section = {"source": "all experts on the CPU"}
+    plan_section["placement"] = {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
+                                 for layer, row in zip(placement.layers, placement.experts)}
+    layout = plan_layout(ir, placement, dense_scheme)
+    base = {
+        "format": "ktc-bundle",
+        "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
+        "model": model_section(ir),
+        "plan": plan_section,
+        "provenance": {
+            "ktc_version": __version__,
+            "source_format": ir.source.format,
+            "source_files": _source_files(ir, hash_sources),
+            "options": {"dense_scheme": get_scheme(dense_scheme).name, "compress": compress},
+        },
+    }
+    total = sum(b.source_bytes for b in layout.blocks)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="compiling",
+                   disable=None, leave=False)
+    try:
+        result = emit_bundle(layout, out, base, jobs=jobs, compress=compress, report_error=report_error,
+                             progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    gpu = sum(p.device is Device.GPU for row in placement.experts for p in row)
+    cpu = sum(len(row) for row in placement.experts) - gpu
+    return CompileResult(result.path, result.sha256, result.file_bytes, result.source_bytes, gpu, cpu, result)
+
+
+def check_writable_target(out: str) -> None:
+    folder = os.path.dirname(os.path.abspath(out)) or "."
+    if os.path.isdir(out):
+        raise KtcError("the output path is a folder; give a file name such as model.ktb", path=out)
+    if not os.path.isdir(folder):
+        raise KtcError("the output folder does not exist", path=folder)
