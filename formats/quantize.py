@@ -247,7 +247,7 @@ def convert(ref: TensorRef, scheme: Scheme | str) -> np.ndarray:
         raise FormatError(f"expected a 2-D weight, found shape {ref.shape}", tensor=ref.name)
     if _PASS_THROUGH.get(ref.dtype) == scheme.name and ref.scale is None:
         raw = ref.load()
-        return np.ascontiguousarray(raw.view(np.uint8).reshape(ref.shape[0], -1))
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(ref.shape[0], -1)
     if ref.dtype == "MXFP4_BLOCKS" and scheme.name == "mxfp4" and ref.scale is not None:
         return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), np.asarray(ref.scale.load()))
     return quantize(to_float32(ref), scheme)

@@ -1,0 +1,255 @@
+"""Compiling bundles: byte compatibility, reproducibility, atomic writes, checksums, bad input."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+import model_factory as mf
+from ktc.compile import compile_bundle
+from ktc.errors import BundleError, ConfigError, KtcError
+from ktc.formats.bundle import BundleHeader, open_bundle
+from ktc.formats.quantize import dequantize, quantize
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_golden_header_bytes():
+    header = BundleHeader(manifest_offset=128, manifest_length=1000, data_offset=4096, file_size=8192,
+                          manifest_sha256=bytes(range(32)))
+    raw = header.to_bytes()
+    assert raw[:96].hex() == (
+        "4b5443424e444c00" "0100" "0000" "80000000" "8000000000000000" "e803000000000000"
+        "0010000000000000" "0020000000000000" + bytes(range(32)).hex() + "00" * 16)
+    assert raw[96:] == hashlib.sha256(raw[:96]).digest()
+    assert BundleHeader.from_bytes(raw) == header
+
+
+def test_newer_major_version_is_refused_by_name(tmp_path, demo_model):
+    out = tmp_path / "d.ktb"
+    compile_bundle(demo_model, str(out))
+    raw = bytearray(out.read_bytes())
+    struct.pack_into("<H", raw, 8, 2)  # major version 2
+    raw[96:128] = hashlib.sha256(bytes(raw[:96])).digest()
+    out.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match=r"version 2\.0 is newer"):
+        open_bundle(str(out))
+
+
+def test_same_bytes_twice_and_with_any_jobs(tmp_path, demo_model):
+    kw = dict(plan_kwargs=dict(vram="16MiB", reserve=0, ram="1GiB"))
+    a = compile_bundle(demo_model, str(tmp_path / "a.ktb"), **kw)
+    b = compile_bundle(demo_model, str(tmp_path / "b.ktb"), **kw)
+    c = compile_bundle(demo_model, str(tmp_path / "c.ktb"), jobs=2, **kw)
+    assert a.sha256 == b.sha256 == c.sha256 == sha(tmp_path / "a.ktb")
+    assert 0 < a.gpu_experts < 64
+    z1 = compile_bundle(demo_model, str(tmp_path / "z1.ktb"), compress=True, cpu_scheme="q8_0")
+    z2 = compile_bundle(demo_model, str(tmp_path / "z2.ktb"), compress=True, cpu_scheme="q8_0", jobs=2)
+    assert z1.sha256 == z2.sha256
+
+
+def test_bundle_round_trip_values(tmp_path, tiny_models):
+    from ktc.api import load_model
+    from ktc.formats.dequant import to_float32
+
+    src = tiny_models["gpt_oss"]["safetensors"]
+    out = tmp_path / "g.ktb"
+    compile_bundle(src, str(out), cpu_scheme="f32", dense_scheme="f32")
+    ir = load_model(src)
+    expert = ir.layer(1).experts[5]
+    with open_bundle(str(out)) as b:
+        assert not b.verify()
+        gate_up = b.tensor("layers.1.experts.5.gate_up")
+        np.testing.assert_array_equal(gate_up[:32], to_float32(expert.gate))
+        np.testing.assert_array_equal(gate_up[32:], to_float32(expert.up))
+        np.testing.assert_array_equal(b.tensor("layers.1.experts.5.down"), to_float32(expert.down))
+        bias = b.tensor("layers.1.experts.5.gate_up_bias")
+        np.testing.assert_array_equal(bias, np.concatenate([to_float32(expert.gate_bias), to_float32(expert.up_bias)]))
+        layer_info = b.manifest["model"]["moe_layers"][1]
+        assert layer_info["activation"] == "swiglu_clamped" and layer_info["router_bias"]
+        for block in b.blocks:
+            assert block.offset % 4096 == 0 if block.kind == "expert" else block.offset % 64 == 0
+        for t in b.tensors.values():
+            assert t.offset % 64 == 0
+
+
+def test_gguf_q8_0_experts_pass_through_equal_to_quantizing_f32(tmp_path, tiny_models):
+    src = tiny_models["qwen3_moe"]["safetensors"]
+    gguf_path = mf.write_gguf(src, str(tmp_path / "q8.gguf"), family="qwen3_moe", expert_qtype="Q8_0")
+    compile_bundle(src, str(tmp_path / "from_f32.ktb"), cpu_scheme="q8_0")
+    compile_bundle(gguf_path, str(tmp_path / "from_gguf.ktb"), cpu_scheme="q8_0")
+    with open_bundle(str(tmp_path / "from_f32.ktb")) as a, open_bundle(str(tmp_path / "from_gguf.ktb")) as b:
+        experts = [n for n in a.tensors if ".experts." in n]
+        assert len(experts) == 3 * mf.EXPERTS * 2
+        for name in experts:
+            np.testing.assert_array_equal(a.tensor_bytes(name), b.tensor_bytes(name), err_msg=name)
+
+
+def test_gpt_oss_mxfp4_source_repacks_losslessly(tmp_path, tiny_models):
+    from test_detect import _mxfp4_encode
+
+    from ktc.api import load_model
+    from ktc.formats.dequant import to_float32
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_models["gpt_oss"]["safetensors"]
+    state = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for name, value in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _mxfp4_encode(np.ascontiguousarray(value.transpose(0, 2, 1)))
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        else:
+            out[name] = value
+    os.makedirs(tmp_path / "mx")
+    save_file(out, str(tmp_path / "mx" / "model.safetensors"))
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "mx")
+    compile_bundle(str(tmp_path / "mx"), str(tmp_path / "mx.ktb"), cpu_scheme="mxfp4")
+    expert = load_model(str(tmp_path / "mx")).layer(0).experts[2]
+    with open_bundle(str(tmp_path / "mx.ktb")) as b:
+        raw = b.tensor("layers.0.experts.2.gate_up")
+        values = dequantize(raw, "mxfp4", mf.HIDDEN)
+    np.testing.assert_array_equal(values[:32], to_float32(expert.gate))
+    np.testing.assert_array_equal(values[32:], to_float32(expert.up))
+
+
+def test_flipping_any_sampled_byte_fails_verification(tmp_path, tiny_models):
+    src = tiny_models["qwen2_moe"]["safetensors"]
+    good = tmp_path / "good.ktb"
+    compile_bundle(src, str(good), plan_kwargs=dict(vram="1MiB", reserve=0, max_tokens=16), compress=True)
+    raw = good.read_bytes()
+    rng = np.random.default_rng(0)
+    positions = sorted(set(rng.integers(0, len(raw), 200).tolist()) | {0, 8, 50, 100, 127, 128, len(raw) - 1})
+    bad = tmp_path / "bad.ktb"
+    for pos in positions:
+        damaged = bytearray(raw)
+        damaged[pos] ^= 0x5A
+        bad.write_bytes(bytes(damaged))
+        try:
+            with open_bundle(str(bad)) as b:
+                problems = b.verify()
+        except BundleError:
+            continue
+        assert problems, f"flipping byte {pos} went unnoticed"
+
+
+def test_verify_names_the_damaged_tensor(tmp_path, demo_model):
+    out = tmp_path / "d.ktb"
+    compile_bundle(demo_model, str(out))
+    with open_bundle(str(out)) as b:
+        target = b.tensors["layers.2.experts.7.down"]
+        offset = target.offset + 5
+    raw = bytearray(out.read_bytes())
+    raw[offset] ^= 1
+    out.write_bytes(bytes(raw))
+    with open_bundle(str(out)) as b:
+        problems = b.verify()
+    assert len(problems) == 1 and "layers.2.experts.7" in problems[0] and "down" in problems[0]
+
+
+def test_bad_inputs_leave_nothing_behind(tmp_path, demo_model, tiny_models):
+    out = tmp_path / "out.ktb"
+
+    def leftovers():
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        compile_bundle(demo_model, str(out), cpu_scheme="int3")
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        compile_bundle(tiny_models["mixtral"]["safetensors"], str(out), cpu_scheme="int4_g128")
+    from ktc.api import plan
+
+    other = plan(tiny_models["mixtral"]["safetensors"], vram="1GiB", reserve=0)
+    (tmp_path / "plan.json").write_text(json.dumps(other.to_json()))
+    with pytest.raises(ConfigError, match="another model"):
+        compile_bundle(demo_model, str(out), plan_path=str(tmp_path / "plan.json"))
+    (tmp_path / "plan.json").unlink()
+    assert leftovers() == []
+    with pytest.raises(KtcError, match="does not exist"):
+        compile_bundle(demo_model, str(tmp_path / "no" / "such" / "out.ktb"))
+
+
+@pytest.mark.parametrize("failure", ["disk_full", "interrupt"])
+def test_failure_mid_write_keeps_the_previous_bundle(tmp_path, demo_model, monkeypatch, failure):
+    import ktc.passes.emit as emit
+
+    out = tmp_path / "out.ktb"
+    compile_bundle(demo_model, str(out))
+    before = sha(out)
+    calls = {"n": 0}
+    real_build = emit.build_expert
+
+    def failing_build(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            if failure == "interrupt":
+                raise KeyboardInterrupt
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_build(*args, **kwargs)
+
+    if failure == "disk_full":
+        real_write = emit._Writer.write
+
+        def full_write(self, data, digest=None):
+            if self.pos > 2_000_000:
+                raise emit._os_error(OSError(errno.ENOSPC, "No space left on device"), self.path)
+            return real_write(self, data, digest)
+
+        monkeypatch.setattr(emit._Writer, "write", full_write)
+        with pytest.raises(KtcError, match="disk is full"):
+            compile_bundle(demo_model, str(out), cpu_scheme="f32")
+    else:
+        monkeypatch.setattr(emit, "build_expert", failing_build)
+        with pytest.raises(KeyboardInterrupt):
+            compile_bundle(demo_model, str(out), cpu_scheme="f32")
+    assert sha(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.ktb"]
+
+
+def test_inspect_tensors_offsets_are_absolute(tmp_path, demo_model):
+    from click.testing import CliRunner
+
+    from ktc.cli import main
+
+    out = tmp_path / "d.ktb"
+    compile_bundle(demo_model, str(out), plan_kwargs=dict(vram="16MiB", reserve=0))
+    result = CliRunner().invoke(main, ["inspect", str(out), "--json", "--tensors"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    raw = out.read_bytes()
+    with open_bundle(str(out)) as b:
+        for row in info["tensors"][:: max(1, len(info["tensors"]) // 25)]:
+            assert set(row) >= {"name", "scheme", "offset", "nbytes", "shape"}
+            np.testing.assert_array_equal(np.frombuffer(raw, np.uint8, row["nbytes"], row["offset"]),
+                                          b.tensor_bytes(row["name"]))
+    assert info["gpu_experts"] + info["cpu_experts"] == 64
+
+
+def test_open_close_1000_times_leaks_nothing(tmp_path, demo_model):
+    import gc
+
+    from conftest import fd_and_map_counts
+
+    out = tmp_path / "d.ktb"
+    compile_bundle(demo_model, str(out))
+
+    def cycle():
+        with open_bundle(str(out)) as b:
+            float(b.tensor("model.norm.weight")[0])
+
+    cycle()
+    gc.collect()
+    before = fd_and_map_counts()
+    for _ in range(1000):
+        cycle()
+    gc.collect()
+    assert fd_and_map_counts() == before
