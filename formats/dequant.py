@@ -37,11 +37,12 @@ def plain_to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "F8_E5M2":
         # e5m2 is the upper byte of an IEEE half.
         return (raw.astype(np.uint16) << 8).view(np.float16).astype(np.float32)
-    return raw.astype(np.float32)
+    return raw.astype(np.float32, copy=False)
 
 
 def to_float32(ref: TensorRef) -> np.ndarray:
-    """The tensor's values as a new float32 array of ``ref.shape``."""
+    """The tensor's values as float32 of ``ref.shape``: a new array, or for float32 sources a
+    read-only view of the mapped file (no copy)."""
     raw = ref.load()
     st = ref.storage
     if ref.dtype == "MXFP4_BLOCKS":
@@ -56,7 +57,7 @@ def to_float32(ref: TensorRef) -> np.ndarray:
     values = plain_to_float32(raw, ref.dtype)
     if ref.scale is not None:
         values = values * _expand_block_scales(ref)
-    return np.array(values, dtype=np.float32, copy=True)
+    return np.asarray(values, dtype=np.float32)
 
 
 def _expand_block_scales(ref: TensorRef) -> np.ndarray:

@@ -33,47 +33,122 @@ _F1 = np.float32(1.0)
 _F2 = np.float32(2.0)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _half_bits(f):  # pragma: no cover - compiled
+    # IEEE float32 bits -> float16 bits, round to nearest even: numpy's npy_floatbits_to_halfbits
+    # (Numba has no float16, and ggml's block scales are float16).
+    h_sgn = (f & np.uint32(0x80000000)) >> np.uint32(16)
+    f_exp = f & np.uint32(0x7F800000)
+    if f_exp >= np.uint32(0x47800000):
+        if f_exp == np.uint32(0x7F800000):
+            f_sig = f & np.uint32(0x007FFFFF)
+            if f_sig != 0:
+                ret = np.uint32(0x7C00) + (f_sig >> np.uint32(13))
+                if ret == np.uint32(0x7C00):
+                    ret += np.uint32(1)
+                return np.uint16(h_sgn + ret)
+        return np.uint16(h_sgn + np.uint32(0x7C00))
+    if f_exp <= np.uint32(0x38000000):
+        if f_exp < np.uint32(0x33000000):
+            return np.uint16(h_sgn)
+        e = f_exp >> np.uint32(23)
+        f_sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
+        f_sig = f_sig >> (np.uint32(113) - e)
+        if ((f_sig & np.uint32(0x3FFF)) != np.uint32(0x1000)) or (f & np.uint32(0x7FF)) != 0:
+            f_sig += np.uint32(0x1000)
+        return np.uint16(h_sgn + (f_sig >> np.uint32(13)))
+    h_exp = (f_exp - np.uint32(0x38000000)) >> np.uint32(13)
+    f_sig = f & np.uint32(0x007FFFFF)
+    if (f_sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
+        f_sig += np.uint32(0x1000)
+    return np.uint16(h_sgn + h_exp + (f_sig >> np.uint32(13)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _first_abs_max(xbits, b):  # pragma: no cover - compiled
+    # Index of the first largest |x| in block b. The magnitude bits of IEEE floats order like the
+    # floats, and an integer max vectorizes where a float compare-and-branch does not.
+    m = np.uint32(0)
+    for j in range(32):
+        m = max(m, xbits[b, j] & np.uint32(0x7FFFFFFF))
+    for j in range(32):
+        if (xbits[b, j] & np.uint32(0x7FFFFFFF)) == m:
+            return j
+    return 0
+
+
+_CHUNK = 512  # blocks per parallel work item: enough work to hide the scheduling cost
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _q8_0_kernel(x, scales, codes):  # pragma: no cover - compiled
+def _q8_0_kernel(x, xbits, scales, out):  # pragma: no cover - compiled
     # ggml's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (half away from zero).
-    for b in prange(x.shape[0]):
-        amax = _F0
-        for j in range(32):
-            v = abs(x[b, j])
-            if v > amax:
-                amax = v
-        d = amax / np.float32(127.0)
-        inv = _F0 if d == _F0 else _F1 / d
-        scales[b] = d
-        for j in range(32):
-            v = x[b, j] * inv
-            a = abs(v)
-            fl = np.floor(a)
-            r = fl + np.floor(_F2 * (a - fl))
-            codes[b, j] = np.int8(r) if v >= _F0 else np.int8(-r)
+    # out: [blocks, 34] = float16 d (written by _store_half_scales), then 32 int8.
+    n = x.shape[0]
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        for b in range(c * _CHUNK, min(n, (c + 1) * _CHUNK)):
+            _q8_0_block(x, xbits, scales, out, b)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8_0_block(x, xbits, scales, out, b):  # pragma: no cover - compiled
+    amax = abs(x[b, _first_abs_max(xbits, b)])
+    d = amax / np.float32(127.0)
+    inv = _F0 if d == _F0 else _F1 / d
+    scales[b] = d
+    for j in range(32):
+        v = x[b, j] * inv
+        a = abs(v)
+        fl = np.floor(a)
+        r = np.int32(fl + np.floor(_F2 * (a - fl)))
+        out[b, 2 + j] = np.uint8((r if v >= _F0 else -r) & 0xFF)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q4_0_kernel(x, scales, codes):  # pragma: no cover - compiled
+def _q4_0_kernel(x, xbits, scales, out):  # pragma: no cover - compiled
     # ggml's quantize_row_q4_0_ref: d = (signed value of largest magnitude) / -8,
     # q = min(15, trunc(x / d + 8.5)); value j in the low nibble, j + 16 in the high one.
-    for b in prange(x.shape[0]):
-        amax = _F0
-        vmax = _F0
-        for j in range(32):
-            v = x[b, j]
-            if abs(v) > amax:
-                amax = abs(v)
-                vmax = v
-        d = vmax / np.float32(-8.0)
-        inv = _F0 if d == _F0 else _F1 / d
-        scales[b] = d
-        for j in range(16):
-            lo = np.trunc(x[b, j] * inv + np.float32(8.5))
-            hi = np.trunc(x[b, j + 16] * inv + np.float32(8.5))
-            qlo = np.uint8(min(lo, np.float32(15.0)))
-            qhi = np.uint8(min(hi, np.float32(15.0)))
-            codes[b, j] = qlo | (qhi << np.uint8(4))
+    # out: [blocks, 18] = float16 d (written by _store_half_scales), then 16 bytes of codes.
+    n = x.shape[0]
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        for b in range(c * _CHUNK, min(n, (c + 1) * _CHUNK)):
+            _q4_0_block(x, xbits, scales, out, b)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q4_0_block(x, xbits, scales, out, b):  # pragma: no cover - compiled
+    d = x[b, _first_abs_max(xbits, b)] / np.float32(-8.0)
+    inv = _F0 if d == _F0 else _F1 / d
+    scales[b] = d
+    for j in range(16):
+        lo = np.trunc(x[b, j] * inv + np.float32(8.5))
+        hi = np.trunc(x[b, j + 16] * inv + np.float32(8.5))
+        qlo = np.uint8(min(lo, np.float32(15.0)))
+        qhi = np.uint8(min(hi, np.float32(15.0)))
+        out[b, 2 + j] = qlo | (qhi << np.uint8(4))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _store_half_scales(scale_bits, out):  # pragma: no cover - compiled
+    # A separate function from the kernels that write the float32 scales: reading them back
+    # through a uint32 view in the same function is not guaranteed to see the writes.
+    for b in prange(scale_bits.shape[0]):
+        h = _half_bits(scale_bits[b])
+        out[b, 0] = np.uint8(h & np.uint16(0xFF))
+        out[b, 1] = np.uint8(h >> np.uint16(8))
+
+
+def f32_to_f16_bits(values: np.ndarray) -> np.ndarray:
+    """float16 bit patterns of float32 values (the kernels' conversion, exposed for tests)."""
+    return _half_bits_array(np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32))
+
+
+@njit(cache=True, nogil=True)
+def _half_bits_array(bits):  # pragma: no cover - compiled
+    out = np.empty(bits.shape[0], dtype=np.uint16)
+    for i in range(bits.shape[0]):
+        out[i] = _half_bits(bits[i])
+    return out
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -165,15 +240,8 @@ def quantize(values: np.ndarray, scheme: Scheme | str) -> np.ndarray:
         blocks = x.reshape(-1, 32)
         scales = np.empty(blocks.shape[0], dtype=np.float32)
         out = np.empty((blocks.shape[0], scheme.block_bytes), dtype=np.uint8)
-        if name == "q8_0":
-            codes = np.empty((blocks.shape[0], 32), dtype=np.int8)
-            _q8_0_kernel(blocks, scales, codes)
-            out[:, 2:] = codes.view(np.uint8)
-        else:
-            codes = np.empty((blocks.shape[0], 16), dtype=np.uint8)
-            _q4_0_kernel(blocks, scales, codes)
-            out[:, 2:] = codes
-        out[:, :2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        (_q8_0_kernel if name == "q8_0" else _q4_0_kernel)(blocks, blocks.view(np.uint32), scales, out)
+        _store_half_scales(scales.view(np.uint32), out)
         return out.reshape(rows, -1)
     if name == "mxfp4":
         from gguf import GGMLQuantizationType, quants

@@ -27,12 +27,15 @@ _TIMING_KEYS = ("solve_seconds", "solver")
 @dataclass
 class CompileResult:
     path: str
-    sha256: str
     file_bytes: int
     source_bytes: int
     gpu_experts: int
     cpu_experts: int
     emit: EmitResult
+
+    @property
+    def sha256(self) -> str:
+        return self.emit.sha256
 
     def to_json(self) -> dict[str, Any]:
         out = {"path": self.path, "sha256": self.sha256, "file_bytes": self.file_bytes,
@@ -194,7 +197,7 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
             bar.close()
     gpu = sum(p.device is Device.GPU for row in placement.experts for p in row)
     cpu = sum(len(row) for row in placement.experts) - gpu
-    return CompileResult(result.path, result.sha256, result.file_bytes, result.source_bytes, gpu, cpu, result)
+    return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result)
 
 
 def check_writable_target(out: str) -> None:

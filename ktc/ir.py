@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -214,29 +215,54 @@ class TensorRef:
         """
         st = self.storage
         loc = self.location
+        stored_shape = self.stored_shape
+        view = self.view
+        offset, nbytes = loc.offset, loc.nbytes
+        # Selecting one expert of a stacked tensor maps only that expert's bytes.
+        while (view and isinstance(view[0], Take) and view[0].axis == 0 and loc.strides is None
+               and len(stored_shape) > 1 and stored_shape[0] > 0):
+            per_index = nbytes // stored_shape[0]
+            offset += view[0].index * per_index
+            nbytes = per_index
+            stored_shape = stored_shape[1:]
+            view = view[1:]
         if st.is_quantized:
-            row_bytes = st.nbytes((self.stored_shape[-1],))
-            raw_shape = self.stored_shape[:-1] + (row_bytes,)
+            row_bytes = st.nbytes((stored_shape[-1],))
+            raw_shape = stored_shape[:-1] + (row_bytes,)
         else:
-            raw_shape = self.stored_shape
+            raw_shape = stored_shape
         dtype = np.dtype(st.numpy)
-        if loc.nbytes == 0:
+        if nbytes == 0:
             array = np.zeros(raw_shape, dtype=dtype)
         else:
-            # np.memmap closes its descriptor at once; the map lives as long as the view.
-            mapped = np.memmap(loc.path, dtype=np.uint8, mode="r", offset=loc.offset,
-                               shape=(loc.nbytes,))
-            flat = np.asarray(mapped).view(dtype)
+            flat = _map_bytes(loc.path, offset, nbytes).view(dtype)
             if loc.strides is not None:
                 strides = tuple(s * dtype.itemsize for s in loc.strides)
                 array = np.lib.stride_tricks.as_strided(flat, raw_shape, strides, writeable=False)
             else:
                 array = flat.reshape(raw_shape)
-        for op in self.view:
+        for op in view:
             if st.is_quantized and isinstance(op, Transpose):
                 raise ValueError(f"{self.name}: a block-quantized tensor cannot be transposed")
             array = _apply_array(array, op)
         return array
+
+
+def _map_bytes(path: str, offset: int, nbytes: int) -> np.ndarray:
+    """A read-only uint8 view of ``nbytes`` at ``offset`` in ``path``, memory-mapped.
+
+    The pages are faulted in when the map is made (MAP_POPULATE, where the OS has it): callers
+    read every byte they map, and one populate is much cheaper than a page fault per 4 KiB. The
+    map lives as long as the returned array; no descriptor outlives this call.
+    """
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    length = offset + nbytes - start
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), length, flags=flags, prot=mmap.PROT_READ, offset=start)
+    array = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset - start)
+    array.flags.writeable = False  # the pages are mapped read-only
+    return array
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import queue
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ktc.errors import KtcError
-from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json
+from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json, new_block_hasher
 from ktc.formats.dequant import to_float32, to_float32_rows
 from ktc.formats.quantize import convert, dequantize, quantize
 
@@ -43,33 +45,51 @@ class EmitResult:
     path: str
     file_bytes: int
     source_bytes: int
-    sha256: str
     errors: list[ExpertError] = field(default_factory=list)
 
+    @property
+    def sha256(self) -> str:
+        """The whole file's sha256 (read back on request: it is not needed to write the file)."""
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as r:
+            for chunk in iter(lambda: r.read(16 * 1024 * 1024), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
 
-def _matrix_payload(job: TensorJob) -> np.ndarray:
-    """One expert tensor's bytes: each source converted to the scheme and stacked by rows."""
-    if len(job.shape) == 1:  # float32 biases
-        return np.concatenate([to_float32(s).reshape(-1) for s in job.sources]).astype(np.float32).view(np.uint8)
-    parts = [convert(s, job.scheme) for s in job.sources]
-    return np.ascontiguousarray(np.concatenate(parts, axis=0)).reshape(-1)
+
+def _fill_tensor(buf: np.ndarray, job: TensorJob) -> None:
+    """Write one expert tensor into its place in ``buf``: each source converted to the scheme,
+    stacked by rows (gate then up for ``gate_up``)."""
+    at = job.offset
+    for source in job.sources:
+        if len(job.shape) == 1:  # float32 biases
+            part = to_float32(source).reshape(-1).astype(np.float32).view(np.uint8)
+        else:
+            part = convert(source, job.scheme).reshape(-1)
+        buf[at: at + part.size] = part
+        at += part.size
+    if at - job.offset != job.nbytes:
+        raise KtcError(f"internal size mismatch for {job.name}: {at - job.offset} != {job.nbytes}")
 
 
 def build_expert(block: BlockJob, compress: bool = False, report_error: bool = False
-                 ) -> tuple[bytes, int, ExpertError | None]:
+                 ) -> tuple[bytes | np.ndarray, int, ExpertError | None]:
     """The stored bytes of one expert block (zstd-compressed when asked and smaller), the
     uncompressed length, and optionally its quantization error. Runs in worker processes."""
-    buf = bytearray(block.length)
+    buf = np.empty(block.length, dtype=np.uint8)
+    end = 0
+    for job in block.tensors:  # zero only the padding: every other byte is written below
+        buf[end:job.offset] = 0
+        end = job.offset + job.nbytes
+    buf[end:] = 0
     sq_err = sq_ref = 0.0
     max_err = 0.0
     for job in block.tensors:
-        payload = _matrix_payload(job)
-        if payload.size != job.nbytes:
-            raise KtcError(f"internal size mismatch for {job.name}: {payload.size} != {job.nbytes}")
-        buf[job.offset: job.offset + job.nbytes] = payload.tobytes()
+        _fill_tensor(buf, job)
         if report_error and len(job.shape) == 2:
             exact = np.concatenate([to_float32(s) for s in job.sources], axis=0)
-            back = dequantize(payload.reshape(job.shape[0], -1), job.scheme, job.shape[1])
+            back = dequantize(buf[job.offset: job.offset + job.nbytes].reshape(job.shape[0], -1),
+                              job.scheme, job.shape[1])
             diff = back - exact
             sq_err += float(np.sum(diff.astype(np.float64) ** 2))
             sq_ref += float(np.sum(exact.astype(np.float64) ** 2))
@@ -78,15 +98,14 @@ def build_expert(block: BlockJob, compress: bool = False, report_error: bool = F
     if report_error:
         rel = (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0
         error = ExpertError(block.layer or 0, block.expert or 0, rel, max_err)
-    raw = bytes(buf)
     if compress:
         import zstandard
 
         frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False,
-                                         write_content_size=True).compress(raw)
-        if len(frame) < len(raw):
-            return frame, len(raw), error
-    return raw, len(raw), error
+                                         write_content_size=True).compress(buf.data)
+        if len(frame) < buf.size:
+            return frame, buf.size, error
+    return buf, buf.size, error
 
 
 def _dense_chunks(job: TensorJob) -> Iterator[bytes]:
@@ -113,21 +132,51 @@ def _dense_chunks(job: TensorJob) -> Iterator[bytes]:
 
 
 class _Writer:
-    """Sequential writes with a running sha256, turning OS errors into clear ``KtcError``s."""
+    """Sequential writes with running checksums, done by a background thread so that writing
+    and hashing one block overlap with building the next (file writes and xxh3 release the
+    GIL). OS errors become clear ``KtcError``s, raised in the caller's thread."""
 
     def __init__(self, f: Any, path: str) -> None:
         self.f = f
         self.path = path
         self.pos = f.tell()
+        self._error: OSError | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._run, name="ktc-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # keep draining so the producer never blocks
+            data, digest = item
+            try:
+                self.f.write(data)
+            except OSError as exc:
+                self._error = exc
+                continue
+            if digest is not None:
+                digest.update(data)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise _os_error(self._error, self.path) from None
 
     def write(self, data: bytes | memoryview, digest: Any | None = None) -> None:
-        try:
-            self.f.write(data)
-        except OSError as exc:
-            raise _os_error(exc, self.path) from None
-        if digest is not None:
-            digest.update(data)
+        """Queue ``data`` (which must not change afterwards) for writing and hashing."""
+        self._raise_pending()
+        self._queue.put((data, digest))
         self.pos += len(data)
+
+    def close(self) -> None:
+        """Wait for every queued write; raise the first error any of them met."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_pending()
 
 
 def _os_error(exc: OSError, path: str) -> KtcError:
@@ -139,7 +188,7 @@ def _os_error(exc: OSError, path: str) -> KtcError:
 def _block_entry(block: BlockJob, offset: int, length: int, sha: str, stored: int | None,
                  raw_length: int | None) -> dict[str, Any]:
     entry: dict[str, Any] = {"kind": block.kind, "name": block.name, "segment": block.segment,
-                             "offset": offset, "length": length, "sha256": sha,
+                             "offset": offset, "length": length, "xxh3_128": sha,
                              "tensors": [t.name for t in block.tensors]}
     if block.kind == "expert":
         entry.update({"layer": block.layer, "expert": block.expert, "device": block.device,
@@ -175,7 +224,7 @@ def _skeleton_length(base: dict[str, Any], layout: BundleLayout, compress: bool)
     blocks, tensors = [], []
     for i, block in enumerate(layout.blocks):
         compressed = compress and block.kind == "expert"
-        blocks.append(_block_entry(block, big, big, "0" * 64, big if compressed else None,
+        blocks.append(_block_entry(block, big, big, "0" * 32, big if compressed else None,
                                    big if compressed else None))
         tensors += _tensor_entries(block, i, None if compressed else big)
     segments = [{"name": n, "offset": big, "length": big} for n in ("device", "host")]
@@ -198,8 +247,13 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
     except OSError as exc:
         raise _os_error(exc, folder) from None
     try:
-        with os.fdopen(fd, "wb") as f:
+        # Sizing the file first lets the filesystem allocate it in large extents: appending
+        # writes were 10x slower than writes into a pre-sized file here. Compressed bundles are
+        # cut to their real size at the end.
+        os.ftruncate(fd, region + sum(b.length for b in layout.blocks))
+        with os.fdopen(fd, "r+b") as f:
             result = _write(f, tmp, layout, manifest_base, region, jobs, compress, report_error, progress)
+            f.truncate(result.file_bytes)
             try:
                 f.flush()
                 os.fsync(f.fileno())
@@ -225,44 +279,51 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
 def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region: int, jobs: int,
            compress: bool, report_error: bool, progress: Callable[[int], None] | None) -> EmitResult:
     writer = _Writer(f, tmp)
-    writer.write(bytes(region))
     blocks: list[dict[str, Any]] = []
     tensors: list[dict[str, Any]] = []
     errors: list[ExpertError] = []
+    digests: list[Any] = []
+    segments: dict[str, list[int]] = {}
     experts = [b for b in layout.blocks if b.kind == "expert"]
     results = _expert_results(experts, jobs, compress, report_error)
-    segments: dict[str, list[int]] = {}
-    source_bytes = 0
-    for index, block in enumerate(layout.blocks):
-        start = writer.pos
-        digest = hashlib.sha256()
-        stored = raw_length = None
-        if block.kind == "expert":
-            payload, raw_length, error = next(results)
-            if error is not None:
-                errors.append(error)
-            if len(payload) != raw_length:
-                stored = len(payload)
-            writer.write(payload, digest)
-            used = len(payload)
-        else:
-            (job,) = block.tensors
-            used = 0
-            for chunk in _dense_chunks(job):
-                writer.write(chunk, digest)
-                used += len(chunk)
-            if used != job.nbytes:
-                raise KtcError(f"internal size mismatch for {job.name}: {used} != {job.nbytes}")
-        # A compressed expert still starts on a page, so every expert stays randomly accessible.
-        length = block.length if stored is None else align(used, PAGE)
-        writer.write(bytes(length - used), digest)
-        blocks.append(_block_entry(block, start, length, digest.hexdigest(), stored, raw_length))
-        tensors += _tensor_entries(block, index, None if stored is not None else start)
-        seg = segments.setdefault(block.segment, [start, start])
-        seg[1] = writer.pos
-        source_bytes += block.source_bytes
-        if progress is not None:
-            progress(block.source_bytes)
+    try:
+        writer.write(bytes(region))
+        for index, block in enumerate(layout.blocks):
+            start = writer.pos
+            digest = new_block_hasher()
+            stored = raw_length = None
+            if block.kind == "expert":
+                payload, raw_length, error = next(results)
+                if error is not None:
+                    errors.append(error)
+                view = memoryview(payload).cast("B")
+                if len(view) != raw_length:
+                    stored = len(view)
+                writer.write(view, digest)
+                used = len(view)
+            else:
+                (job,) = block.tensors
+                used = 0
+                for chunk in _dense_chunks(job):
+                    writer.write(chunk, digest)
+                    used += len(chunk)
+                if used != job.nbytes:
+                    raise KtcError(f"internal size mismatch for {job.name}: {used} != {job.nbytes}")
+            # A compressed expert still starts on a page, so every expert stays randomly accessible.
+            length = block.length if stored is None else align(used, PAGE)
+            writer.write(bytes(length - used), digest)
+            blocks.append(_block_entry(block, start, length, "", stored, raw_length))
+            digests.append(digest)
+            tensors += _tensor_entries(block, index, None if stored is not None else start)
+            seg = segments.setdefault(block.segment, [start, start])
+            seg[1] = writer.pos
+            if progress is not None:
+                progress(block.source_bytes)
+    finally:
+        results.close()  # stops worker processes early when something failed
+        writer.close()
+    for entry, digest in zip(blocks, digests):
+        entry["xxh3_128"] = digest.hexdigest()
     seg_list = []
     cursor = region
     for name in ("device", "host"):
@@ -282,16 +343,7 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
         f.seek(0, os.SEEK_END)
     except OSError as exc:
         raise _os_error(exc, tmp) from None
-    return EmitResult(tmp, writer.pos, source_bytes, _file_sha256(f, tmp), errors)
-
-
-def _file_sha256(f: Any, path: str) -> str:
-    f.flush()
-    digest = hashlib.sha256()
-    with open(path, "rb") as r:
-        for chunk in iter(lambda: r.read(16 * 1024 * 1024), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return EmitResult(tmp, writer.pos, sum(b.source_bytes for b in layout.blocks), errors)
 
 
 def _expert_results(experts: list[BlockJob], jobs: int, compress: bool,
@@ -306,7 +358,7 @@ def _expert_results(experts: list[BlockJob], jobs: int, compress: bool,
     from concurrent.futures import ProcessPoolExecutor
 
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
         pending: deque = deque()
         it = iter(experts)
         for block in it:
@@ -319,3 +371,11 @@ def _expert_results(experts: list[BlockJob], jobs: int, compress: bool,
             if nxt is not None:
                 pending.append(pool.submit(build_expert, nxt, compress, report_error))
             yield result
+
+
+def _worker_init() -> None:
+    # Each worker is one of ``jobs`` processes: one Numba thread each keeps them from
+    # oversubscribing the cores.
+    import numba
+
+    numba.set_num_threads(1)

@@ -82,3 +82,18 @@ def test_scheme_that_does_not_fit_a_row():
 
     with pytest.raises(FormatError, match="multiple of 32"):
         quantize(np.zeros((2, 40), np.float32), "q8_0")
+
+
+def test_float16_conversion_matches_numpy():
+    from ktc.formats.quantize import f32_to_f16_bits
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(20000).astype(np.float32) * np.float32(10.0) ** rng.integers(-9, 6, 20000),
+        np.array([0.0, -0.0, 65504, 65519.99, 65520, 1e9, -1e9, np.inf, -np.inf, 6e-8, 5.96e-8, 2.98e-8,
+                  3e-8, 6.1e-5, 6.09e-5, 1.0 + 2**-11, 1.0 + 3 * 2**-11], dtype=np.float32),
+        (np.arange(1, 5000, dtype=np.uint32) << 13 | 0x1000).view(np.float32),  # exact ties
+    ])
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(f32_to_f16_bits(values), expected)
