@@ -425,7 +425,7 @@ def verify(bundle: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection and plan as JSON.")
 @_handle_errors
 def demo(out: str | None, vram: str, as_json: bool) -> None:
-    """Build the built-in demo MoE model (Qwen3-MoE layout, safetensors), inspect it and plan it.
+    """Build the built-in demo MoE model (Qwen3-MoE layout), inspect it, plan it, compile it.
 
     The demo model has 4 layers of 16 experts (top-4) with random weights, and a synthetic
     Zipf-skewed routing profile; the plan is made for a tiny GPU so that experts must be split.
@@ -449,16 +449,32 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
     ir = load_model(folder)
     summary = summarize(ir)
     result = make_plan(ir, vram=vram, ram="1GiB", reserve=0, max_tokens=4096, profile=profile)
+    from ktc.compile import compile_bundle
+    from ktc.formats.bundle import open_bundle
+    from ktc.summary import format_bytes
+
+    plan_path = os.path.join(folder, "demo-plan.json")
+    bundle_path = os.path.join(folder, "demo.ktb")
+    _write_text(plan_path, json.dumps(result.to_json(), indent=1) + "\n")
+    compiled = compile_bundle(folder, bundle_path, plan_path=plan_path, cpu_scheme="int8")
+    with open_bundle(bundle_path) as bundle:
+        problems = bundle.verify()
+    if problems:
+        raise KtcError("the demo bundle failed verification: " + problems[0], path=bundle_path)
     if as_json:
         plan_json = result.to_json()
         plan_json.pop("placement")
-        click.echo(json.dumps({**summary.to_json(), "plan": plan_json}, indent=1))
+        click.echo(json.dumps({**summary.to_json(), "plan": plan_json,
+                               "bundle": compiled.to_json()}, indent=1))
         return
     click.echo(f"demo model written to {folder}\n")
     click.echo(render_text(summary))
-    click.echo(f"\n$ ktc plan {folder} --vram {vram} --ram 1GiB --reserve 0 --profile {profile}")
+    click.echo(f"\n$ ktc plan {folder} --vram {vram} --ram 1GiB --reserve 0 --profile {profile} -o {plan_path}")
     click.echo(render_plan_text(result))
-    click.echo("\nnot yet: compiling the bundle and running it (see the README's table).")
+    click.echo(f"\n$ ktc compile {folder} --plan {plan_path} -o {bundle_path} && ktc verify {bundle_path}")
+    click.echo(f"wrote {bundle_path}: {format_bytes(compiled.file_bytes)}, {compiled.gpu_experts} GPU experts "
+               f"(bf16) and {compiled.cpu_experts} CPU experts (int8); verified, sha256 {compiled.sha256[:16]}…")
+    click.echo("\nnot yet: running the bundle (see the README's table).")
 
 
 if __name__ == "__main__":  # pragma: no cover
