@@ -181,7 +181,8 @@ def gguf_tensors(st_folder: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | None = None) -> str:
+def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | None = None,
+               fuse_gate_up: bool = False) -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys."""
     import gguf
 
@@ -218,7 +219,13 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | No
         writer.add_expert_group_used_count(cfg["topk_group"])
         writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         writer.add_value_length(cfg["v_head_dim"])
-    for name, value in gguf_tensors(st_folder).items():
+    tensors = gguf_tensors(st_folder)
+    if fuse_gate_up:  # llama.cpp's ffn_gate_up_exps: [E, 2I, H], gate rows then up rows
+        for gate_name in [n for n in tensors if n.endswith("ffn_gate_exps.weight")]:
+            up_name = gate_name.replace("ffn_gate_exps", "ffn_up_exps")
+            fused = np.concatenate([tensors.pop(gate_name), tensors.pop(up_name)], axis=1)
+            tensors[gate_name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = fused
+    for name, value in tensors.items():
         value = np.ascontiguousarray(value.astype(np.float32))
         if expert_qtype and "_exps.weight" in name:
             qtype = gguf.GGMLQuantizationType[expert_qtype]

@@ -257,3 +257,17 @@ def test_gpt_oss_mxfp4_blocks(tiny_models, tmp_path):
     np.testing.assert_array_equal(to_float32(expert.up), decoded[1::2].astype(np.float32))
     exact = state["model.layers.2.mlp.experts.gate_up_proj"][1][:, 0::2].T
     assert np.abs(to_float32(expert.gate) - exact).max() <= np.abs(exact).max() / 2
+
+
+def test_gguf_fused_gate_up_experts(tiny_models, tmp_path):
+    path = mf.write_gguf(tiny_models["qwen3_moe"]["safetensors"], str(tmp_path / "fused.gguf"),
+                         family="qwen3_moe", fuse_gate_up=True)
+    fused = load_model(path)
+    reference = load_model(tiny_models["qwen3_moe"]["safetensors"])
+    assert summarize(fused).family == "qwen3_moe"
+    for layer in reference.moe_layer_indices:
+        for e in (0, 5):
+            want = _expert_arrays(reference, layer, e)
+            got = _expert_arrays(fused, layer, e)
+            for key in ("gate", "up", "down"):
+                np.testing.assert_array_equal(got[key], want[key])

@@ -213,3 +213,21 @@ def test_generate_gpu_experts_masks_api():
     # With no sync cost and equal sizes, the best 3 are the globally most used (KTransformers' rule).
     exact = ktc.generate_gpu_experts_masks(freq.numpy(), 3000, expert_bytes=1000, top_k=2, sync_seconds=0)
     assert exact.sum() == 3 and exact[0, 3] and exact[1, 2] and exact[0, 1]
+
+
+def test_hardware_profile_file_and_flag_overrides(demo_model, tmp_path):
+    from ktc.formats.hardware_profile import load_hardware_profile, make_hardware_profile, parse_bytes
+
+    profile = HardwareProfile(vram_bytes=parse_bytes("16MiB"), ram_bytes=parse_bytes("1GiB"), reserve_bytes=0,
+                              cpu_bandwidth=80e9, gpu_bandwidth=1.5e12, pcie_bandwidth=50e9, sync_seconds=2e-5)
+    (tmp_path / "hw.json").write_text(json.dumps(profile.to_json()))
+    loaded = load_hardware_profile(str(tmp_path / "hw.json"))
+    assert loaded.cpu_bandwidth == 80e9 and loaded.vram_bytes == 16 * 1024**2
+    overridden = make_hardware_profile(profile_path=str(tmp_path / "hw.json"), vram="32MiB", cpu_bandwidth="40GB/s")
+    assert overridden.vram_bytes == 32 * 1024**2 and overridden.cpu_bandwidth == 40e9
+    assert overridden.gpu_bandwidth == 1.5e12
+    result = plan(demo_model, hardware=str(tmp_path / "hw.json"))
+    assert result.hardware.sync_seconds == 2e-5 and result.memory.vram_budget == 16 * 1024**2
+    assert parse_bytes("24GiB") == 24 * 1024**3 and parse_bytes("24GB") == 24 * 10**9
+    with pytest.raises(ConfigError, match="24GiB"):
+        parse_bytes("lots")
