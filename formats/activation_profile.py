@@ -15,7 +15,7 @@ import numpy as np
 
 from ktc.errors import ConfigError, FormatError
 
-from .tensor_file import reject_duplicate_keys
+from .tensor_file import read_json
 
 PROFILE_FORMAT = "ktc-activation-profile"
 PROFILE_VERSION = 1
@@ -94,13 +94,7 @@ def load_activation_profile(path: str, *, moe_layers: tuple[int, ...], num_layer
 
 
 def _load_json(path: str) -> tuple[np.ndarray, tuple[int, ...]]:
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(), object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path))
-    except FileNotFoundError:
-        raise FormatError("activation profile not found", path=path) from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"activation profile is not valid JSON ({exc})", path=path) from None
+    data = read_json(path, "activation profile")
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise FormatError(f"not a ktc activation profile (expected \"format\": \"{PROFILE_FORMAT}\")",
                           path=path)

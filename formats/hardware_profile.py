@@ -16,7 +16,6 @@ Defaults and where they come from (docs/planner.md repeats them):
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, replace
@@ -24,7 +23,7 @@ from typing import Any
 
 from ktc.errors import ConfigError, FormatError
 
-from .tensor_file import reject_duplicate_keys
+from .tensor_file import read_json
 
 GiB = 1024**3
 PROFILE_FORMAT = "ktc-hardware-profile"
@@ -105,13 +104,9 @@ class HardwareProfile:
 
 
 def load_hardware_profile(path: str) -> HardwareProfile:
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(), object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path))
-    except FileNotFoundError:
-        raise FormatError("hardware profile not found", path=path) from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"hardware profile is not valid JSON ({exc})", path=path) from None
+    data = read_json(path, "hardware profile")
+    if not isinstance(data, dict):
+        raise FormatError("hardware profile is not a JSON object", path=path)
     return HardwareProfile.from_json(data, path)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +10,7 @@ from ktc.errors import ConfigError, FormatError
 from ktc.ir import Attention, Gating, ModelConfig, TensorRef
 
 from .gguf_reader import LargeArray
-from .tensor_file import reject_duplicate_keys
+from .tensor_file import read_json
 
 # Each concept is spelled several ways across families; the first key present wins.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
@@ -25,14 +24,7 @@ _ALWAYS_NORMALISED = {"mixtral", "gpt_oss", "llama", "gpt-oss"}
 
 def read_hf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     """Parse ``config.json`` at ``path``; returns the typed config and the raw JSON."""
-    try:
-        with open(path, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"),
-                             object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path))
-    except FileNotFoundError:
-        raise FormatError("config.json not found", path=path) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"config is not valid JSON ({exc})", path=path) from None
+    raw = read_json(path, "config.json")
     if not isinstance(raw, dict):
         raise FormatError("config is not a JSON object", path=path)
     return config_from_hf(raw, path), raw

@@ -79,16 +79,24 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]], *, path: str) -> dict[st
     return result
 
 
+def read_json(path: str, what: str) -> Any:
+    """A small JSON file (config, index, profile, plan), with duplicate keys refused and every
+    failure a ``FormatError`` that names the file and says what it should have been."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"),
+                              object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path))
+    except FileNotFoundError:
+        raise FormatError(f"{what} not found", path=path) from None
+    except IsADirectoryError:
+        raise FormatError(f"{what} is a folder, not a file", path=path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{what} is not valid JSON ({exc})", path=path) from None
+
+
 def read_index(index_path: str) -> dict[str, str]:
     """The ``weight_map`` of a Hugging Face shard index, checked."""
-    try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"),
-                               object_pairs_hook=lambda p: reject_duplicate_keys(p, path=index_path))
-    except FileNotFoundError:
-        raise FormatError("index file not found", path=index_path) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"index is not valid JSON ({exc})", path=index_path) from None
+    index = read_json(index_path, "index file")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError("index has no 'weight_map' object of tensor name to file name",

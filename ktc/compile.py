@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -95,13 +94,9 @@ def _source_files(ir: ModelIR, hash_sources: bool) -> list[dict[str, Any]]:
 
 def load_plan_file(path: str, ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
     """A plan JSON written by ``ktc plan -o``, checked against the model."""
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
-    except FileNotFoundError:
-        raise FormatError("plan file not found", path=path) from None
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"plan is not valid JSON ({exc})", path=path) from None
+    from ktc.formats.tensor_file import read_json
+
+    data = read_json(path, "plan file")
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
         raise FormatError(f"not a ktc plan (expected \"format\": \"{PLAN_FORMAT}\")", path=path)
     facts = dataclasses.asdict(model_facts(ir))

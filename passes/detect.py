@@ -14,7 +14,7 @@ from ktc.ir import (
 )
 
 from .adapters import (
-    KNOWN_FAMILIES, LAYOUTS, SUPPORTED_LAYOUTS_TEXT, LayoutTable, PerExpertNames, SharedNames,
+    KNOWN_FAMILIES, LAYOUTS, SUPPORTED_LAYOUTS_TEXT, LayoutTable, PerExpertNames,
     StackedNames,
 )
 from .base import Pass, PassContext

@@ -80,14 +80,28 @@ class Evaluation:
     ram_bytes: int
 
 
+@dataclass(frozen=True, eq=False)
+class _OptionArrays:
+    """The options' fields as arrays indexed by option."""
+
+    seconds: np.ndarray
+    on_gpu: np.ndarray
+    error: np.ndarray
+    vram: np.ndarray
+    ram: np.ndarray
+
+    @classmethod
+    def of(cls, problem: PlacementProblem) -> _OptionArrays:
+        opts = problem.options
+        return cls(np.array([o.seconds_per_use for o in opts]), np.array([o.device == GPU for o in opts]),
+                   np.array([o.error for o in opts]), np.array([o.vram_bytes for o in opts], dtype=np.int64),
+                   np.array([o.ram_bytes for o in opts], dtype=np.int64))
+
+
 def evaluate(problem: PlacementProblem, choice: np.ndarray) -> Evaluation:
     """Cost and memory of a placement under the problem's model (no feasibility check)."""
-    opts = problem.options
-    seconds = np.array([o.seconds_per_use for o in opts])
-    on_gpu = np.array([o.device == GPU for o in opts])
-    error = np.array([o.error for o in opts])
-    vram = np.array([o.vram_bytes for o in opts], dtype=np.int64)
-    ram = np.array([o.ram_bytes for o in opts], dtype=np.int64)
+    a = _OptionArrays.of(problem)
+    seconds, on_gpu, error, vram, ram = a.seconds, a.on_gpu, a.error, a.vram, a.ram
     use = problem.usage
     t = use * seconds[choice]
     gpu_time = np.where(on_gpu[choice], t, 0.0).sum(axis=1)
@@ -113,13 +127,10 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
     """
     started = time.perf_counter()
     n_layers, n_experts = problem.shape
-    opts = problem.options
-    n_opts = len(opts)
-    seconds = np.array([o.seconds_per_use for o in opts])
-    on_gpu = np.array([o.device == GPU for o in opts])
-    error = np.array([o.error for o in opts])
-    vram = np.array([o.vram_bytes for o in opts], dtype=np.float64)
-    ram = np.array([o.ram_bytes for o in opts], dtype=np.float64)
+    n_opts = len(problem.options)
+    a = _OptionArrays.of(problem)
+    seconds, on_gpu, error = a.seconds, a.on_gpu, a.error
+    vram, ram = a.vram.astype(np.float64), a.ram.astype(np.float64)
 
     allowed_all = problem.allowed
     if problem.quality_weight == 0:
@@ -256,11 +267,8 @@ def polish(problem: PlacementProblem, choice: np.ndarray) -> np.ndarray:
     can leave the small quality term (the more precise scheme when speed does not care) unused."""
     choice = choice.copy()
     opts = problem.options
-    seconds = np.array([o.seconds_per_use for o in opts])
-    on_gpu = np.array([o.device == GPU for o in opts])
-    error = np.array([o.error for o in opts])
-    vram = np.array([o.vram_bytes for o in opts], dtype=np.int64)
-    ram = np.array([o.ram_bytes for o in opts], dtype=np.int64)
+    a = _OptionArrays.of(problem)
+    seconds, on_gpu, error, vram, ram = a.seconds, a.on_gpu, a.error, a.vram, a.ram
     use = problem.usage
     t = use * seconds[choice]
     gpu_time = np.where(on_gpu[choice], t, 0.0).sum(axis=1)

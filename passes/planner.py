@@ -12,7 +12,6 @@ docs/planner.md describes the model in full; the short version:
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -542,7 +541,6 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
     problem = ctx.problem
     if problem.vram_budget < 0 or problem.ram_budget < 0:
         raise budget_error(ctx, hardware, workload)
-    started = time.perf_counter()
     try:
         solution: PlacementSolution = solve_placement(problem, time_limit=options.time_limit)
     except BudgetError:
@@ -562,7 +560,6 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
             name, description, True, 1e3 * (ctx.constant_seconds + b.expert_seconds),
             int((choice == _fill(problem, np.ones(problem.shape, bool))).sum()), setting,
             to_placement(ctx, choice)))
-    solve_seconds = time.perf_counter() - started
     memory = MemoryBreakdown(
         vram=tuple(ctx.fixed_vram.items()) + (("gpu_experts", ev.vram_bytes),),
         ram=tuple(ctx.fixed_ram.items()) + (("cpu_experts", ev.ram_bytes),),

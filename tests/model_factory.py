@@ -237,3 +237,35 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | No
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def mxfp4_encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss MXFP4: per 32 values one e8m0 exponent and 16 bytes of e2m1 nibbles (low first)."""
+    from ktc.formats.dequant import FP4_E2M1_VALUES
+
+    rows = values.reshape(*values.shape[:-1], -1, 32)
+    amax = np.abs(rows).max(axis=-1)
+    exponent = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, 0).astype(np.int32)
+    scaled = rows / np.exp2(exponent)[..., None]
+    codes = np.abs(scaled[..., None] - FP4_E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).astype(np.uint8)
+
+
+def write_gpt_oss_mxfp4(st_folder: str, folder: str) -> dict[str, np.ndarray]:
+    """The gpt-oss checkpoint in ``st_folder`` with its experts as released: MXFP4 ``_blocks`` and
+    ``_scales`` tensors of [E, out, in]. Returns the tensors written."""
+    from safetensors.numpy import load_file, save_file
+
+    state = load_file(os.path.join(st_folder, "model.safetensors"))
+    out = {}
+    for name, value in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_encode(np.ascontiguousarray(value.transpose(0, 2, 1)))
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        else:
+            out[name] = value
+    os.makedirs(folder, exist_ok=True)
+    save_file(out, os.path.join(folder, "model.safetensors"))
+    shutil.copy(os.path.join(st_folder, "config.json"), folder)
+    return out

@@ -5,8 +5,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
-import shutil
 import struct
 
 import numpy as np
@@ -16,7 +14,7 @@ import model_factory as mf
 from ktc.compile import compile_bundle
 from ktc.errors import BundleError, ConfigError, KtcError
 from ktc.formats.bundle import BundleHeader, open_bundle
-from ktc.formats.quantize import dequantize, quantize
+from ktc.formats.quantize import dequantize
 
 
 def sha(path) -> str:
@@ -95,24 +93,10 @@ def test_gguf_q8_0_experts_pass_through_equal_to_quantizing_f32(tmp_path, tiny_m
 
 
 def test_gpt_oss_mxfp4_source_repacks_losslessly(tmp_path, tiny_models):
-    from test_detect import _mxfp4_encode
-
     from ktc.api import load_model
     from ktc.formats.dequant import to_float32
-    from safetensors.numpy import load_file, save_file
 
-    src = tiny_models["gpt_oss"]["safetensors"]
-    state = load_file(os.path.join(src, "model.safetensors"))
-    out = {}
-    for name, value in state.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = _mxfp4_encode(np.ascontiguousarray(value.transpose(0, 2, 1)))
-            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
-        else:
-            out[name] = value
-    os.makedirs(tmp_path / "mx")
-    save_file(out, str(tmp_path / "mx" / "model.safetensors"))
-    shutil.copy(os.path.join(src, "config.json"), tmp_path / "mx")
+    mf.write_gpt_oss_mxfp4(tiny_models["gpt_oss"]["safetensors"], str(tmp_path / "mx"))
     compile_bundle(str(tmp_path / "mx"), str(tmp_path / "mx.ktb"), cpu_scheme="mxfp4")
     expert = load_model(str(tmp_path / "mx")).layer(0).experts[2]
     with open_bundle(str(tmp_path / "mx.ktb")) as b:

@@ -214,37 +214,14 @@ def test_fp8_block_scales_dequantize(tiny_models, tmp_path):
     assert expert.gate.nbytes == 16 * mf.HIDDEN + 4 * (16 // block) * (mf.HIDDEN // block)
 
 
-def _mxfp4_encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """gpt-oss MXFP4: per 32 values one e8m0 exponent and 16 bytes of e2m1 nibbles (low first)."""
-    from ktc.formats.dequant import FP4_E2M1_VALUES
-
-    rows = values.reshape(*values.shape[:-1], -1, 32)
-    amax = np.abs(rows).max(axis=-1)
-    exponent = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, 0).astype(np.int32)
-    scaled = rows / np.exp2(exponent)[..., None]
-    codes = np.abs(scaled[..., None] - FP4_E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (exponent + 127).astype(np.uint8)
-
-
 def test_gpt_oss_mxfp4_blocks(tiny_models, tmp_path):
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     from ktc.formats.dequant import FP4_E2M1_VALUES
 
     src = tiny_models["gpt_oss"]["safetensors"]
     state = load_file(os.path.join(src, "model.safetensors"))
-    out = {}
-    for name, value in state.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            out_in = np.ascontiguousarray(value.transpose(0, 2, 1))  # released files: [E, out, in]
-            blocks, scales = _mxfp4_encode(out_in)
-            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
-        else:
-            out[name] = value
-    os.makedirs(tmp_path / "mx")
-    save_file(out, str(tmp_path / "mx" / "model.safetensors"))
-    shutil.copy(os.path.join(src, "config.json"), tmp_path / "mx")
+    out = mf.write_gpt_oss_mxfp4(src, str(tmp_path / "mx"))
 
     ir = load_model(str(tmp_path / "mx"))
     expert = ir.layer(2).experts[1]

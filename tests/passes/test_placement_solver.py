@@ -9,7 +9,7 @@ import pytest
 
 from ktc.errors import BudgetError
 from ktc.passes.placement_solver import (
-    CPU, GPU, PlacementOption, PlacementProblem, evaluate, is_feasible, solve_placement,
+    CPU, GPU, PlacementOption, PlacementProblem, is_feasible, solve_placement,
 )
 
 
