@@ -1,0 +1,91 @@
+"""CPU expert kernels against plain numpy references, over several shapes and seeds.
+
+This file also runs with NUMBA_DISABLE_JIT=1 (see test_kernels_without_jit), which checks the
+kernels' Python semantics rather than their compiled form.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ktc.formats.quantize import dequantize, quantize
+from ktc.runtime.kernels import expert_forward, expert_forward_batch, matvec
+
+SCHEMES = ["f32", "bf16", "f16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128"]
+SHAPES = [(8, 128), (40, 256), (3, 384)]
+
+
+def stored(raw: np.ndarray, scheme: str, cols: int) -> np.ndarray:
+    """The bundle's view of a tensor: plain types as their dtype, the rest as bytes."""
+    if scheme == "f32":
+        return raw.view(np.float32).reshape(raw.shape[0], cols)
+    if scheme in ("bf16", "f16"):
+        return raw.view(np.uint16).reshape(raw.shape[0], cols)
+    return raw
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matvec_matches_numpy(scheme, shape, seed):
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal(cols).astype(np.float32)
+    raw = quantize(w, scheme)
+    reference = dequantize(raw, scheme, cols).astype(np.float64) @ x.astype(np.float64)
+    got = matvec(stored(raw, scheme, cols), scheme, x)
+    np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+
+
+def reference_expert(w_gate, w_up, w_down, x, activation="silu", b_gate_up=None, b_down=None,
+                     limit=7.0, alpha=1.702):
+    gate, up = w_gate @ x.T, w_up @ x.T
+    if b_gate_up is not None:
+        inter = w_gate.shape[0]
+        gate, up = gate + b_gate_up[:inter, None], up + b_gate_up[inter:, None]
+    if activation == "silu":
+        h = gate / (1 + np.exp(-gate)) * up
+    else:
+        gate = np.minimum(gate, limit)
+        up = np.clip(up, -limit, limit)
+        h = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+    y = (w_down @ h).T
+    return y + b_down if b_down is not None else y
+
+
+@pytest.mark.parametrize("scheme", ["f32", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "bf16"])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_expert_forward_one_token_and_batch(scheme, activation):
+    rng = np.random.default_rng(3)
+    hidden, inter = 128, 64
+    w_gate, w_up = rng.standard_normal((2, inter, hidden)).astype(np.float32) * 0.1
+    w_down = rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1
+    b_gu = rng.standard_normal(2 * inter).astype(np.float32) if activation != "silu" else None
+    b_d = rng.standard_normal(hidden).astype(np.float32) if activation != "silu" else None
+    gate_up = quantize(np.concatenate([w_gate, w_up]), scheme)
+    down = quantize(w_down, scheme)
+    dq = lambda raw, cols: dequantize(raw, scheme, cols).astype(np.float64)  # noqa: E731
+    gu = dq(gate_up, hidden)
+    x = rng.standard_normal((5, hidden)).astype(np.float32)
+    want = reference_expert(gu[:inter], gu[inter:], dq(down, inter), x.astype(np.float64), activation, b_gu, b_d)
+    kw = dict(activation=activation, gate_up_bias=b_gu, down_bias=b_d)
+    one = expert_forward(stored(gate_up, scheme, hidden), stored(down, scheme, inter), scheme, x[0], **kw)
+    np.testing.assert_allclose(one, want[0], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    batch = expert_forward_batch(stored(gate_up, scheme, hidden), stored(down, scheme, inter), scheme, x, **kw)
+    np.testing.assert_allclose(batch, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_DISABLE_JIT") == "1", reason="already running without JIT")
+def test_kernels_without_jit():
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                           "-k", "not without_jit and not shape2"],
+                          capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
