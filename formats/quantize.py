@@ -6,7 +6,9 @@ Byte layouts (per row; ``docs/bundle-format.md`` is the reference):
 - ``q8_0``, ``q4_0``, ``mxfp4``: ggml's blocks of 32, bit-identical to the ``gguf`` package.
 - ``int8``: ``cols`` int8 values, then one float32 scale (``amax / 127``); ``x = q * scale``.
 - ``int4_gN``: ``cols / 2`` bytes of 4-bit codes, then ``cols / N`` float32 scales. Symmetric:
-  ``scale = amax / 7`` per group, ``q = clamp(round(x / scale), -7, 7)``, stored as ``q + 8``.
+  per group, ``q = clamp(round(x / scale), -8, 7)`` stored as ``q + 8``, with ``scale`` the one
+  of ``amax / 7, amax / 7.25, ... amax / 10`` (``INT4_DIVISORS``) that gives the smallest
+  squared error.
   Within each run of 32 values, byte ``j`` holds value ``j`` in its low nibble and ``j + 16`` in
   its high nibble (ggml's order, which lets a kernel unpack 32 values with two masks).
   Symmetric rather than with a minimum: expert weights are centred on zero, so a minimum buys
@@ -172,8 +174,22 @@ def _int8_kernel(x, scales, codes):  # pragma: no cover - compiled
             codes[r, j] = np.int8(q) if v >= _F0 else np.int8(-q)
 
 
+# Candidate scales per int4 group, as divisors of the group's largest magnitude: the one with
+# the smallest squared error wins (amax / 7 never clips; larger divisors trade a clipped extreme
+# for finer steps, and use the code -8).
+INT4_DIVISORS = np.array([7.0, 7.25, 7.5, 7.75, 8.0, 8.5, 9.0, 10.0], dtype=np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _int4_code(v, inv):  # pragma: no cover - compiled
+    # round(v / d) half away from zero, clamped to [-8, 7]
+    q = np.floor(abs(v * inv) + np.float32(0.5))
+    q = q if v >= _F0 else -q
+    return max(np.float32(-8.0), min(np.float32(7.0), q))
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _int4_kernel(x, group, scales, codes):  # pragma: no cover - compiled
+def _int4_kernel(x, group, divisors, scales, codes):  # pragma: no cover - compiled
     # x: [rows, cols]; scales: [rows, cols // group]; codes: [rows, cols // 2]
     groups = x.shape[1] // group
     for r in prange(x.shape[0]):
@@ -181,23 +197,28 @@ def _int4_kernel(x, group, scales, codes):  # pragma: no cover - compiled
             start = g * group
             amax = _F0
             for j in range(group):
-                v = abs(x[r, start + j])
-                if v > amax:
-                    amax = v
-            d = amax / np.float32(7.0)
+                amax = max(amax, abs(x[r, start + j]))
+            best_d = _F0
+            best_err = np.float32(np.inf)
+            for c in range(divisors.shape[0]):
+                d = amax / divisors[c]
+                inv = _F0 if d == _F0 else _F1 / d
+                err = _F0
+                for j in range(group):
+                    v = x[r, start + j]
+                    e = v - _int4_code(v, inv) * d
+                    err += e * e
+                if err < best_err:
+                    best_err = err
+                    best_d = d
+            d = best_d
             inv = _F0 if d == _F0 else _F1 / d
             scales[r, g] = d
             for sub in range(group // 32):
                 base = start + sub * 32
                 for j in range(16):
-                    lo = x[r, base + j] * inv
-                    hi = x[r, base + j + 16] * inv
-                    ql = np.floor(abs(lo) + np.float32(0.5))
-                    qh = np.floor(abs(hi) + np.float32(0.5))
-                    ql = min(ql, np.float32(7.0))
-                    qh = min(qh, np.float32(7.0))
-                    cl = np.uint8(8 + (np.int32(ql) if lo >= _F0 else -np.int32(ql)))
-                    ch = np.uint8(8 + (np.int32(qh) if hi >= _F0 else -np.int32(qh)))
+                    cl = np.uint8(np.int32(_int4_code(x[r, base + j], inv)) + 8)
+                    ch = np.uint8(np.int32(_int4_code(x[r, base + j + 16], inv)) + 8)
                     codes[r, base // 2 + j] = cl | (ch << np.uint8(4))
 
 
@@ -256,7 +277,7 @@ def quantize(values: np.ndarray, scheme: Scheme | str) -> np.ndarray:
         group = scheme.block_elems
         scales = np.empty((rows, cols // group), dtype=np.float32)
         codes = np.empty((rows, cols // 2), dtype=np.uint8)
-        _int4_kernel(x, group, scales, codes)
+        _int4_kernel(x, group, INT4_DIVISORS, scales, codes)
         return np.concatenate([codes, scales.view(np.uint8).reshape(rows, -1)], axis=1)
     raise FormatError(f"no quantizer for scheme {name}")
 

@@ -61,14 +61,23 @@ def test_int_schemes_reference():
     np.testing.assert_array_equal(raw[:, 128:].copy().view(np.float32).ravel(), scale)
 
     raw4 = quantize(x, "int4_g64")
+    from ktc.formats.quantize import INT4_DIVISORS
+
     groups = x.reshape(8, 2, 64)
-    s4 = np.abs(groups).max(axis=2) / np.float32(7)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.where(s4[..., None] > 0, groups * (np.float32(1) / s4[..., None]), 0)
-    codes = (np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), -7, 7) + 8).astype(np.uint8).reshape(8, 4, 32)
+    amax = np.abs(groups).max(axis=2)
+
+    def codes_for(d):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = np.where(d[..., None] > 0, groups * (np.float32(1) / d[..., None]), 0)
+        return np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), -8, 7)
+
+    candidates = [amax / div for div in INT4_DIVISORS]
+    errors = [((groups - codes_for(d) * d[..., None]) ** 2).sum(axis=2) for d in candidates]
+    s4 = np.choose(np.argmin(np.stack(errors), axis=0), candidates)
+    codes = (codes_for(s4) + 8).astype(np.uint8).reshape(8, 4, 32)
     packed = codes[..., :16] | (codes[..., 16:] << 4)
-    np.testing.assert_array_equal(raw4[:, :64], packed.reshape(8, 64))
     np.testing.assert_array_equal(raw4[:, 64:].copy().view(np.float32).reshape(8, 2), s4)
+    np.testing.assert_array_equal(raw4[:, :64], packed.reshape(8, 64))
 
 
 def test_every_scheme_has_a_quantizer():

@@ -1,0 +1,248 @@
+"""A MoE layer served from a bundle: routing for every supported family, CPU experts through the
+Numba kernels in a worker thread, device experts through torch at the same time, shared experts.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ktc.errors import BundleError, KtcError
+from ktc.formats.bundle import Bundle
+from ktc.formats.quantize import dequantize
+
+from .kernels import _act, expert_forward, expert_forward_batch
+
+_PLAIN = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+
+def _as_float32(bundle: Bundle, name: str) -> np.ndarray:
+    """A non-expert tensor as float32 (routers and biases are stored float32 already)."""
+    t = bundle.tensors[name]
+    raw = bundle.tensor(name)
+    if t.scheme == "f32":
+        return np.asarray(raw, dtype=np.float32)
+    cols = t.shape[-1]
+    rows = t.shape[0] if len(t.shape) > 1 else 1
+    flat = raw.view(np.uint8).reshape(rows, -1)
+    return dequantize(flat, t.scheme, cols).reshape(t.shape)
+
+
+@dataclass(frozen=True)
+class _CpuExpert:
+    gate_up: np.ndarray
+    down: np.ndarray
+    scheme: str
+    gate_up_bias: np.ndarray | None
+    down_bias: np.ndarray | None
+
+
+class MoELayer:
+    """The routed experts (and shared experts) of one MoE layer of an opened bundle.
+
+    ``device`` is a torch device for the experts the plan put on the GPU (``"cuda"``; ``"cpu"``
+    runs the same torch code on the CPU, as tests do). With ``device=None`` every expert runs in
+    the Numba kernels. ``counts`` records how often each expert is chosen.
+    """
+
+    def __init__(self, bundle: Bundle, layer: int, *, device: str | None = None) -> None:
+        model = bundle.manifest["model"]
+        infos = {info["layer"]: info for info in model["moe_layers"]}
+        if layer not in infos:
+            raise KtcError(f"layer {layer} is not a MoE layer of this bundle "
+                           f"(MoE layers: {sorted(infos)[:8]}...)", path=bundle.path)
+        self.info = info = infos[layer]
+        self.layer = layer
+        self.hidden_size = int(model["config"]["hidden_size"])
+        self.num_experts = int(info["num_experts"])
+        self.top_k = int(info["top_k"])
+        self.activation = info["activation"]
+        self.swiglu_limit = model["config"].get("swiglu_limit")
+        self.swiglu_alpha = model["config"].get("swiglu_alpha")
+        prefix = f"layers.{layer}."
+        self.router = _as_float32(bundle, prefix + "router")
+        self.router_bias = _as_float32(bundle, prefix + "router_bias") if info["router_bias"] else None
+        self.score_bias = (_as_float32(bundle, prefix + "score_correction_bias")
+                           if info["score_correction_bias"] else None)
+        self.shared = None
+        if info["shared_experts"]:
+            self.shared = tuple(_as_float32(bundle, prefix + f"shared_experts.{p}") for p in ("gate", "up", "down"))
+        self.shared_gate = _as_float32(bundle, prefix + "shared_expert_gate") if info["shared_expert_gate"] else None
+        placement = bundle.manifest["plan"]["placement"][str(layer)]
+        self.cpu: dict[int, _CpuExpert] = {}
+        gpu: list[int] = []
+        for e in range(self.num_experts):
+            name = f"{prefix}experts.{e}."
+            on_gpu = placement[e].startswith("gpu:") and device is not None
+            if on_gpu:
+                gpu.append(e)
+                continue
+            scheme = bundle.tensors[name + "gate_up"].scheme
+            self.cpu[e] = _CpuExpert(
+                bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"), scheme,
+                _as_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
+                _as_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
+        self.device = device
+        self.gpu_experts = tuple(gpu)
+        self.device_bytes = 0
+        self._device_weights: dict[str, Any] = {}
+        if gpu:
+            self._load_device(bundle, prefix, gpu, device)
+        self.counts = np.zeros(self.num_experts, dtype=np.int64)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-moe-{layer}")
+
+    # ------------------------------------------------------------------------------------------
+    # Device experts
+
+    def _load_device(self, bundle: Bundle, prefix: str, experts: list[int], device: str | None) -> None:
+        """Stack the device experts' weights per layer on ``device`` at their scheme's float
+        type (bf16/f16/f32 as stored; quantized schemes are decoded to bf16 for now)."""
+        import torch
+
+        gate_up, down, gu_bias, d_bias = [], [], [], []
+        dtype = None
+        for e in experts:
+            name = f"{prefix}experts.{e}."
+            t = bundle.tensors[name + "gate_up"]
+            for target, suffix in ((gate_up, "gate_up"), (down, "down")):
+                meta = bundle.tensors[name + suffix]
+                raw = bundle.tensor(name + suffix)
+                if meta.scheme in ("f32", "f16"):
+                    value = torch.from_numpy(np.array(raw))
+                elif meta.scheme == "bf16":
+                    value = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
+                else:
+                    value = torch.from_numpy(dequantize(raw.view(np.uint8).reshape(meta.shape[0], -1),
+                                                        meta.scheme, meta.shape[1])).to(torch.bfloat16)
+                target.append(value)
+            dtype = target[-1].dtype if dtype is None else dtype
+            if name + "gate_up_bias" in bundle.tensors:
+                gu_bias.append(torch.from_numpy(_as_float32(bundle, name + "gate_up_bias")))
+                d_bias.append(torch.from_numpy(_as_float32(bundle, name + "down_bias")))
+            del t
+        stacked = {"gate_up": torch.stack(gate_up).to(device), "down": torch.stack(down).to(device)}
+        if gu_bias:
+            stacked["gate_up_bias"] = torch.stack(gu_bias).to(device)
+            stacked["down_bias"] = torch.stack(d_bias).to(device)
+        self._device_weights = stacked
+        self._device_index = {e: i for i, e in enumerate(experts)}
+        self.device_bytes = sum(v.numel() * v.element_size() for v in stacked.values())
+
+    def _run_device(self, hidden: np.ndarray, work: list[tuple[int, np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        import torch
+
+        w = self._device_weights
+        results = []
+        x_all = torch.from_numpy(hidden).to(self.device)
+        inter = w["gate_up"].shape[1] // 2
+        for e, tokens, weights in work:
+            i = self._device_index[e]
+            x = x_all[torch.from_numpy(tokens).to(self.device)]
+            gu = w["gate_up"][i]
+            h = (x.to(gu.dtype) @ gu.T).float()
+            if "gate_up_bias" in w:
+                h = h + w["gate_up_bias"][i]
+            a = torch.from_numpy(_act(h.cpu().numpy(), inter, self.activation, self.swiglu_limit,
+                                      self.swiglu_alpha).astype(np.float32)).to(self.device)
+            dn = w["down"][i]
+            y = (a.to(dn.dtype) @ dn.T).float()
+            if "down_bias" in w:
+                y = y + w["down_bias"][i]
+            results.append((tokens, (y * torch.from_numpy(weights).to(self.device)[:, None]).cpu().numpy()))
+        return results
+
+    # ------------------------------------------------------------------------------------------
+    # Routing
+
+    def route(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(expert indices [T, top_k], weights [T, top_k]) as the model's own router computes them."""
+        info = self.info
+        logits = hidden.astype(np.float32) @ self.router.T
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        k = self.top_k
+        if info["gating"] == "sigmoid":
+            scores = 1.0 / (1.0 + np.exp(-logits))
+            choice = scores + (self.score_bias if self.score_bias is not None else 0.0)
+            groups = int(info["num_groups"])
+            if groups > 1:
+                per = self.num_experts // groups
+                grouped = choice.reshape(-1, groups, per)
+                group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+                keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, : int(info["topk_groups"])]
+                mask = np.zeros_like(group_scores, dtype=bool)
+                np.put_along_axis(mask, keep, True, axis=-1)
+                choice = np.where(np.repeat(mask, per, axis=-1), choice, -np.inf)
+            idx = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+            weights = np.take_along_axis(scores, idx, axis=-1)
+            if info["norm_topk_prob"]:
+                weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        else:
+            shifted = logits - logits.max(axis=-1, keepdims=True)
+            probs = np.exp(shifted)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+            weights = np.take_along_axis(probs, idx, axis=-1)
+            if info["norm_topk_prob"]:
+                weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights * np.float32(info["routed_scaling_factor"])
+        return idx, weights.astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+
+    def forward(self, hidden: np.ndarray) -> np.ndarray:
+        """The MoE block's output for ``hidden`` [tokens, hidden_size] (float32)."""
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        if hidden.ndim != 2 or hidden.shape[1] != self.hidden_size:
+            raise KtcError(f"hidden states have shape {hidden.shape}; this layer takes [tokens, "
+                           f"{self.hidden_size}]")
+        if not np.all(np.isfinite(hidden)):
+            raise KtcError("hidden states contain NaN or Inf")
+        idx, weights = self.route(hidden)
+        np.add.at(self.counts, idx.ravel(), 1)
+        cpu_work, gpu_work = [], []
+        for e in np.unique(idx).tolist():
+            tokens, slot = np.nonzero(idx == e)
+            item = (e, tokens, weights[tokens, slot])
+            (gpu_work if e in getattr(self, "_device_index", {}) else cpu_work).append(item)
+        future = self._pool.submit(self._run_cpu, hidden, cpu_work)  # overlaps with the device
+        results = self._run_device(hidden, gpu_work) if gpu_work else []
+        results += future.result()
+        out = np.zeros_like(hidden)
+        for tokens, y in results:
+            np.add.at(out, tokens, y)
+        if self.shared is not None:
+            gate, up, down = self.shared
+            g = hidden @ gate.T
+            shared = (g / (1 + np.exp(-g)) * (hidden @ up.T)) @ down.T
+            if self.shared_gate is not None:
+                shared = shared / (1 + np.exp(-(hidden @ self.shared_gate.T)))
+            out += shared
+        return out
+
+    def _run_cpu(self, hidden: np.ndarray, work: list[tuple[int, np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        results = []
+        for e, tokens, weights in work:
+            ex = self.cpu[e]
+            kw = dict(activation=self.activation, gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
+                      limit=self.swiglu_limit, alpha=self.swiglu_alpha)
+            if len(tokens) == 1:
+                y = expert_forward(ex.gate_up, ex.down, ex.scheme, hidden[tokens[0]], **kw)[None, :]
+            else:
+                y = expert_forward_batch(ex.gate_up, ex.down, ex.scheme, hidden[tokens], **kw)
+            results.append((tokens, y * weights[:, None]))
+        return results
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def moe_layers(bundle: Bundle, *, device: str | None = None) -> list[MoELayer]:
+    """Every MoE layer of the bundle."""
+    if "moe_layers" not in bundle.manifest.get("model", {}):
+        raise BundleError("the manifest has no MoE layers", path=bundle.path)
+    return [MoELayer(bundle, info["layer"], device=device) for info in bundle.manifest["model"]["moe_layers"]]
