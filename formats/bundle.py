@@ -143,6 +143,11 @@ class Bundle:
     _map: mmap.mmap | None = None
     _views: list[Any] = field(default_factory=list)
 
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Bundle:
+        """Open and validate a bundle (see ``open_bundle``); use it as a context manager."""
+        return open_bundle(path)
+
     def __enter__(self) -> Bundle:
         return self
 

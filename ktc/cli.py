@@ -418,6 +418,80 @@ def verify(bundle: str, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("bundle", type=click.Path(exists=False))
+@click.option("--tokens", default="1,16,64", show_default=True, help="Comma list of tokens per step.")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads for the kernels [default: all cores].")
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Timed steps per token count.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@_handle_errors
+def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bool) -> None:
+    """Run a bundle's MoE layers on random hidden states with real routing, on the CPU kernels.
+
+    Prints, per token count and per layer, ms per step, the weight bytes read per second, and
+    that rate as a fraction of this machine's read bandwidth measured in the same run.
+
+    \b
+    Example:
+      ktc bench qwen.ktb --tokens 1,16,64 --threads 2
+    """
+    from ktc.runtime.bench import bench_bundle
+
+    try:
+        counts = tuple(int(t) for t in tokens.split(",") if t.strip())
+    except ValueError:
+        raise KtcError(f"--tokens takes a comma list of integers, not {tokens!r}") from None
+    if not counts or min(counts) < 1:
+        raise KtcError("--tokens needs positive integers")
+    result = bench_bundle(bundle, counts, threads, steps)
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+        return
+    click.echo(f"{bundle}: {result['threads']} threads; read bandwidth measured {result['roofline_gbps']:.1f} GB/s")
+    for count, fig in result["tokens"].items():
+        click.echo(f"  {count:>4} tokens: {fig['ms_per_step']:8.3f} ms/step ({fig['ms_per_token']:.3f} ms/token), "
+                   f"weights {fig['weight_gbps']:6.2f} GB/s = {100 * fig['roofline_fraction']:.0f}% of the roofline")
+        for layer, lf in fig["layers"].items():
+            click.echo(f"        layer {layer:>3}: {lf['ms']:8.3f} ms, {lf['weight_gbps']:6.2f} GB/s")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--write-profile", type=click.Path(dir_okay=False),
+              help="Write the hardware profile ktc plan reads (--hardware FILE).")
+@_handle_errors
+def doctor(as_json: bool, write_profile: str | None) -> None:
+    """Check this machine: versions, CPU features, cores, RAM, CUDA devices, measured memory
+    bandwidth, Numba's threading layer, and what will hurt, with the fix.
+
+    \b
+    Example:
+      ktc doctor --write-profile hw.json && ktc plan ./model --hardware hw.json
+    """
+    from ktc.runtime.doctor import diagnose
+
+    report = diagnose()
+    if write_profile:
+        _write_text(write_profile, json.dumps(report["hardware_profile"], indent=1) + "\n")
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+        return
+    for key in ("python", "ktc", "numpy", "torch", "numba"):
+        click.echo(f"{key:<14}{report['versions'][key]}")
+    cpu = report["cpu"]
+    click.echo(f"{'cpu':<14}{cpu['model']}, {cpu['cores']} cores; " +
+               ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items()))
+    click.echo(f"{'ram':<14}{report['ram_bytes'] / 2**30:.1f} GiB")
+    click.echo(f"{'cuda':<14}" + (", ".join(f"{d['name']} {d['memory_bytes'] / 2**30:.0f} GiB" for d in report["cuda"])
+                                  or "no CUDA device"))
+    click.echo(f"{'bandwidth':<14}{report['read_bandwidth_gbps']:.1f} GB/s read, measured")
+    click.echo(f"{'numba threads':<14}{report['numba']['threads']} ({report['numba']['threading_layer']})")
+    for warning in report["warnings"]:
+        click.echo(f"warning: {warning}")
+    if write_profile:
+        click.echo(f"hardware profile written to {write_profile}")
+
+
+@main.command()
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for the demo checkpoint (default: the ktc cache folder).")
 @click.option("--vram", default="16MiB", show_default=True,

@@ -246,3 +246,11 @@ def moe_layers(bundle: Bundle, *, device: str | None = None) -> list[MoELayer]:
     if "moe_layers" not in bundle.manifest.get("model", {}):
         raise BundleError("the manifest has no MoE layers", path=bundle.path)
     return [MoELayer(bundle, info["layer"], device=device) for info in bundle.manifest["model"]["moe_layers"]]
+
+
+def routing_profile(layers: list[MoELayer]):  # type: ignore[no-untyped-def]
+    """The layers' routing counts as an activation profile for ``ktc plan --profile``."""
+    from ktc.formats.activation_profile import ActivationProfile
+
+    return ActivationProfile(tuple(layer.layer for layer in layers),
+                             np.stack([layer.counts for layer in layers]).astype(np.float64), "routing counts")

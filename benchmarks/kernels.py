@@ -1,0 +1,120 @@
+"""CPU expert kernels against the memory read bandwidth measured in the same run.
+
+1. One token through one expert at Mixtral-8x7B's shape (hidden 4096, expert 14336), per scheme:
+   weight bytes read per second as a fraction of the roofline (targets: int8 and q8_0 75%,
+   int4, q4_0 and mxfp4 60%).
+2. A whole MoE layer at Qwen3-30B-A3B's shape (hidden 2048, expert 768, 8 of 128 experts), int8,
+   routing and dispatch included (target 60%).
+3. 64 tokens through one expert against torch bf16 ``F.linear`` on the same weights dequantized
+   (target: at least torch's throughput).
+
+    python benchmarks/kernels.py [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="smaller expert, fewer repeats")
+    args = parser.parse_args()
+    from ktc.formats.quantize import dequantize, quantize
+    from ktc.runtime.bandwidth import read_bandwidth
+    from ktc.runtime.bench import set_threads
+    from ktc.runtime.kernels import expert_forward, expert_forward_batch
+
+    threads = set_threads(args.threads)
+    roofline = read_bandwidth()
+    print(f"{threads} threads; read bandwidth {roofline / 1e9:.1f} GB/s (the roofline)")
+    hidden, inter = (4096, 14336) if not args.quick else (2048, 4096)
+    repeat = 5 if not args.quick else 2
+    rng = np.random.default_rng(0)
+    w_gate_up = (rng.standard_normal((2 * inter, hidden), dtype=np.float32) * 0.02)
+    w_down = (rng.standard_normal((hidden, inter), dtype=np.float32) * 0.02)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    targets = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60}
+    met = True
+    print(f"1. one token, expert {hidden}x{inter}:")
+    for scheme, target in targets.items():
+        gate_up, down = quantize(w_gate_up, scheme), quantize(w_down, scheme)
+        seconds = best_time(lambda: expert_forward(gate_up, down, scheme, x), repeat)
+        rate = (gate_up.nbytes + down.nbytes) / seconds
+        fraction = rate / roofline
+        met &= fraction >= target
+        print(f"   {scheme:<10} {1e3 * seconds:7.2f} ms, {rate / 1e9:5.1f} GB/s = {100 * fraction:3.0f}% of the "
+              f"roofline (target {100 * target:.0f}%)")
+
+    print("2. MoE layer, Qwen3-30B-A3B shape, int8, 8 of 128 experts:")
+    from ktc.compile import compile_bundle
+    from ktc.demo import write_sparse_checkpoint
+    from ktc.formats.bundle import open_bundle
+    from ktc.runtime.moe import MoELayer
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 1,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 1024}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_sparse_checkpoint(config, os.path.join(tmp, "src"), dtype="F32")
+        compile_bundle(os.path.join(tmp, "src"), os.path.join(tmp, "layer.ktb"), cpu_scheme="int8")
+        with open_bundle(os.path.join(tmp, "layer.ktb")) as bundle:
+            layer = MoELayer(bundle, 0)
+            # The sparse source has zero weights: random routing weights give real routing.
+            layer.router = rng.standard_normal(layer.router.shape).astype(np.float32)
+            h = rng.standard_normal((1, 2048)).astype(np.float32)
+            per_expert = next(iter(layer.cpu.values()))
+            expert_bytes = per_expert.gate_up.nbytes + per_expert.down.nbytes
+            seconds = best_time(lambda: layer.forward(h), repeat * 4)
+            rate = 8 * expert_bytes / seconds
+            fraction = rate / roofline
+            met &= fraction >= 0.60
+            print(f"   {1e3 * seconds:7.3f} ms per token, {rate / 1e9:5.1f} GB/s = {100 * fraction:3.0f}% of the "
+                  "roofline (target 60%)")
+            layer.close()
+
+    print(f"3. 64 tokens through one expert {hidden}x{inter}, against torch bf16 F.linear:")
+    import torch
+
+    torch.set_num_threads(threads)
+    xs = rng.standard_normal((64, hidden)).astype(np.float32)
+    for scheme in ("int8", "q4_0"):
+        gate_up, down = quantize(w_gate_up, scheme), quantize(w_down, scheme)
+        ours = best_time(lambda: expert_forward_batch(gate_up, down, scheme, xs), max(2, repeat // 2))
+        wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)
+        wd = torch.from_numpy(dequantize(down, scheme, inter)).to(torch.bfloat16)
+        xt = torch.from_numpy(xs).to(torch.bfloat16)
+
+        def reference() -> None:
+            h2 = torch.nn.functional.linear(xt, wg)
+            a = torch.nn.functional.silu(h2[:, :inter]) * h2[:, inter:]
+            torch.nn.functional.linear(a, wd)
+
+        theirs = best_time(reference, max(2, repeat // 2))
+        met &= ours <= theirs
+        print(f"   {scheme:<6} ktc {1e3 * ours:8.1f} ms, torch bf16 {1e3 * theirs:8.1f} ms: "
+              f"{theirs / ours:.2f}x torch's throughput (target at least 1x)")
+    print("targets met" if met else "targets NOT met")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""``ktc doctor``: what this machine is, what it can do, and what will hurt."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+from .bandwidth import read_bandwidth
+
+_FLAGS = {"avx2": "avx2", "avx512": "avx512f", "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16",
+          "amx": "amx_tile"}
+
+
+def _cpu() -> dict[str, Any]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and ":" in line:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count() or 1,
+            "features": {name: flag in flags for name, flag in _FLAGS.items()}}
+
+
+def _ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def diagnose() -> dict[str, Any]:
+    import numba
+    import numpy
+
+    import ktc
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        cuda = [{"name": torch.cuda.get_device_name(i),
+                 "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    except ImportError:
+        torch_version, cuda = "not installed", []
+    bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+    cpu = _cpu()
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel region has run yet
+        layer = "not started"
+    warnings = []
+    if not cpu["features"]["avx512"]:
+        warnings.append("no AVX-512: CPU experts run on 256-bit vectors; expect about half the "
+                        "throughput of an AVX-512 machine per core")
+    if cpu["cores"] < 2 or numba.get_num_threads() < 2:
+        warnings.append("one thread: CPU experts cannot reach the memory bandwidth; unset "
+                        "NUMBA_NUM_THREADS or give the process more cores")
+    ram = _ram()
+    if ram and ram < 32 * 2**30:
+        warnings.append(f"{ram / 2**30:.0f} GiB of RAM: only small models' CPU experts fit; check with "
+                        "ktc plan --ram before compiling")
+    if not cuda:
+        warnings.append("no CUDA device: every expert runs on the CPU (plan with --vram 0, or for "
+                        "the machine that will serve)")
+    from ktc.formats.hardware_profile import HardwareProfile
+
+    profile = HardwareProfile(vram_bytes=max((d["memory_bytes"] for d in cuda), default=0), ram_bytes=ram or 1,
+                              cpu_bandwidth=bandwidth, source="ktc doctor")
+    return {
+        "versions": {"python": platform.python_version(), "ktc": ktc.__version__, "numpy": numpy.__version__,
+                     "torch": torch_version, "numba": numba.__version__},
+        "cpu": cpu, "ram_bytes": ram, "cuda": cuda, "read_bandwidth_gbps": bandwidth / 1e9,
+        "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
+        "warnings": warnings, "hardware_profile": profile.to_json(),
+    }

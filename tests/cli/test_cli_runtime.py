@@ -1,0 +1,37 @@
+"""``ktc bench`` and ``ktc doctor``: the figures and files they promise."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from ktc.cli import main
+from ktc.compile import compile_bundle
+
+
+def test_bench_json(tmp_path, tiny_models):
+    path = tmp_path / "m.ktb"
+    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme="int8")
+    result = CliRunner().invoke(main, ["bench", str(path), "--tokens", "1,4", "--steps", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["roofline_gbps"] > 0
+    for count in ("1", "4"):
+        fig = out["tokens"][count]
+        assert fig["ms_per_token"] > 0 and fig["weight_gbps"] > 0
+        assert 0 < fig["roofline_fraction"] == fig["weight_gbps"] / out["roofline_gbps"]
+        assert set(fig["layers"]) == {"0", "1", "2"}
+
+
+def test_doctor_writes_a_profile_the_planner_reads(tmp_path, demo_model):
+    profile = tmp_path / "hw.json"
+    result = CliRunner().invoke(main, ["doctor", "--json", "--write-profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["read_bandwidth_gbps"] > 0 and report["cpu"]["cores"] >= 1
+    assert set(report["cpu"]["features"]) == {"avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"}
+    from ktc.api import plan
+
+    result = plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0)
+    assert abs(result.hardware.cpu_bandwidth / 1e9 - report["read_bandwidth_gbps"]) < 1e-6
