@@ -35,10 +35,15 @@ def _ram() -> int:
 
 
 def diagnose() -> dict[str, Any]:
+    from importlib import metadata
+
     import numba
     import numpy
 
-    import ktc
+    try:
+        ktc_version = metadata.version("ktc")
+    except metadata.PackageNotFoundError:
+        ktc_version = "not installed"
 
     try:
         import torch
@@ -74,7 +79,7 @@ def diagnose() -> dict[str, Any]:
     profile = HardwareProfile(vram_bytes=max((d["memory_bytes"] for d in cuda), default=0), ram_bytes=ram or 1,
                               cpu_bandwidth=bandwidth, source="ktc doctor")
     return {
-        "versions": {"python": platform.python_version(), "ktc": ktc.__version__, "numpy": numpy.__version__,
+        "versions": {"python": platform.python_version(), "ktc": ktc_version, "numpy": numpy.__version__,
                      "torch": torch_version, "numba": numba.__version__},
         "cpu": cpu, "ram_bytes": ram, "cuda": cuda, "read_bandwidth_gbps": bandwidth / 1e9,
         "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
