@@ -67,74 +67,167 @@ def _matvec_int8(codes, scales, x, out):  # pragma: no cover - compiled
         out[r] = acc * scales[r]
 
 
+# Block formats: four rows per iteration, each with 16 accumulator lanes that live in vector
+# registers, so x is loaded once for four rows and no horizontal sum is paid per block (the
+# one-row, reduce-per-block form ran at 5-10% of the read bandwidth here, this one 3-4x faster).
+# Rows past the end (when rows % 4 != 0) repeat the last row and are not stored.
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _half(raw, r, at, table):  # pragma: no cover - compiled
+    return table[np.uint16(raw[r, at]) | (np.uint16(raw[r, at + 1]) << np.uint16(8))]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nib(q, shift):  # pragma: no cover - compiled
+    # 4-bit code in int32 lanes (never int64), centred: code - 8
+    return np.float32(((q >> shift) & np.int32(15)) - np.int32(8))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _e2m1_doubled(code):  # pragma: no cover - compiled
+    # 2 x the e2m1 value of a 4-bit code, without a table: 0 1 2 3 4 6 8 12, sign in bit 3
+    m = code & np.int32(7)
+    shift = max((m >> np.int32(1)) - np.int32(1), np.int32(0))
+    mag = m if m < np.int32(2) else (np.int32(2) + (m & np.int32(1))) << shift
+    return np.float32(-mag) if code & np.int32(8) else np.float32(mag)
+
+
 @njit(**_OPTS)
 def _matvec_q8_0(raw, x, table, out):  # pragma: no cover - compiled
     # raw: uint8 [rows, cols / 32 * 34]; block = float16 d, 32 int8
+    rows = raw.shape[0]
     blocks = x.shape[0] // 32
-    for r in prange(raw.shape[0]):
-        acc = np.float32(0.0)
+    last = rows - 1
+    for rb in prange((rows + 3) // 4):
+        r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
+        a0 = np.zeros(32, np.float32)
+        a1 = np.zeros(32, np.float32)
+        a2 = np.zeros(32, np.float32)
+        a3 = np.zeros(32, np.float32)
         for b in range(blocks):
             base = b * 34
-            d = table[np.uint16(raw[r, base]) | (np.uint16(raw[r, base + 1]) << np.uint16(8))]
-            s = np.float32(0.0)
+            xb = b * 32
+            d0, d1 = _half(raw, r0, base, table), _half(raw, r1, base, table)
+            d2, d3 = _half(raw, r2, base, table), _half(raw, r3, base, table)
             for j in range(32):
-                s += np.float32(np.int8(raw[r, base + 2 + j])) * x[b * 32 + j]
-            acc += d * s
-        out[r] = acc
+                xj = x[xb + j]
+                a0[j] += d0 * np.float32(np.int8(raw[r0, base + 2 + j])) * xj
+                a1[j] += d1 * np.float32(np.int8(raw[r1, base + 2 + j])) * xj
+                a2[j] += d2 * np.float32(np.int8(raw[r2, base + 2 + j])) * xj
+                a3[j] += d3 * np.float32(np.int8(raw[r3, base + 2 + j])) * xj
+        _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _store4(out, r, rows, v0, v1, v2, v3):  # pragma: no cover - compiled
+    out[r] = v0
+    if r + 1 < rows:
+        out[r + 1] = v1
+    if r + 2 < rows:
+        out[r + 2] = v2
+    if r + 3 < rows:
+        out[r + 3] = v3
 
 
 @njit(**_OPTS)
 def _matvec_q4_0(raw, x, table, out):  # pragma: no cover - compiled
     # block = float16 d, 16 bytes: value j low nibble, j + 16 high nibble; value = (q - 8) d
+    rows = raw.shape[0]
     blocks = x.shape[0] // 32
-    for r in prange(raw.shape[0]):
-        acc = np.float32(0.0)
+    last = rows - 1
+    s4 = np.int32(4)
+    s0 = np.int32(0)
+    for rb in prange((rows + 3) // 4):
+        r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
+        a0 = np.zeros(16, np.float32)
+        a1 = np.zeros(16, np.float32)
+        a2 = np.zeros(16, np.float32)
+        a3 = np.zeros(16, np.float32)
         for b in range(blocks):
             base = b * 18
-            d = table[np.uint16(raw[r, base]) | (np.uint16(raw[r, base + 1]) << np.uint16(8))]
-            s = np.float32(0.0)
             xb = b * 32
+            d0, d1 = _half(raw, r0, base, table), _half(raw, r1, base, table)
+            d2, d3 = _half(raw, r2, base, table), _half(raw, r3, base, table)
             for j in range(16):
-                q = raw[r, base + 2 + j]
-                s += np.float32(np.int32(q & 15) - 8) * x[xb + j] + np.float32(np.int32(q >> 4) - 8) * x[xb + 16 + j]
-            acc += d * s
-        out[r] = acc
+                xl = x[xb + j]
+                xh = x[xb + 16 + j]
+                q = np.int32(raw[r0, base + 2 + j])
+                a0[j] += d0 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+                q = np.int32(raw[r1, base + 2 + j])
+                a1[j] += d1 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+                q = np.int32(raw[r2, base + 2 + j])
+                a2[j] += d2 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+                q = np.int32(raw[r3, base + 2 + j])
+                a3[j] += d3 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+        _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
 @njit(**_OPTS)
-def _matvec_mxfp4(raw, x, fp4, e8m0, out):  # pragma: no cover - compiled
+def _matvec_mxfp4(raw, x, e8m0, out):  # pragma: no cover - compiled
     # block = e8m0 exponent byte, 16 bytes of e2m1 codes (j low nibble, j + 16 high)
+    rows = raw.shape[0]
     blocks = x.shape[0] // 32
-    for r in prange(raw.shape[0]):
-        acc = np.float32(0.0)
+    last = rows - 1
+    half = np.float32(0.5)
+    m4 = np.int32(15)
+    for rb in prange((rows + 3) // 4):
+        r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
+        a0 = np.zeros(16, np.float32)
+        a1 = np.zeros(16, np.float32)
+        a2 = np.zeros(16, np.float32)
+        a3 = np.zeros(16, np.float32)
         for b in range(blocks):
             base = b * 17
-            s = np.float32(0.0)
             xb = b * 32
+            d0, d1 = half * e8m0[raw[r0, base]], half * e8m0[raw[r1, base]]
+            d2, d3 = half * e8m0[raw[r2, base]], half * e8m0[raw[r3, base]]
             for j in range(16):
-                q = raw[r, base + 1 + j]
-                s += fp4[q & 15] * x[xb + j] + fp4[q >> 4] * x[xb + 16 + j]
-            acc += e8m0[raw[r, base]] * s
-        out[r] = acc
+                xl = x[xb + j]
+                xh = x[xb + 16 + j]
+                q = np.int32(raw[r0, base + 1 + j])
+                a0[j] += d0 * (_e2m1_doubled(q & m4) * xl + _e2m1_doubled(q >> np.int32(4)) * xh)
+                q = np.int32(raw[r1, base + 1 + j])
+                a1[j] += d1 * (_e2m1_doubled(q & m4) * xl + _e2m1_doubled(q >> np.int32(4)) * xh)
+                q = np.int32(raw[r2, base + 1 + j])
+                a2[j] += d2 * (_e2m1_doubled(q & m4) * xl + _e2m1_doubled(q >> np.int32(4)) * xh)
+                q = np.int32(raw[r3, base + 1 + j])
+                a3[j] += d3 * (_e2m1_doubled(q & m4) * xl + _e2m1_doubled(q >> np.int32(4)) * xh)
+        _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
 @njit(**_OPTS)
 def _matvec_int4(codes, scales, x, group, out):  # pragma: no cover - compiled
     # codes: uint8 [rows, cols / 2] (runs of 32: j low nibble, j + 16 high, stored as q + 8)
     # scales: float32 [rows, cols / group]
+    rows = codes.shape[0]
     cols = x.shape[0]
-    for r in prange(codes.shape[0]):
-        acc = np.float32(0.0)
-        for g in range(cols // group):
-            s = np.float32(0.0)
-            for sub in range(group // 32):
-                xb = g * group + sub * 32
-                cb = xb // 2
-                for j in range(16):
-                    q = codes[r, cb + j]
-                    s += np.float32(np.int32(q & 15) - 8) * x[xb + j] + np.float32(np.int32(q >> 4) - 8) * x[xb + 16 + j]
-            acc += s * scales[r, g]
-        out[r] = acc
+    last = rows - 1
+    s4 = np.int32(4)
+    s0 = np.int32(0)
+    for rb in prange((rows + 3) // 4):
+        r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
+        a0 = np.zeros(16, np.float32)
+        a1 = np.zeros(16, np.float32)
+        a2 = np.zeros(16, np.float32)
+        a3 = np.zeros(16, np.float32)
+        for run in range(cols // 32):
+            g = run * 32 // group
+            d0, d1, d2, d3 = scales[r0, g], scales[r1, g], scales[r2, g], scales[r3, g]
+            xb = run * 32
+            cb = run * 16
+            for j in range(16):
+                xl = x[xb + j]
+                xh = x[xb + 16 + j]
+                q = np.int32(codes[r0, cb + j])
+                a0[j] += d0 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+                q = np.int32(codes[r1, cb + j])
+                a1[j] += d1 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+                q = np.int32(codes[r2, cb + j])
+                a2[j] += d2 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+                q = np.int32(codes[r3, cb + j])
+                a3[j] += d3 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
+        _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
 def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -159,7 +252,7 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
     elif scheme == "q4_0":
         _matvec_q4_0(raw, x, _F16_TO_F32, out)
     elif scheme == "mxfp4":
-        _matvec_mxfp4(raw, x, _FP4, _E8M0, out)
+        _matvec_mxfp4(raw, x, _E8M0, out)
     elif scheme.startswith("int4_g"):
         group = int(scheme[len("int4_g"):])
         codes = raw[:, : cols // 2]
