@@ -104,7 +104,7 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
         experts = [blk for blk in b.blocks if blk.kind == "expert"]
         schemes: dict[str, int] = {}
         for blk in experts:
-            key = f"{blk.segment}:{m_scheme(b, blk)}"
+            key = f"{blk.segment}:{b.tensors[blk.tensors[0]].scheme}"
             schemes[key] = schemes.get(key, 0) + 1
         out: dict[str, Any] = {
             "format_version": m["format_version"], "file_bytes": b.header.file_size,
@@ -146,11 +146,6 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
         for t in out["tensors"]:
             offset = "compressed" if t["offset"] is None else t["offset"]
             click.echo(f"  {t['name']:<48} {t['scheme']:<10} {str(offset):>12} {t['nbytes']:>12} {t['shape']}")
-
-
-def m_scheme(bundle: Any, block: Any) -> str:
-    first = bundle.tensors[block.tensors[0]]
-    return first.scheme
 
 
 def _tensor_rows(ir: Any) -> list[dict[str, Any]]:

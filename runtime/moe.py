@@ -89,6 +89,7 @@ class MoELayer:
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0
         self._device_weights: dict[str, Any] = {}
+        self._device_index: dict[int, int] = {}
         if gpu:
             self._load_device(bundle, prefix, gpu, device)
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
@@ -103,10 +104,8 @@ class MoELayer:
         import torch
 
         gate_up, down, gu_bias, d_bias = [], [], [], []
-        dtype = None
         for e in experts:
             name = f"{prefix}experts.{e}."
-            t = bundle.tensors[name + "gate_up"]
             for target, suffix in ((gate_up, "gate_up"), (down, "down")):
                 meta = bundle.tensors[name + suffix]
                 raw = bundle.tensor(name + suffix)
@@ -118,11 +117,9 @@ class MoELayer:
                     value = torch.from_numpy(dequantize(raw.view(np.uint8).reshape(meta.shape[0], -1),
                                                         meta.scheme, meta.shape[1])).to(torch.bfloat16)
                 target.append(value)
-            dtype = target[-1].dtype if dtype is None else dtype
             if name + "gate_up_bias" in bundle.tensors:
                 gu_bias.append(torch.from_numpy(_as_float32(bundle, name + "gate_up_bias")))
                 d_bias.append(torch.from_numpy(_as_float32(bundle, name + "down_bias")))
-            del t
         stacked = {"gate_up": torch.stack(gate_up).to(device), "down": torch.stack(down).to(device)}
         if gu_bias:
             stacked["gate_up_bias"] = torch.stack(gu_bias).to(device)
@@ -208,7 +205,7 @@ class MoELayer:
         for e in np.unique(idx).tolist():
             tokens, slot = np.nonzero(idx == e)
             item = (e, tokens, weights[tokens, slot])
-            (gpu_work if e in getattr(self, "_device_index", {}) else cpu_work).append(item)
+            (gpu_work if e in self._device_index else cpu_work).append(item)
         future = self._pool.submit(self._run_cpu, hidden, cpu_work)  # overlaps with the device
         results = self._run_device(hidden, gpu_work) if gpu_work else []
         results += future.result()
