@@ -6,7 +6,7 @@ Every routed expert takes one option (a device and a scheme). A MoE layer costs
 Options use VRAM or RAM, within budgets. A small quality term (usage-weighted nominal error times
 ``quality_weight``) prefers the more precise scheme when speed does not care.
 
-This is a mixed-integer program; we hand it to HiGHS (through ``scipy.optimize.milp``), which
+This is a mixed-integer program; we hand it to HiGHS (through ``highspy``), which
 either proves optimality or reports its best bound, so every solution carries a proven gap.
 Experts of a layer with equal usage and equal allowed options are interchangeable, so they are
 merged into one integer variable: a uniform profile gives one variable per layer and option.
