@@ -35,13 +35,15 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ktc")
 def main() -> None:
-    """ktc: plan, compile and run Mixture-of-Experts models on one GPU plus a big CPU.
+    """ktc: plan and compile Mixture-of-Experts models for one GPU plus a big CPU.
 
     \b
     Examples:
-      ktc demo                          build the demo model and inspect it
-      ktc inspect ./Qwen3-30B-A3B       what the model is, where its bytes are
-      ktc inspect model.gguf --json     the same, for scripts
+      ktc demo                                      the whole flow on a built-in tiny model
+      ktc inspect ./Qwen3-30B-A3B                   what the model is, where its bytes are
+      ktc plan ./Qwen3-30B-A3B --vram 24GiB         which experts go on the GPU, and how fast
+      ktc compile ./Qwen3-30B-A3B -o q.ktb --vram 24GiB
+      ktc verify q.ktb && ktc bench q.ktb           check the bundle, time its CPU experts
     """
 
 
