@@ -50,7 +50,7 @@ def _temp_files(folder) -> list[str]:
 
 def test_sigkill_at_any_moment_leaves_nothing_or_the_previous_bundle(tmp_path, demo_model):
     out = tmp_path / "out.ktb"
-    slow = KTC + ["compile", demo_model, "-o", str(out), "--cpu-scheme", "f32", "--report-error"]
+    slow = KTC + ["compile", demo_model, "-o", str(out), "--cpu-scheme", "f32", "--report-error", "--compress"]
     # Before any bundle exists: killed at start-up, OUT must be absent.
     proc = subprocess.Popen(slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.2)
