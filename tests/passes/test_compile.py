@@ -237,3 +237,24 @@ def test_open_close_1000_times_leaks_nothing(tmp_path, demo_model):
         cycle()
     gc.collect()
     assert fd_and_map_counts() == before
+
+
+def test_opening_reads_only_header_and_manifest(tmp_path, demo_model):
+    import time
+
+    out = tmp_path / "d.ktb"
+    compile_bundle(demo_model, str(out))
+
+    def read_bytes() -> int:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+    before = read_bytes()
+    started = time.perf_counter()
+    with open_bundle(str(out)) as b:
+        elapsed = time.perf_counter() - started
+        read = read_bytes() - before
+        region = b.header.data_offset
+        assert b.tensor("layers.3.experts.9.down").shape[0] == 256  # mapping reads nothing either
+    assert read < region + 4096, (read, region)  # no expert bytes, whatever the file's size
+    assert elapsed < 0.5
