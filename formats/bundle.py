@@ -178,6 +178,10 @@ class Bundle:
     def segments(self) -> list[dict[str, Any]]:
         return self.manifest["segments"]
 
+    def file_view(self) -> np.ndarray:
+        """The whole bundle as one zero-copy uint8 array (kernels address tensors by offset)."""
+        return np.frombuffer(self._mapped(), np.uint8)
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Zero-copy uint8 view of one tensor (decompressing its expert when it is compressed)."""
         t = self.tensors[name]

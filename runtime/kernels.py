@@ -260,6 +260,43 @@ def _matvec_int4(codes, scales, x, group, out):  # pragma: no cover - compiled
         _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
+@njit(**_OPTS)
+def _int8_rows_many(codes, scales, offsets, x, out):  # pragma: no cover - compiled
+    # out[e, r] = row r of the int8 matrix at byte ``offsets[e]`` of ``codes`` (rows of cols
+    # codes then a float32 scale, scales being the same buffer viewed as float32) dot x[e].
+    # One parallel region for the matrices of every selected expert of a layer.
+    k, rows = out.shape
+    cols = x.shape[1]
+    row_bytes = cols + 4
+    for i in prange(k * rows):
+        e = i // rows
+        r = i - e * rows
+        base = offsets[e] + r * row_bytes
+        row = codes[base: base + cols]  # slices, not offset arithmetic in the loop: it vectorizes
+        xe = x[e]
+        acc = np.float32(0.0)
+        for j in range(cols):
+            acc += np.float32(row[j]) * xe[j]
+        out[e, r] = acc * scales[(base + cols) // 4]
+
+
+def int8_experts_token(file: np.ndarray, gate_up_offsets: np.ndarray, down_offsets: np.ndarray,
+                       hidden: int, inter: int, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """One token through several int8 SiLU experts of one layer, weighted and summed: two
+    parallel regions for the whole layer instead of two per expert. ``file`` is the bundle
+    mapped as uint8 (length a multiple of 4); offsets are the experts' absolute tensor offsets."""
+    k = gate_up_offsets.shape[0]
+    codes = file.view(np.int8)
+    scales = file.view(np.float32)
+    xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
+    h = np.empty((k, 2 * inter), dtype=np.float32)
+    _int8_rows_many(codes, scales, gate_up_offsets, xs, h)
+    a = _act(h, inter, "silu", None, None).astype(np.float32)
+    y = np.empty((k, hidden), dtype=np.float32)
+    _int8_rows_many(codes, scales, down_offsets, np.ascontiguousarray(a), y)
+    return (weights[:, None] * y).sum(axis=0)
+
+
 def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``W @ x`` for a weight stored in ``scheme`` as raw rows ``[rows, row_bytes]`` (uint8; or
     the plain dtype for f32/f16/bf16), ``x`` float32 of the row length. Returns float32 [rows]."""

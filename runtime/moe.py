@@ -14,7 +14,7 @@ from ktc.errors import BundleError, KtcError
 from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 
-from .kernels import _act, expert_forward, expert_forward_batch
+from .kernels import _act, expert_forward, expert_forward_batch, int8_experts_token
 
 _PLAIN = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -85,6 +85,15 @@ class MoELayer:
                 bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"), scheme,
                 _as_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
                 _as_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
+        # Every CPU expert int8, uncompressed, SiLU and without biases: one token takes a fused
+        # path that runs all its experts in two parallel regions.
+        self._fused_int8 = None
+        if (self.activation == "silu" and self.cpu
+                and all(ex.scheme == "int8" and ex.gate_up_bias is None for ex in self.cpu.values())):
+            gu = {e: bundle.tensors[f"{prefix}experts.{e}.gate_up"].offset for e in self.cpu}
+            dn = {e: bundle.tensors[f"{prefix}experts.{e}.down"].offset for e in self.cpu}
+            if None not in gu.values() and None not in dn.values():
+                self._fused_int8 = (bundle.file_view(), gu, dn)
         self.device = device
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0
@@ -206,12 +215,18 @@ class MoELayer:
             tokens, slot = np.nonzero(idx == e)
             item = (e, tokens, weights[tokens, slot])
             (gpu_work if e in self._device_index else cpu_work).append(item)
-        future = self._pool.submit(self._run_cpu, hidden, cpu_work)  # overlaps with the device
-        results = self._run_device(hidden, gpu_work) if gpu_work else []
-        results += future.result()
+        if gpu_work:
+            future = self._pool.submit(self._run_cpu, hidden, cpu_work)  # overlaps with the device
+            results = self._run_device(hidden, gpu_work)
+            results += future.result()
+        else:  # nothing to overlap with: no thread hand-off
+            results = self._run_cpu(hidden, cpu_work)
         out = np.zeros_like(hidden)
         for tokens, y in results:
-            np.add.at(out, tokens, y)
+            if len(tokens) == 1:
+                out[tokens[0]] += y[0]
+            else:
+                np.add.at(out, tokens, y)
         if self.shared is not None:
             gate, up, down = self.shared
             g = hidden @ gate.T
@@ -222,6 +237,15 @@ class MoELayer:
         return out
 
     def _run_cpu(self, hidden: np.ndarray, work: list[tuple[int, np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self._fused_int8 is not None and len(hidden) == 1 and work:
+            file, gu, dn = self._fused_int8
+            experts = [e for e, _, _ in work]
+            weights = np.array([w[0] for _, _, w in work], dtype=np.float32)
+            inter = self.cpu[experts[0]].down.shape[1] - 4
+            y = int8_experts_token(file, np.array([gu[e] for e in experts], dtype=np.int64),
+                                   np.array([dn[e] for e in experts], dtype=np.int64),
+                                   self.hidden_size, inter, hidden[0], weights)
+            return [(np.zeros(1, dtype=np.int64), y[None, :])]
         results = []
         for e, tokens, weights in work:
             ex = self.cpu[e]

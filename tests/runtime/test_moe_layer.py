@@ -97,3 +97,23 @@ def test_bad_hidden_states(tiny_models, tmp_path):
         with pytest.raises(KtcError, match="NaN"):
             moe.forward(bad)
         moe.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "qwen3_moe"])
+def test_one_token_fused_int8_path(family, hf_models, tiny_models, tmp_path):
+    path = tmp_path / "m.ktb"
+    compile_bundle(tiny_models[family]["safetensors"], str(path), cpu_scheme="int8")
+    rng = np.random.default_rng(5)
+    with open_bundle(str(path)) as bundle:
+        layer = mf.FAMILIES[family].moe_layers[-1]
+        moe = MoELayer(bundle, layer)
+        assert moe._fused_int8 is not None
+        for _ in range(3):
+            h = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
+            fused = moe.forward(h)
+            saved, moe._fused_int8 = moe._fused_int8, None
+            plain = moe.forward(h)
+            moe._fused_int8 = saved
+            np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)
+            assert relative_error(fused, block_output(hf_models[family], layer, h)) < TOLERANCE["int8"]
+        moe.close()
