@@ -240,8 +240,24 @@ def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
     return out.reshape(values.shape)
 
 
-def quantize(values: np.ndarray, scheme: Scheme | str) -> np.ndarray:
-    """Bytes [rows, row_bytes] of float32 ``values`` [rows, cols] in ``scheme``."""
+def quantize(values: np.ndarray, scheme: Scheme | str, out: np.ndarray | None = None) -> np.ndarray:
+    """Bytes [rows, row_bytes] of float32 ``values`` [rows, cols] in ``scheme``.
+
+    ``out``, a contiguous uint8 array of exactly that many bytes, receives them without an
+    intermediate copy (the compiler passes the expert's buffer)."""
+    return _into(_quantize(values, scheme, out), out)
+
+
+def _into(result: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``result`` in ``out`` (copied there unless it was written there already)."""
+    if out is None:
+        return result
+    if not np.may_share_memory(result, out):
+        out.reshape(-1)[:] = result.reshape(-1)
+    return out.reshape(result.shape)
+
+
+def _quantize(values: np.ndarray, scheme: Scheme | str, out: np.ndarray | None) -> np.ndarray:
     scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
     x = np.ascontiguousarray(values, dtype=np.float32)
     if x.ndim != 2:
@@ -260,10 +276,11 @@ def quantize(values: np.ndarray, scheme: Scheme | str) -> np.ndarray:
     if name in ("q8_0", "q4_0"):
         blocks = x.reshape(-1, 32)
         scales = np.empty(blocks.shape[0], dtype=np.float32)
-        out = np.empty((blocks.shape[0], scheme.block_bytes), dtype=np.uint8)
-        (_q8_0_kernel if name == "q8_0" else _q4_0_kernel)(blocks, blocks.view(np.uint32), scales, out)
-        _store_half_scales(scales.view(np.uint32), out)
-        return out.reshape(rows, -1)
+        dest = (np.empty((blocks.shape[0], scheme.block_bytes), dtype=np.uint8) if out is None
+                else out.reshape(blocks.shape[0], scheme.block_bytes))
+        (_q8_0_kernel if name == "q8_0" else _q4_0_kernel)(blocks, blocks.view(np.uint32), scales, dest)
+        _store_half_scales(scales.view(np.uint32), dest)
+        return dest.reshape(rows, -1)
     if name == "mxfp4":
         from gguf import GGMLQuantizationType, quants
 
@@ -328,9 +345,13 @@ def _mxfp4_blocks_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-def convert(ref: TensorRef, scheme: Scheme | str) -> np.ndarray:
+def convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None = None) -> np.ndarray:
     """A 2-D source tensor in ``scheme``: the stored bytes when the source already is that
-    scheme (no requantizing), else dequantized exactly and quantized."""
+    scheme (no requantizing), else dequantized exactly and quantized (into ``out`` if given)."""
+    return _into(_convert(ref, scheme, out), out)
+
+
+def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None) -> np.ndarray:
     scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
     if len(ref.shape) != 2:
         raise FormatError(f"expected a 2-D weight, found shape {ref.shape}", tensor=ref.name)
@@ -339,4 +360,4 @@ def convert(ref: TensorRef, scheme: Scheme | str) -> np.ndarray:
         return np.ascontiguousarray(raw).view(np.uint8).reshape(ref.shape[0], -1)
     if ref.dtype == "MXFP4_BLOCKS" and scheme.name == "mxfp4" and ref.scale is not None:
         return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), np.asarray(ref.scale.load()))
-    return quantize(to_float32(ref), scheme)
+    return _quantize(to_float32(ref), scheme, out)

@@ -61,12 +61,13 @@ def _fill_tensor(buf: np.ndarray, job: TensorJob) -> None:
     """Write one expert tensor into its place in ``buf``: each source converted to the scheme,
     stacked by rows (gate then up for ``gate_up``)."""
     at = job.offset
+    per_source = job.nbytes // len(job.sources)
     for source in job.sources:
         if len(job.shape) == 1:  # float32 biases
             part = to_float32(source).reshape(-1).astype(np.float32).view(np.uint8)
-        else:
-            part = convert(source, job.scheme).reshape(-1)
-        buf[at: at + part.size] = part
+            buf[at: at + part.size] = part
+        else:  # quantized straight into the expert's buffer where the scheme allows
+            part = convert(source, job.scheme, out=buf[at: at + per_source]).reshape(-1)
         at += part.size
     if at - job.offset != job.nbytes:
         raise KtcError(f"internal size mismatch for {job.name}: {at - job.offset} != {job.nbytes}")
