@@ -97,15 +97,19 @@ class _OptionArrays:
                    np.array([o.error for o in opts]), np.array([o.vram_bytes for o in opts], dtype=np.int64),
                    np.array([o.ram_bytes for o in opts], dtype=np.int64))
 
+    def side_times(self, usage: np.ndarray, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer, the expected seconds of its GPU experts and of its CPU experts."""
+        t = usage * self.seconds[choice]
+        on_gpu = self.on_gpu[choice]
+        return np.where(on_gpu, t, 0.0).sum(axis=1), np.where(on_gpu, 0.0, t).sum(axis=1)
+
 
 def evaluate(problem: PlacementProblem, choice: np.ndarray) -> Evaluation:
     """Cost and memory of a placement under the problem's model (no feasibility check)."""
     a = _OptionArrays.of(problem)
-    seconds, on_gpu, error, vram, ram = a.seconds, a.on_gpu, a.error, a.vram, a.ram
+    on_gpu, error, vram, ram = a.on_gpu, a.error, a.vram, a.ram
     use = problem.usage
-    t = use * seconds[choice]
-    gpu_time = np.where(on_gpu[choice], t, 0.0).sum(axis=1)
-    cpu_time = np.where(on_gpu[choice], 0.0, t).sum(axis=1)
+    gpu_time, cpu_time = a.side_times(use, choice)
     cpu_active = ((~on_gpu[choice]) & (use > 0)).any(axis=1)
     layers = np.maximum(gpu_time, cpu_time) + np.where(cpu_active, problem.sync_seconds, 0.0)
     quality = problem.quality_weight * float((use * error[choice]).sum())
@@ -270,9 +274,7 @@ def polish(problem: PlacementProblem, choice: np.ndarray) -> np.ndarray:
     a = _OptionArrays.of(problem)
     seconds, on_gpu, error, vram, ram = a.seconds, a.on_gpu, a.error, a.vram, a.ram
     use = problem.usage
-    t = use * seconds[choice]
-    gpu_time = np.where(on_gpu[choice], t, 0.0).sum(axis=1)
-    cpu_time = np.where(on_gpu[choice], 0.0, t).sum(axis=1)
+    gpu_time, cpu_time = a.side_times(use, choice)
     vram_left = problem.vram_budget - int(vram[choice].sum())
     ram_left = problem.ram_budget - int(ram[choice].sum())
     qw = problem.quality_weight
