@@ -123,19 +123,10 @@ def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | 
         raise ConfigError("no VRAM budget: give --vram (e.g. --vram 24GiB) or --hardware FILE")
     else:
         base = HardwareProfile(vram_bytes=parse_bytes(vram), ram_bytes=_total_ram(), source="flags")
-    changes: dict[str, Any] = {}
-    if vram is not None:
-        changes["vram_bytes"] = parse_bytes(vram)
-    if ram is not None:
-        changes["ram_bytes"] = parse_bytes(ram)
-    if reserve is not None:
-        changes["reserve_bytes"] = parse_bytes(reserve)
-    if cpu_bandwidth is not None:
-        changes["cpu_bandwidth"] = parse_bandwidth(cpu_bandwidth)
-    if gpu_bandwidth is not None:
-        changes["gpu_bandwidth"] = parse_bandwidth(gpu_bandwidth)
-    if pcie_bandwidth is not None:
-        changes["pcie_bandwidth"] = parse_bandwidth(pcie_bandwidth)
-    if sync_us is not None:
-        changes["sync_seconds"] = sync_us * 1e-6
+    flags = (("vram_bytes", vram, parse_bytes), ("ram_bytes", ram, parse_bytes),
+             ("reserve_bytes", reserve, parse_bytes), ("cpu_bandwidth", cpu_bandwidth, parse_bandwidth),
+             ("gpu_bandwidth", gpu_bandwidth, parse_bandwidth),
+             ("pcie_bandwidth", pcie_bandwidth, parse_bandwidth),
+             ("sync_seconds", sync_us, lambda us: float(us) * 1e-6))
+    changes: dict[str, Any] = {field: parse(value) for field, value, parse in flags if value is not None}
     return replace(base, **changes) if changes else base
