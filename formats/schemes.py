@@ -58,11 +58,11 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("int8", 8, 1, 1, row_extra_bytes=4,
                description="symmetric int8, one float32 scale per row"),
         Scheme("int4_g32", 5, 32, 20,
-               description="symmetric int4, one float32 scale per 32 values"),
+               description="int4 with a bf16 scale and minimum per 32 values"),
         Scheme("int4_g64", 4.5, 64, 36,
-               description="symmetric int4, one float32 scale per 64 values"),
+               description="int4 with a bf16 scale and minimum per 64 values"),
         Scheme("int4_g128", 4.25, 128, 68,
-               description="symmetric int4, one float32 scale per 128 values"),
+               description="int4 with a bf16 scale and minimum per 128 values"),
     )
 }
 # Short names people type.

@@ -40,10 +40,11 @@ KV_DTYPE_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "fp8": 1,
 # Nominal relative RMS error of each scheme on Gaussian weights, used only to prefer the more
 # precise scheme when speed is indifferent (and, with --quality-weight, to trade speed for it).
 # Half a unit in the last place for floats; step/sqrt(12) relative to the block's typical
-# absolute maximum (about 2.1 sigma for 32 values, 2.6 for 128, 3.5 for a 4096-wide row).
+# absolute maximum (about 2.1 sigma for 32 values, 2.6 for 128, 3.5 for a 4096-wide row); int4
+# (a scale and a minimum per group, fitted) as measured on Gaussian weights.
 NOMINAL_ERROR = {
     "f32": 0.0, "f16": 2.8e-4, "bf16": 2.3e-3, "q8_0": 4.8e-3, "int8": 8.0e-3,
-    "q4_0": 7.6e-2, "int4_g32": 8.7e-2, "int4_g64": 9.8e-2, "int4_g128": 1.07e-1, "mxfp4": 1.1e-1,
+    "q4_0": 7.6e-2, "int4_g32": 7.0e-2, "int4_g64": 8.3e-2, "int4_g128": 9.3e-2, "mxfp4": 1.1e-1,
 }
 
 

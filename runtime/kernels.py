@@ -109,12 +109,6 @@ def _half(raw, r, at, table):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _nib(q, shift):  # pragma: no cover - compiled
-    # 4-bit code in int32 lanes (never int64), centred: code - 8
-    return np.float32(((q >> shift) & np.int32(15)) - np.int32(8))
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _e2m1_doubled(code):  # pragma: no cover - compiled
     # 2 x the e2m1 value of a 4-bit code, without a table: 0 1 2 3 4 6 8 12, sign in bit 3
     m = code & np.int32(7)
@@ -161,36 +155,49 @@ def _store4(out, r, rows, v0, v1, v2, v3):  # pragma: no cover - compiled
 
 
 @njit(**_OPTS)
-def _matvec_q4_0(raw, x, table, out):  # pragma: no cover - compiled
-    # block = float16 d, 16 bytes: value j low nibble, j + 16 high nibble; value = (q - 8) d
+def _matvec_q4_0(raw, x, xsum, table, out):  # pragma: no cover - compiled
+    # block = float16 d, 16 bytes: value j low nibble, j + 16 high nibble; value = (q - 8) d,
+    # so a row is sum_b d_b ((q . x)_b - 8 xsum_b). Nibbles are split in float32 lanes
+    # (b - 16 floor(b / 16)): Numba widens integer arithmetic to int64, which halves the lanes.
     rows = raw.shape[0]
     blocks = x.shape[0] // 32
     last = rows - 1
-    s4 = np.int32(4)
-    s0 = np.int32(0)
+    sixteen = np.float32(16.0)
+    sixteenth = np.float32(0.0625)
+    eight = np.float32(8.0)
     for rb in prange((rows + 3) // 4):
         r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
         a0 = np.zeros(16, np.float32)
         a1 = np.zeros(16, np.float32)
         a2 = np.zeros(16, np.float32)
         a3 = np.zeros(16, np.float32)
+        t0 = t1 = t2 = t3 = np.float32(0.0)
         for b in range(blocks):
             base = b * 18
             xb = b * 32
             d0, d1 = _half(raw, r0, base, table), _half(raw, r1, base, table)
             d2, d3 = _half(raw, r2, base, table), _half(raw, r3, base, table)
+            sb = eight * xsum[b]
+            t0 += d0 * sb
+            t1 += d1 * sb
+            t2 += d2 * sb
+            t3 += d3 * sb
             for j in range(16):
                 xl = x[xb + j]
                 xh = x[xb + 16 + j]
-                q = np.int32(raw[r0, base + 2 + j])
-                a0[j] += d0 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-                q = np.int32(raw[r1, base + 2 + j])
-                a1[j] += d1 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-                q = np.int32(raw[r2, base + 2 + j])
-                a2[j] += d2 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-                q = np.int32(raw[r3, base + 2 + j])
-                a3[j] += d3 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-        _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
+                c = np.float32(raw[r0, base + 2 + j])
+                h = np.floor(c * sixteenth)
+                a0[j] += d0 * ((c - h * sixteen) * xl + h * xh)
+                c = np.float32(raw[r1, base + 2 + j])
+                h = np.floor(c * sixteenth)
+                a1[j] += d1 * ((c - h * sixteen) * xl + h * xh)
+                c = np.float32(raw[r2, base + 2 + j])
+                h = np.floor(c * sixteenth)
+                a2[j] += d2 * ((c - h * sixteen) * xl + h * xh)
+                c = np.float32(raw[r3, base + 2 + j])
+                h = np.floor(c * sixteenth)
+                a3[j] += d3 * ((c - h * sixteen) * xl + h * xh)
+        _store4(out, rb * 4, rows, a0.sum() - t0, a1.sum() - t1, a2.sum() - t2, a3.sum() - t3)
 
 
 @njit(**_OPTS)
@@ -226,38 +233,57 @@ def _matvec_mxfp4(raw, x, e8m0, out):  # pragma: no cover - compiled
         _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _bf16(bits):  # pragma: no cover - compiled
+    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
 @njit(**_OPTS)
-def _matvec_int4(codes, scales, x, group, out):  # pragma: no cover - compiled
-    # codes: uint8 [rows, cols / 2] (runs of 32: j low nibble, j + 16 high, stored as q + 8)
-    # scales: float32 [rows, cols / group]
+def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - compiled
+    # codes: uint8 [rows, cols / 2] (runs of 32: j low nibble, j + 16 high, unsigned 0..15)
+    # params: uint16 [rows, 2 * groups], bf16 scales then bf16 minimums; xsum: x summed per group.
+    # value = code * scale + minimum, so a row is sum_g scale_g (codes . x)_g + minimum_g xsum_g
     rows = codes.shape[0]
     cols = x.shape[0]
+    groups = params.shape[1] // 2
     last = rows - 1
-    s4 = np.int32(4)
-    s0 = np.int32(0)
+    sixteen = np.float32(16.0)
+    sixteenth = np.float32(0.0625)
     for rb in prange((rows + 3) // 4):
         r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
         a0 = np.zeros(16, np.float32)
         a1 = np.zeros(16, np.float32)
         a2 = np.zeros(16, np.float32)
         a3 = np.zeros(16, np.float32)
+        t0 = t1 = t2 = t3 = np.float32(0.0)
+        for g in range(groups):
+            sg = xsum[g]
+            t0 += _bf16(params[r0, groups + g]) * sg
+            t1 += _bf16(params[r1, groups + g]) * sg
+            t2 += _bf16(params[r2, groups + g]) * sg
+            t3 += _bf16(params[r3, groups + g]) * sg
         for run in range(cols // 32):
-            g = run * 32 // group
-            d0, d1, d2, d3 = scales[r0, g], scales[r1, g], scales[r2, g], scales[r3, g]
+            g = run >> shift  # run // (group / 32), without a division in the loop
+            d0, d1 = _bf16(params[r0, g]), _bf16(params[r1, g])
+            d2, d3 = _bf16(params[r2, g]), _bf16(params[r3, g])
             xb = run * 32
             cb = run * 16
             for j in range(16):
                 xl = x[xb + j]
                 xh = x[xb + 16 + j]
-                q = np.int32(codes[r0, cb + j])
-                a0[j] += d0 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-                q = np.int32(codes[r1, cb + j])
-                a1[j] += d1 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-                q = np.int32(codes[r2, cb + j])
-                a2[j] += d2 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-                q = np.int32(codes[r3, cb + j])
-                a3[j] += d3 * (_nib(q, s0) * xl + _nib(q, s4) * xh)
-        _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
+                b = np.float32(codes[r0, cb + j])
+                h = np.floor(b * sixteenth)
+                a0[j] += d0 * ((b - h * sixteen) * xl + h * xh)
+                b = np.float32(codes[r1, cb + j])
+                h = np.floor(b * sixteenth)
+                a1[j] += d1 * ((b - h * sixteen) * xl + h * xh)
+                b = np.float32(codes[r2, cb + j])
+                h = np.floor(b * sixteenth)
+                a2[j] += d2 * ((b - h * sixteen) * xl + h * xh)
+                b = np.float32(codes[r3, cb + j])
+                h = np.floor(b * sixteenth)
+                a3[j] += d3 * ((b - h * sixteen) * xl + h * xh)
+        _store4(out, rb * 4, rows, a0.sum() + t0, a1.sum() + t1, a2.sum() + t2, a3.sum() + t3)
 
 
 @njit(**_OPTS)
@@ -319,14 +345,15 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
     elif scheme == "q8_0":
         _matvec_q8_0(raw, x, _F16_TO_F32, out)
     elif scheme == "q4_0":
-        _matvec_q4_0(raw, x, _F16_TO_F32, out)
+        _matvec_q4_0(raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)
     elif scheme == "mxfp4":
         _matvec_mxfp4(raw, x, _E8M0, out)
     elif scheme.startswith("int4_g"):
         group = int(scheme[len("int4_g"):])
         codes = raw[:, : cols // 2]
-        scales = np.ascontiguousarray(raw[:, cols // 2:]).view(np.float32).reshape(rows, cols // group)
-        _matvec_int4(codes, scales, x, group, out)
+        params = raw[:, cols // 2:].view(np.uint16)  # rows are 2-byte aligned: no copy
+        xsum = x.reshape(cols // group, group).sum(axis=1)
+        _matvec_int4(codes, params, x, xsum, {32: 0, 64: 1, 128: 2}[group], out)
     else:
         raise ValueError(f"no CPU kernel for scheme {scheme!r}")
     return out

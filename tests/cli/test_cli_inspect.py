@@ -52,7 +52,7 @@ def test_inspect_text_and_tensors(tiny_models):
     assert "qwen2_moe" in result.output and "blk.1.ffn_gate_exps.weight" in result.output
     listed = json.loads(run("inspect", tiny_models["qwen2_moe"]["gguf"], "--json", "--tensors").output)
     row = next(t for t in listed["tensors"] if t["name"] == "blk.1.ffn_gate_exps.weight")
-    assert row["role"] == "routed_experts" and row["shape"] == [mf.EXPERTS, 16, mf.HIDDEN]
+    assert row["role"] == "routed_experts" and row["shape"] == [mf.EXPERTS, 32, mf.HIDDEN]
 
 
 def test_errors_are_short_and_nonzero(tmp_path):
