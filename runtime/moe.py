@@ -14,7 +14,8 @@ from ktc.errors import BundleError, KtcError
 from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 
-from .kernels import _act, expert_forward, expert_forward_batch, int8_experts_token
+from .device import matmul, upload
+from .kernels import expert_forward, expert_forward_batch, int8_experts_token
 
 _PLAIN = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -98,7 +99,7 @@ class MoELayer:
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0
         self._device_weights: dict[str, Any] = {}
-        self._device_index: dict[int, int] = {}
+        self._device_index: dict[int, tuple[str, int]] = {}
         if gpu:
             self._load_device(bundle, prefix, gpu, device)
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
@@ -108,55 +109,52 @@ class MoELayer:
     # Device experts
 
     def _load_device(self, bundle: Bundle, prefix: str, experts: list[int], device: str | None) -> None:
-        """Stack the device experts' weights per layer on ``device`` at their scheme's float
-        type (bf16/f16/f32 as stored; quantized schemes are decoded to bf16 for now)."""
+        """Upload the device experts' bytes, stacked per scheme, at their scheme (see
+        ``device.py``): the device holds exactly the bytes the plan counted for them."""
         import torch
 
-        gate_up, down, gu_bias, d_bias = [], [], [], []
+        parts: dict[str, tuple[list, list, list, list, list]] = {}
         for e in experts:
             name = f"{prefix}experts.{e}."
+            meta = bundle.tensors[name + "gate_up"]
+            ids, gate_up, down, gu_bias, d_bias = parts.setdefault(meta.scheme, ([], [], [], [], []))
+            ids.append(e)
             for target, suffix in ((gate_up, "gate_up"), (down, "down")):
-                meta = bundle.tensors[name + suffix]
-                raw = bundle.tensor(name + suffix)
-                if meta.scheme in ("f32", "f16"):
-                    value = torch.from_numpy(np.array(raw))
-                elif meta.scheme == "bf16":
-                    value = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
-                else:
-                    value = torch.from_numpy(dequantize(raw.view(np.uint8).reshape(meta.shape[0], -1),
-                                                        meta.scheme, meta.shape[1])).to(torch.bfloat16)
-                target.append(value)
+                t = bundle.tensors[name + suffix]
+                target.append(bundle.tensor(name + suffix).view(np.uint8).reshape(t.shape[0], -1))
             if name + "gate_up_bias" in bundle.tensors:
-                gu_bias.append(torch.from_numpy(_as_float32(bundle, name + "gate_up_bias")))
-                d_bias.append(torch.from_numpy(_as_float32(bundle, name + "down_bias")))
-        stacked = {"gate_up": torch.stack(gate_up).to(device), "down": torch.stack(down).to(device)}
-        if gu_bias:
-            stacked["gate_up_bias"] = torch.stack(gu_bias).to(device)
-            stacked["down_bias"] = torch.stack(d_bias).to(device)
-        self._device_weights = stacked
-        self._device_index = {e: i for i, e in enumerate(experts)}
-        self.device_bytes = sum(v.numel() * v.element_size() for v in stacked.values())
+                gu_bias.append(_as_float32(bundle, name + "gate_up_bias"))
+                d_bias.append(_as_float32(bundle, name + "down_bias"))
+        self._device_weights = {scheme: upload(scheme, *lists[1:], device) for scheme, lists in parts.items()}
+        self._device_index = {e: (scheme, i) for scheme, lists in parts.items() for i, e in enumerate(lists[0])}
+        self.device_bytes = sum(stack.nbytes for stack in self._device_weights.values())
+        self._compute_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
     def _run_device(self, hidden: np.ndarray, work: list[tuple[int, np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
         import torch
 
-        w = self._device_weights
         results = []
         x_all = torch.from_numpy(hidden).to(self.device)
-        inter = w["gate_up"].shape[1] // 2
+        hidden_size = self.hidden_size
         for e, tokens, weights in work:
-            i = self._device_index[e]
+            scheme, i = self._device_index[e]
+            stack = self._device_weights[scheme]
+            inter = stack.gate_up.shape[1] // 2
             x = x_all[torch.from_numpy(tokens).to(self.device)]
-            gu = w["gate_up"][i]
-            h = (x.to(gu.dtype) @ gu.T).float()
-            if "gate_up_bias" in w:
-                h = h + w["gate_up_bias"][i]
-            a = torch.from_numpy(_act(h.cpu().numpy(), inter, self.activation, self.swiglu_limit,
-                                      self.swiglu_alpha).astype(np.float32)).to(self.device)
-            dn = w["down"][i]
-            y = (a.to(dn.dtype) @ dn.T).float()
-            if "down_bias" in w:
-                y = y + w["down_bias"][i]
+            h = matmul(x, stack.gate_up[i], scheme, hidden_size, self._compute_dtype)
+            if stack.gate_up_bias is not None:
+                h = h + stack.gate_up_bias[i]
+            gate, up = h[:, :inter], h[:, inter:]
+            if self.activation == "swiglu_clamped":
+                limit = float(self.swiglu_limit if self.swiglu_limit is not None else 7.0)
+                alpha = float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702)
+                gate = gate.clamp(max=limit)
+                a = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+            else:
+                a = torch.nn.functional.silu(gate) * up
+            y = matmul(a, stack.down[i], scheme, inter, self._compute_dtype)
+            if stack.down_bias is not None:
+                y = y + stack.down_bias[i]
             results.append((tokens, (y * torch.from_numpy(weights).to(self.device)[:, None]).cpu().numpy()))
         return results
 

@@ -1,0 +1,122 @@
+"""Device experts at their bundle scheme, on torch's CPU device (the same code runs on CUDA)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import model_factory as mf
+from ktc.compile import compile_bundle
+from ktc.formats.bundle import open_bundle
+from ktc.formats.quantize import dequantize, quantize
+from ktc.formats.schemes import ExpertShape, expert_footprint
+from ktc.runtime import device as dev
+from ktc.runtime.moe import MoELayer
+
+SCHEMES = ["f32", "f16", "bf16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("rows, cols, seed", [(8, 128, 0), (5, 256, 1), (3, 384, 2)])
+def test_device_decode_matches_numpy(scheme, rows, cols, seed):
+    if cols % 128 and scheme == "int4_g128":
+        pytest.skip("row not whole groups")
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3)).astype(np.float32)
+    raw = quantize(w, scheme)
+    want = dequantize(raw, scheme, cols)
+    got = dev.dequantize(torch.from_numpy(raw), scheme, cols, torch.float32).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    x = rng.standard_normal((4, cols)).astype(np.float32)
+    product = dev.matmul(torch.from_numpy(x), torch.from_numpy(raw), scheme, cols, torch.float32).numpy()
+    np.testing.assert_allclose(product, x @ want.T, rtol=1e-4, atol=1e-4 * np.abs(x @ want.T).max())
+
+
+def _device_bytes(schemes: list[str], biases: bool = False) -> int:
+    shape = ExpertShape(mf.HIDDEN, 32, biases)
+    return sum(expert_footprint(shape, s).data_bytes for s in schemes)
+
+
+def _compile_with_placement(src: str, tmp_path, where) -> str:
+    """A bundle whose expert ``e`` of every layer is placed at ``where(e)`` ("gpu:int8", ...)."""
+    from ktc.api import plan
+
+    data = plan(src, vram="1GiB", reserve=0).to_json()
+    for layer, row in data["placement"].items():
+        data["placement"][layer] = [where(e) for e in range(len(row))]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    path = str(tmp_path / "m.ktb")
+    compile_bundle(src, path, plan_path=str(tmp_path / "plan.json"), dense_scheme="f32")
+    return path
+
+
+def _check_against_cpu(path: str, layer: int, hidden: np.ndarray, schemes, biases: bool = False) -> None:
+    with open_bundle(path) as bundle:
+        on_device = MoELayer(bundle, layer, device="cpu")
+        on_cpu = MoELayer(bundle, layer)
+        assert on_cpu.gpu_experts == () and on_cpu.device_bytes == 0
+        assert on_device.gpu_experts == tuple(e for e in range(mf.EXPERTS) if schemes(e))
+        assert sorted(on_device._device_weights) == sorted({schemes(e) for e in on_device.gpu_experts})
+        assert on_device.device_bytes == _device_bytes([schemes(e) for e in on_device.gpu_experts], biases)
+        want = on_cpu.forward(hidden)
+        got = on_device.forward(hidden)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+        on_device.close()
+        on_cpu.close()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4_g32", "q8_0", "q4_0", "mxfp4", "bf16"])
+def test_device_experts_stay_at_their_scheme(scheme, tiny_models, tmp_path):
+    """Device experts take exactly their scheme's bytes and give the CPU kernels' output."""
+    def schemes(e):
+        return scheme if e % 3 == 0 else None
+
+    path = _compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
+                                   lambda e: f"gpu:{scheme}" if schemes(e) else f"cpu:{scheme}")
+    hidden = np.random.default_rng(3).standard_normal((6, mf.HIDDEN)).astype(np.float32)
+    for layer in (0, 2):
+        _check_against_cpu(path, layer, hidden, schemes)
+
+
+def test_mixed_device_schemes_in_one_layer(tiny_models, tmp_path):
+    """A plan may give the device experts of one layer different schemes: each keeps its own
+    (gpt-oss: biases and the clamped SwiGLU on the device too)."""
+    gpu_schemes = ["int8", "q4_0", "bf16", "int4_g32"]
+
+    def schemes(e):
+        return gpu_schemes[(e // 2) % 4] if e % 2 == 0 else None
+
+    path = _compile_with_placement(tiny_models["gpt_oss"]["safetensors"], tmp_path,
+                                   lambda e: f"gpu:{schemes(e)}" if schemes(e) else "cpu:int8")
+    hidden = np.random.default_rng(4).standard_normal((9, mf.HIDDEN)).astype(np.float32)
+    _check_against_cpu(path, 1, hidden, schemes, biases=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
+    """On CUDA: no device experts, no device memory; otherwise exactly their bytes, and the
+    output (bf16 products on the device) stays close to the CPU kernels'."""
+    src = tiny_models["qwen3_moe"]["safetensors"]
+    hidden = np.random.default_rng(5).standard_normal((6, mf.HIDDEN)).astype(np.float32)
+    for where in (lambda e: "cpu:int8", lambda e: "gpu:int4_g32" if e % 2 else "cpu:int8"):
+        path = _compile_with_placement(src, tmp_path, where)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with open_bundle(path) as bundle:
+            on_device = MoELayer(bundle, 1, device="cuda")
+            torch.cuda.synchronize()
+            grown = torch.cuda.memory_allocated() - before
+            tensors = 4 * len(on_device._device_weights)  # the allocator rounds each up to 512 bytes
+            assert on_device.device_bytes <= grown <= on_device.device_bytes + 512 * tensors
+            assert (grown == 0) == (on_device.gpu_experts == ())
+            on_cpu = MoELayer(bundle, 1)
+            want = on_cpu.forward(hidden)
+            got = on_device.forward(hidden)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+            on_device.close()
+            on_cpu.close()
+        (tmp_path / "m.ktb").unlink()
