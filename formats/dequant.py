@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 from ktc.errors import FormatError
 from ktc.ir import TensorRef
@@ -28,10 +29,19 @@ FP4_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2
                            dtype=np.float32)
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _bf16_to_f32(bits, out):  # pragma: no cover - compiled
+    for i in prange(bits.shape[0]):
+        out[i] = np.uint32(bits[i]) << np.uint32(16)
+
+
 def plain_to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Float32 values of a plain (not block-quantized) stored array."""
     if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        # Numba, in parallel: numpy's astype-and-shift is two single-threaded passes.
+        out = np.empty(raw.shape, dtype=np.uint32)
+        _bf16_to_f32(np.ascontiguousarray(raw).reshape(-1), out.reshape(-1))
+        return out.view(np.float32)
     if dtype == "F8_E4M3":
         return FP8_E4M3_VALUES[raw]
     if dtype == "F8_E5M2":
@@ -43,7 +53,9 @@ def plain_to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
 def to_float32(ref: TensorRef) -> np.ndarray:
     """The tensor's values as float32 of ``ref.shape``: a new array, or for float32 sources a
     read-only view of the mapped file (no copy)."""
-    raw = ref.load()
+    # float32 and bf16 are read by parallel kernels, whose threads fault the pages in faster
+    # than one populate call maps them.
+    raw = ref.load(populate=ref.dtype not in ("F32", "BF16"))
     st = ref.storage
     if ref.dtype == "MXFP4_BLOCKS":
         if ref.scale is None:

@@ -68,37 +68,65 @@ def _half_bits(f):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _first_abs_max(xbits, b):  # pragma: no cover - compiled
-    # Index of the first largest |x| in block b. The magnitude bits of IEEE floats order like the
-    # floats, and an integer max vectorizes where a float compare-and-branch does not.
+def _abs_max_bits(xbits, b):  # pragma: no cover - compiled
+    # The largest |x| of block b, as float32 bits. The magnitude bits of IEEE floats order like
+    # the floats (NaN above Inf, as numpy's max has it), and an integer max vectorizes where a
+    # float compare-and-branch does not.
     m = np.uint32(0)
-    for j in range(32):
+    for j in range(xbits.shape[1]):  # not the literal 32: a fully unrolled loop stays scalar
         m = max(m, xbits[b, j] & np.uint32(0x7FFFFFFF))
-    for j in range(32):
-        if (xbits[b, j] & np.uint32(0x7FFFFFFF)) == m:
-            return j
-    return 0
+    return m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed_abs_max(xbits, b):  # pragma: no cover - compiled
+    # The value of block b with the largest magnitude (the first one on a tie), as float32 bits.
+    # The largest positive and negative magnitudes are two vectorizable max-reductions; only
+    # when they are equal does the order decide, and a scan finds the first.
+    sign = np.uint32(0x80000000)
+    pos = np.uint32(0)
+    neg = np.uint32(0)
+    for j in range(xbits.shape[1]):
+        bits = xbits[b, j]
+        a = bits & np.uint32(0x7FFFFFFF)
+        pos = max(pos, np.uint32(0) if bits >= sign else a)
+        neg = max(neg, a if bits >= sign else np.uint32(0))
+    if pos > neg:
+        return pos
+    if neg > pos:
+        return neg | sign
+    for j in range(xbits.shape[1]):
+        if (xbits[b, j] & np.uint32(0x7FFFFFFF)) == pos:
+            return xbits[b, j]
+    return pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _store_half(out, b, d):  # pragma: no cover - compiled
+    h = _half_bits(np.float32(d).view(np.uint32))
+    out[b, 0] = np.uint8(h & np.uint16(0xFF))
+    out[b, 1] = np.uint8(h >> np.uint16(8))
 
 
 _CHUNK = 512  # blocks per parallel work item: enough work to hide the scheduling cost
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q8_0_kernel(x, xbits, scales, out):  # pragma: no cover - compiled
+def _q8_0_kernel(x, xbits, out):  # pragma: no cover - compiled
     # ggml's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (half away from zero).
-    # out: [blocks, 34] = float16 d (written by _store_half_scales), then 32 int8.
+    # out: [blocks, 34] = float16 d, then 32 int8.
     n = x.shape[0]
     for c in prange((n + _CHUNK - 1) // _CHUNK):
         for b in range(c * _CHUNK, min(n, (c + 1) * _CHUNK)):
-            _q8_0_block(x, xbits, scales, out, b)
+            _q8_0_block(x, xbits, out, b)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _q8_0_block(x, xbits, scales, out, b):  # pragma: no cover - compiled
-    amax = abs(x[b, _first_abs_max(xbits, b)])
+def _q8_0_block(x, xbits, out, b):  # pragma: no cover - compiled
+    amax = np.uint32(_abs_max_bits(xbits, b)).view(np.float32)
     d = amax / np.float32(127.0)
     inv = _F0 if d == _F0 else _F1 / d
-    scales[b] = d
+    _store_half(out, b, d)
     for j in range(32):
         v = x[b, j] * inv
         a = abs(v)
@@ -108,37 +136,28 @@ def _q8_0_block(x, xbits, scales, out, b):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q4_0_kernel(x, xbits, scales, out):  # pragma: no cover - compiled
+def _q4_0_kernel(x, xbits, out):  # pragma: no cover - compiled
     # ggml's quantize_row_q4_0_ref: d = (signed value of largest magnitude) / -8,
     # q = min(15, trunc(x / d + 8.5)); value j in the low nibble, j + 16 in the high one.
-    # out: [blocks, 18] = float16 d (written by _store_half_scales), then 16 bytes of codes.
+    # out: [blocks, 18] = float16 d, then 16 bytes of codes.
     n = x.shape[0]
     for c in prange((n + _CHUNK - 1) // _CHUNK):
         for b in range(c * _CHUNK, min(n, (c + 1) * _CHUNK)):
-            _q4_0_block(x, xbits, scales, out, b)
+            _q4_0_block(x, xbits, out, b)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _q4_0_block(x, xbits, scales, out, b):  # pragma: no cover - compiled
-    d = x[b, _first_abs_max(xbits, b)] / np.float32(-8.0)
+def _q4_0_block(x, xbits, out, b):  # pragma: no cover - compiled
+    d = np.uint32(_signed_abs_max(xbits, b)).view(np.float32) / np.float32(-8.0)
     inv = _F0 if d == _F0 else _F1 / d
-    scales[b] = d
-    for j in range(16):
+    _store_half(out, b, d)
+    half = x.shape[1] // 2  # 16, not as a literal (see _abs_max_bits)
+    for j in range(half):
         lo = np.trunc(x[b, j] * inv + np.float32(8.5))
-        hi = np.trunc(x[b, j + 16] * inv + np.float32(8.5))
+        hi = np.trunc(x[b, j + half] * inv + np.float32(8.5))
         qlo = np.uint8(min(lo, np.float32(15.0)))
         qhi = np.uint8(min(hi, np.float32(15.0)))
         out[b, 2 + j] = qlo | (qhi << np.uint8(4))
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _store_half_scales(scale_bits, out):  # pragma: no cover - compiled
-    # A separate function from the kernels that write the float32 scales: reading them back
-    # through a uint32 view in the same function is not guaranteed to see the writes.
-    for b in prange(scale_bits.shape[0]):
-        h = _half_bits(scale_bits[b])
-        out[b, 0] = np.uint8(h & np.uint16(0xFF))
-        out[b, 1] = np.uint8(h >> np.uint16(8))
 
 
 def f32_to_f16_bits(values: np.ndarray) -> np.ndarray:
@@ -317,11 +336,9 @@ def _quantize(values: np.ndarray, scheme: Scheme | str, out: np.ndarray | None) 
         return _f32_to_bf16(x).view(np.uint8).reshape(rows, cols * 2)
     if name in ("q8_0", "q4_0"):
         blocks = x.reshape(-1, 32)
-        scales = np.empty(blocks.shape[0], dtype=np.float32)
         dest = (np.empty((blocks.shape[0], scheme.block_bytes), dtype=np.uint8) if out is None
                 else out.reshape(blocks.shape[0], scheme.block_bytes))
-        (_q8_0_kernel if name == "q8_0" else _q4_0_kernel)(blocks, blocks.view(np.uint32), scales, dest)
-        _store_half_scales(scales.view(np.uint32), dest)
+        (_q8_0_kernel if name == "q8_0" else _q4_0_kernel)(blocks, blocks.view(np.uint32), dest)
         return dest.reshape(rows, -1)
     if name == "mxfp4":
         from gguf import GGMLQuantizationType, quants

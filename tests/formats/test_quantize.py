@@ -17,6 +17,10 @@ def sample(seed: int, rows: int = 24, cols: int = 256) -> np.ndarray:
     x[2, :32] = np.float32(0.5)  # ties in the maximum
     x[3, ::7] = -x[3, ::7]
     x[4, :32] = np.arange(32, dtype=np.float32) - 16  # exact halves after scaling
+    x[5:7, :32] = np.linspace(-1, 1, 32, dtype=np.float32)
+    x[5, 3], x[5, 9] = -2.5, 2.5  # equal magnitudes of both signs: the first decides q4_0's d
+    x[6, 3], x[6, 9] = 2.5, -2.5
+    x[7, :32] = -0.0
     return x
 
 
