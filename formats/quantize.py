@@ -79,26 +79,16 @@ def _abs_max_bits(xbits, b):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _signed_abs_max(xbits, b):  # pragma: no cover - compiled
-    # The value of block b with the largest magnitude (the first one on a tie), as float32 bits.
-    # The largest positive and negative magnitudes are two vectorizable max-reductions; only
-    # when they are equal does the order decide, and a scan finds the first.
-    sign = np.uint32(0x80000000)
-    pos = np.uint32(0)
-    neg = np.uint32(0)
+def _first_abs_max(xbits, b):  # pragma: no cover - compiled
+    # Index of the first value of block b with the largest magnitude, in one max-reduction that
+    # vectorizes: the key is the magnitude bits (which order like the floats, NaN above Inf)
+    # followed by 31 - index, so equal magnitudes are won by the earlier value.
+    best = np.uint64(0)
+    last = np.uint64(31)
     for j in range(xbits.shape[1]):
-        bits = xbits[b, j]
-        a = bits & np.uint32(0x7FFFFFFF)
-        pos = max(pos, np.uint32(0) if bits >= sign else a)
-        neg = max(neg, a if bits >= sign else np.uint32(0))
-    if pos > neg:
-        return pos
-    if neg > pos:
-        return neg | sign
-    for j in range(xbits.shape[1]):
-        if (xbits[b, j] & np.uint32(0x7FFFFFFF)) == pos:
-            return xbits[b, j]
-    return pos
+        key = (np.uint64(xbits[b, j] & np.uint32(0x7FFFFFFF)) << np.uint64(5)) | (last - np.uint64(j))
+        best = max(best, key)
+    return 31 - np.int64(best & np.uint64(31))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -148,7 +138,7 @@ def _q4_0_kernel(x, xbits, out):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True, inline="always")
 def _q4_0_block(x, xbits, out, b):  # pragma: no cover - compiled
-    d = np.uint32(_signed_abs_max(xbits, b)).view(np.float32) / np.float32(-8.0)
+    d = x[b, _first_abs_max(xbits, b)] / np.float32(-8.0)
     inv = _F0 if d == _F0 else _F1 / d
     _store_half(out, b, d)
     half = x.shape[1] // 2  # 16, not as a literal (see _abs_max_bits)
