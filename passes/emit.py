@@ -133,12 +133,14 @@ def _dense_chunks(job: TensorJob) -> Iterator[bytes]:
 
 
 class _Writer:
-    """Sequential writes with running checksums, done by a background thread so that writing
-    and hashing one block overlap with building the next (file writes and xxh3 release the
-    GIL). OS errors become clear ``KtcError``s, raised in the caller's thread."""
+    """Writes at increasing offsets with running checksums, done by a background thread so that
+    writing and hashing one block overlap with building the next (file writes and xxh3 release
+    the GIL). Regions that worker processes write themselves are skipped. OS errors become
+    clear ``KtcError``s, raised in the caller's thread."""
 
     def __init__(self, f: Any, path: str) -> None:
         self.f = f
+        self.fd = f.fileno()
         self.path = path
         self.pos = f.tell()
         self._error: OSError | None = None
@@ -153,9 +155,9 @@ class _Writer:
                 return
             if self._error is not None:
                 continue  # keep draining so the producer never blocks
-            data, digest = item
+            data, at, digest = item
             try:
-                self.f.write(data)
+                _pwrite_all(self.fd, data, at)
             except OSError as exc:
                 self._error = exc
                 continue
@@ -169,8 +171,13 @@ class _Writer:
     def write(self, data: bytes | memoryview, digest: Any | None = None) -> None:
         """Queue ``data`` (which must not change afterwards) for writing and hashing."""
         self._raise_pending()
-        self._queue.put((data, digest))
+        self._queue.put((data, self.pos, digest))
         self.pos += len(data)
+
+    def skip(self, n: int) -> None:
+        """Leave ``n`` bytes to another writer (a worker process writes them)."""
+        self._raise_pending()
+        self.pos += n
 
     def close(self) -> None:
         """Wait for every queued write; raise the first error any of them met."""
@@ -178,6 +185,14 @@ class _Writer:
             self._queue.put(None)
             self._thread.join()
         self._raise_pending()
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview | np.ndarray, at: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, at)
+        view = view[n:]
+        at += n
 
 
 def _os_error(exc: OSError, path: str) -> KtcError:
@@ -286,14 +301,36 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
     digests: list[Any] = []
     segments: dict[str, list[int]] = {}
     experts = [b for b in layout.blocks if b.kind == "expert"]
-    results = _expert_results(experts, jobs, compress, report_error)
+    # With worker processes and no compression every expert's offset is known before it is
+    # built: the workers write their experts into the file themselves and send back only
+    # checksums (shipping every expert's bytes back through a pipe cost more than it saved).
+    direct = jobs > 1 and not compress and len(experts) > 1
+    offsets = {}
+    if direct:
+        at = region
+        for block in layout.blocks:
+            offsets[id(block)] = at
+            at += block.length
+    results = _expert_results(experts, jobs, compress, report_error,
+                              (tmp, [offsets[id(b)] for b in experts]) if direct else None)
     try:
         writer.write(bytes(region))
         for index, block in enumerate(layout.blocks):
             start = writer.pos
             digest = new_block_hasher()
             stored = raw_length = None
-            if block.kind == "expert":
+            checksum = ""
+            if block.kind == "expert" and direct:  # written by a worker, padding included
+                try:
+                    checksum, raw_length, error = next(results)
+                except OSError as exc:  # the worker's write failed (a full disk, ...)
+                    raise _os_error(exc, tmp) from None
+                if error is not None:
+                    errors.append(error)
+                writer.skip(block.length)
+                used = block.length
+                digest = None
+            elif block.kind == "expert":
                 payload, raw_length, error = next(results)
                 if error is not None:
                     errors.append(error)
@@ -312,8 +349,9 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
                     raise KtcError(f"internal size mismatch for {job.name}: {used} != {job.nbytes}")
             # A compressed expert still starts on a page, so every expert stays randomly accessible.
             length = block.length if stored is None else align(used, PAGE)
-            writer.write(bytes(length - used), digest)
-            blocks.append(_block_entry(block, start, length, "", stored, raw_length))
+            if length > used:
+                writer.write(bytes(length - used), digest)
+            blocks.append(_block_entry(block, start, length, checksum, stored, raw_length))
             digests.append(digest)
             tensors += _tensor_entries(block, index, None if stored is not None else start)
             seg = segments.setdefault(block.segment, [start, start])
@@ -324,7 +362,8 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
         results.close()  # stops worker processes early when something failed
         writer.close()
     for entry, digest in zip(blocks, digests):
-        entry["xxh3_128"] = digest.hexdigest()
+        if digest is not None:
+            entry["xxh3_128"] = digest.hexdigest()
     seg_list = []
     cursor = region
     for name in ("device", "host"):
@@ -347,10 +386,12 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
     return EmitResult(tmp, writer.pos, sum(b.source_bytes for b in layout.blocks), errors)
 
 
-def _expert_results(experts: list[BlockJob], jobs: int, compress: bool,
-                    report_error: bool) -> Iterator[tuple[bytes, int, ExpertError | None]]:
-    """Expert payloads in order: built here, or by ``jobs`` worker processes with at most
-    ``2 * jobs`` results in flight (bounded memory)."""
+def _expert_results(experts: list[BlockJob], jobs: int, compress: bool, report_error: bool,
+                    direct: tuple[str, list[int]] | None = None) -> Iterator[tuple[Any, int, ExpertError | None]]:
+    """Expert results in order: built here, or by ``jobs`` worker processes with at most
+    ``2 * jobs`` in flight (bounded memory). A result is (payload, length, error), or with
+    ``direct`` = (file, offsets) the workers write each expert at its offset and a result is
+    (xxh3-128 hex digest, length, error)."""
     if jobs <= 1 or len(experts) <= 1:
         for block in experts:
             yield build_expert(block, compress, report_error)
@@ -358,20 +399,36 @@ def _expert_results(experts: list[BlockJob], jobs: int, compress: bool,
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    def submit(pool: Any, i: int) -> Any:
+        if direct is None:
+            return pool.submit(build_expert, experts[i], compress, report_error)
+        return pool.submit(_build_and_write, experts[i], report_error, direct[0], direct[1][i])
+
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
-        pending: deque = deque()
-        it = iter(experts)
-        for block in it:
-            pending.append(pool.submit(build_expert, block, compress, report_error))
-            if len(pending) >= 2 * jobs:
-                break
+        pending: deque = deque(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
+        following = len(pending)
         while pending:
             result = pending.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(build_expert, nxt, compress, report_error))
+            if following < len(experts):
+                pending.append(submit(pool, following))
+                following += 1
             yield result
+
+
+_worker_files: dict[str, int] = {}  # a worker's descriptor of the file it writes experts into
+
+
+def _build_and_write(block: BlockJob, report_error: bool, path: str, offset: int
+                     ) -> tuple[str, int, ExpertError | None]:
+    """In a worker: build one expert, write it at ``offset`` of ``path``, return its checksum."""
+    buf, length, error = build_expert(block, False, report_error)
+    if path not in _worker_files:
+        _worker_files[path] = os.open(path, os.O_WRONLY)
+    _pwrite_all(_worker_files[path], buf, offset)
+    digest = new_block_hasher()
+    digest.update(memoryview(buf))
+    return digest.hexdigest(), length, error
 
 
 def _worker_init() -> None:
