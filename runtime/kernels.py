@@ -119,27 +119,33 @@ def _e2m1_doubled(code):  # pragma: no cover - compiled
 
 @njit(**_OPTS)
 def _matvec_q8_0(raw, x, table, out):  # pragma: no cover - compiled
-    # raw: uint8 [rows, cols / 32 * 34]; block = float16 d, 32 int8
+    # raw: uint8 [rows, cols / 32 * 34]; block = float16 d, 32 int8. Each lane takes values j and
+    # j + 16 of a block, so the scale multiplies once per two products.
     rows = raw.shape[0]
     blocks = x.shape[0] // 32
     last = rows - 1
     for rb in prange((rows + 3) // 4):
         r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
-        a0 = np.zeros(32, np.float32)
-        a1 = np.zeros(32, np.float32)
-        a2 = np.zeros(32, np.float32)
-        a3 = np.zeros(32, np.float32)
+        a0 = np.zeros(16, np.float32)
+        a1 = np.zeros(16, np.float32)
+        a2 = np.zeros(16, np.float32)
+        a3 = np.zeros(16, np.float32)
         for b in range(blocks):
             base = b * 34
             xb = b * 32
             d0, d1 = _half(raw, r0, base, table), _half(raw, r1, base, table)
             d2, d3 = _half(raw, r2, base, table), _half(raw, r3, base, table)
-            for j in range(32):
-                xj = x[xb + j]
-                a0[j] += d0 * np.float32(np.int8(raw[r0, base + 2 + j])) * xj
-                a1[j] += d1 * np.float32(np.int8(raw[r1, base + 2 + j])) * xj
-                a2[j] += d2 * np.float32(np.int8(raw[r2, base + 2 + j])) * xj
-                a3[j] += d3 * np.float32(np.int8(raw[r3, base + 2 + j])) * xj
+            for j in range(16):
+                xl = x[xb + j]
+                xh = x[xb + 16 + j]
+                a0[j] += d0 * (np.float32(np.int8(raw[r0, base + 2 + j])) * xl
+                               + np.float32(np.int8(raw[r0, base + 18 + j])) * xh)
+                a1[j] += d1 * (np.float32(np.int8(raw[r1, base + 2 + j])) * xl
+                               + np.float32(np.int8(raw[r1, base + 18 + j])) * xh)
+                a2[j] += d2 * (np.float32(np.int8(raw[r2, base + 2 + j])) * xl
+                               + np.float32(np.int8(raw[r2, base + 18 + j])) * xh)
+                a3[j] += d3 * (np.float32(np.int8(raw[r3, base + 2 + j])) * xl
+                               + np.float32(np.int8(raw[r3, base + 18 + j])) * xh)
         _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
