@@ -326,12 +326,18 @@ def _write_text(path: str, text: str) -> None:
 @click.option("--report-error", is_flag=True, help="Print each expert's relative RMSE and max error.")
 @click.option("--hash-sources", is_flag=True,
               help="Record full sha256 of the source files (default: of their first 16 MiB).")
+@click.option("--check", is_flag=True, help="Verify each pass's postconditions as it finishes.")
+@click.option("--stop-after", type=click.Choice(["detect", "plan", "quantize", "layout"]),
+              help="Run the passes up to this one and write nothing (with --dump-after to look).")
+@click.option("--dump-after", type=click.Choice(["detect", "plan", "quantize", "layout", "emit"]),
+              help="Print what the IR holds after this pass, as JSON, on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_handle_errors
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
                     profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str, jobs: int,
-                    compress: bool, report_error: bool, hash_sources: bool, as_json: bool) -> None:
+                    compress: bool, report_error: bool, hash_sources: bool, check: bool,
+                    stop_after: str | None, dump_after: str | None, as_json: bool) -> None:
     """Compile a checkpoint into one packed, checksummed, reproducible bundle.
 
     Experts are placed by --plan, by the planner when a budget is given (--vram or
@@ -343,6 +349,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
       ktc compile ./Qwen3-30B-A3B -o qwen.ktb --vram 24GiB --max-tokens 32768
       ktc plan ./DeepSeek-V3 --vram 80GiB -o plan.json && ktc compile ./DeepSeek-V3 --plan plan.json -o ds3.ktb --jobs 2
       ktc compile model.gguf -o cpu-only.ktb --cpu-scheme q8_0 --compress
+      ktc compile ./Qwen3-30B-A3B -o q.ktb --vram 24GiB --stop-after layout --dump-after layout
     """
     from ktc.compile import check_writable_target, compile_bundle
 
@@ -359,8 +366,14 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     result = compile_bundle(source, output, plan_path=plan_path, plan_kwargs=plan_kwargs,
                             cpu_scheme=cpu_scheme, gpu_scheme=gpu_scheme, dense_scheme=dense_scheme,
                             jobs=jobs, compress=compress, report_error=report_error,
-                            hash_sources=hash_sources, progress=not as_json)
+                            hash_sources=hash_sources, progress=not as_json, check=check,
+                            stop_after=stop_after, dump_after=dump_after,
+                            dump=lambda text: click.echo(text, err=True))
     elapsed = time.perf_counter() - started  # writing the bundle; the sha256 below reads it back
+    if result is None:
+        message = f"stopped after the {stop_after} pass; nothing written"
+        click.echo(json.dumps({"stopped_after": stop_after}) if as_json else message)
+        return
     if as_json:
         out = result.to_json()
         out["seconds"] = round(elapsed, 3)

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,9 @@ from ktc.errors import ConfigError, FormatError, KtcError
 from ktc.formats.bundle import FORMAT_MAJOR, FORMAT_MINOR
 from ktc.formats.schemes import get_scheme
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
-from ktc.passes.emit import EmitResult, emit_bundle
-from ktc.passes.layout import plan_layout
-from ktc.passes.planner import PLAN_FORMAT, model_facts, placement_from_json
+from ktc.passes.emit import Emit, EmitResult
+from ktc.passes.layout import ChooseSchemes, LayOut
+from ktc.passes.planner import PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
 
 HEAD_HASH_BYTES = 16 * 1024 * 1024
 # Plan fields that describe how long solving took: not part of a reproducible bundle.
@@ -128,14 +129,21 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                    plan_kwargs: dict[str, Any] | None = None, cpu_scheme: str = "int8",
                    gpu_scheme: str = "bf16", dense_scheme: str = "bf16", jobs: int = 1,
                    compress: bool = False, report_error: bool = False, hash_sources: bool = False,
-                   progress: bool = False) -> CompileResult:
+                   progress: bool = False, check: bool = True, stop_after: str | None = None,
+                   dump_after: str | None = None, dump: Callable[[str], None] | None = None
+                   ) -> CompileResult | None:
     """Compile ``source`` into the bundle ``out``.
 
-    The placement comes from ``plan_path`` (a ``ktc plan -o`` file), from the planner when
-    ``plan_kwargs`` has a budget (``vram=...``), or puts every expert on the CPU. Nothing is left
-    at ``out`` unless the whole bundle was written.
+    The passes detect -> plan -> quantize -> layout -> emit run through ``ktc.pipeline``'s pass
+    manager (``check`` verifies each pass's postconditions; ``stop_after`` and ``dump_after`` name
+    a pass). The placement comes from ``plan_path`` (a ``ktc plan -o`` file), from the planner
+    when ``plan_kwargs`` has a budget (``vram=...``), or puts every expert on the CPU. Nothing is
+    left at ``out`` unless the whole bundle was written. Returns None when stopped before emit.
     """
-    from ktc.api import load_model
+    from ktc.formats.checkpoint import open_checkpoint
+    from ktc.passes.base import PassContext
+    from ktc.passes.detect import DetectExperts
+    from ktc.pipeline import PassManager
 
     if jobs < 1:
         raise ConfigError("--jobs must be at least 1")
@@ -146,53 +154,58 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
             raise ConfigError(str(exc.args[0])) from None
     if get_scheme(dense_scheme).block_elems != 1 or get_scheme(dense_scheme).row_extra_bytes:
         raise ConfigError(f"non-expert tensors need a float scheme (f32, f16, bf16), not {dense_scheme}")
-    ir = load_model(source)
-    if plan_path:
-        placement, plan_info = load_plan_file(plan_path, ir)
-        plan_section = {"source": "file", **plan_info}
-    elif plan_kwargs:
-        from ktc.api import plan as make_plan
 
-        made = make_plan(ir, gpu_schemes=(gpu_scheme,), cpu_schemes=(cpu_scheme,), dense_scheme=dense_scheme,
-                         **plan_kwargs)
-        placement = made.placement
-        info = made.to_json()
-        plan_section = {"source": "planner", **{k: v for k, v in info.items()
-                                                if k not in _TIMING_KEYS and k != "placement"}}
-    else:
-        placement = all_on_cpu(ir, cpu_scheme)
-        plan_section = {"source": "all experts on the CPU"}
-    plan_section["placement"] = {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
-                                 for layer, row in zip(placement.layers, placement.experts)}
-    layout = plan_layout(ir, placement, dense_scheme)
-    base = {
-        "format": "ktc-bundle",
-        "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
-        "model": model_section(ir),
-        "plan": plan_section,
-        "provenance": {
-            "ktc_version": __version__,
-            "source_format": ir.source.format,
-            "source_files": _source_files(ir, hash_sources),
-            "options": {"dense_scheme": get_scheme(dense_scheme).name, "compress": compress},
-        },
-    }
-    total = sum(b.source_bytes for b in layout.blocks)
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    def decide(ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
+        if plan_path:
+            placement, plan_info = load_plan_file(plan_path, ir)
+            section = {"source": "file", **plan_info}
+        elif plan_kwargs:
+            from ktc.api import plan as make_plan
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="compiling",
-                   disable=None, leave=False)
-    try:
-        result = emit_bundle(layout, out, base, jobs=jobs, compress=compress, report_error=report_error,
-                             progress=bar.update if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
+            made = make_plan(ir, gpu_schemes=(gpu_scheme,), cpu_schemes=(cpu_scheme,),
+                             dense_scheme=dense_scheme, **plan_kwargs)
+            placement = made.placement
+            section = {"source": "planner", **{k: v for k, v in made.to_json().items()
+                                               if k not in _TIMING_KEYS and k != "placement"}}
+        else:
+            placement = all_on_cpu(ir, cpu_scheme)
+            section = {"source": "all experts on the CPU"}
+        section["placement"] = {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
+                                for layer, row in zip(placement.layers, placement.experts)}
+        return placement, section
+
+    plan_pass = UsePlacement(decide)
+
+    def manifest_base(ir: ModelIR) -> dict[str, Any]:
+        return {
+            "format": "ktc-bundle",
+            "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
+            "model": model_section(ir),
+            "plan": plan_pass.info,
+            "provenance": {
+                "ktc_version": __version__,
+                "source_format": ir.source.format,
+                "source_files": _source_files(ir, hash_sources),
+                "options": {"dense_scheme": get_scheme(dense_scheme).name, "compress": compress},
+            },
+        }
+
+    emit = Emit(out, manifest_base, jobs=jobs, compress=compress, report_error=report_error,
+                progress=progress)
+    with open_checkpoint(source) as ckpt:
+        manager = PassManager((DetectExperts(ckpt), plan_pass, ChooseSchemes(dense_scheme), LayOut(), emit))
+        ir = manager.run(PassContext(check=check), stop_after=stop_after, dump_after=dump_after, dump=dump)
+    if emit.result is None:
+        return None
+    placement = ir.placement
+    assert placement is not None
     gpu = sum(p.device is Device.GPU for row in placement.experts for p in row)
     cpu = sum(len(row) for row in placement.experts) - gpu
+    result = emit.result
     return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result)
+
+
+COMPILE_PASSES = ("detect", "plan", "quantize", "layout", "emit")
 
 
 def check_writable_target(out: str) -> None:

@@ -458,6 +458,25 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class QuantPlan:
+    """The scheme of every tensor the bundle stores: ``experts[i][e]`` for expert e of MoE layer
+    ``layers[i]`` (gate, up and down share it; biases stay float32), ``tensors`` for the
+    non-expert tensors by name."""
+
+    layers: tuple[int, ...]
+    experts: tuple[tuple[str, ...], ...]
+    tensors: tuple[tuple[str, str], ...]
+    dense_scheme: str
+
+    def scheme_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for row in self.experts:
+            for scheme in row:
+                counts[scheme] = counts.get(scheme, 0) + 1
+        return counts
+
+
+@dataclass(frozen=True)
 class SourceInfo:
     """Where the IR was read from."""
 
@@ -480,7 +499,7 @@ class ModelIR:
     moe_layers: tuple[MoELayer, ...] = ()
     dense: tuple[DenseTensor, ...] = ()
     placement: Placement | None = field(default=None, compare=False)
-    quant: object | None = field(default=None, compare=False)
+    quant: QuantPlan | None = field(default=None, compare=False)
     layout: object | None = field(default=None, compare=False)
 
     @property

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import networkx as nx
 
-from ktc.errors import InternalError, KtcError, PassError
+from ktc.errors import ConfigError, InternalError, KtcError, PassError
 from ktc.ir import ModelIR
 from ktc.passes.base import Pass, PassContext
 
@@ -42,19 +45,64 @@ class PassManager:
             raise PassError("the pass graph has a cycle")
         self.graph = graph
 
-    def run(self, ctx: PassContext, ir: ModelIR | None = None, *,
-            stop_after: str | None = None) -> ModelIR:
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.passes)
+
+    def run(self, ctx: PassContext, ir: ModelIR | None = None, *, stop_after: str | None = None,
+            dump_after: str | None = None, dump: Callable[[str], None] | None = None) -> ModelIR:
+        """Run the passes in order; ``verify`` each under ``ctx.check``; stop after the pass
+        named ``stop_after``; after ``dump_after`` give ``dump`` a JSON description of the IR."""
+        for flag, name in (("--stop-after", stop_after), ("--dump-after", dump_after)):
+            if name is not None and name not in self.names:
+                raise ConfigError(f"{flag}: no pass named {name!r}; passes: {', '.join(self.names)}")
         for p in self.passes:
             try:
                 ir = p.run(ir, ctx)
+                if ctx.check and ir is not None:
+                    p.verify(ir)
             except KtcError:
                 raise
             except Exception as exc:
                 raise InternalError(f"pass '{p.name}' failed: {type(exc).__name__}: {exc}") from exc
-            if ctx.check:
-                p.verify(ir)
+            if dump_after == p.name and ir is not None:
+                (dump or (lambda text: print(text, file=sys.stderr)))(
+                    json.dumps({"after": p.name, **describe_ir(ir)}, indent=1))
             if stop_after == p.name:
                 break
         if ir is None:
             raise InternalError("the pipeline produced no IR")
         return ir
+
+
+def describe_ir(ir: ModelIR) -> dict[str, Any]:
+    """What the IR holds so far, for ``--dump-after``: the model, then each pass result."""
+    out: dict[str, Any] = {
+        "family": ir.family, "architecture": ir.config.architecture,
+        "moe_layers": len(ir.moe_layers), "experts": sum(len(layer.experts) for layer in ir.moe_layers),
+        "dense_tensors": len(ir.dense),
+    }
+    if ir.placement is not None:
+        per_layer = ir.placement.gpu_experts_per_layer()
+        out["placement"] = {"gpu_experts": sum(per_layer), "cpu_experts": out["experts"] - sum(per_layer),
+                            "gpu_experts_per_layer": dict(zip(map(str, ir.placement.layers), per_layer))}
+    if ir.quant is not None:
+        tensor_schemes: dict[str, int] = {}
+        for _, scheme in ir.quant.tensors:
+            tensor_schemes[scheme] = tensor_schemes.get(scheme, 0) + 1
+        out["quant"] = {"expert_schemes": ir.quant.scheme_counts(), "non_expert_schemes": tensor_schemes,
+                        "dense_scheme": ir.quant.dense_scheme}
+    if ir.layout is not None:
+        blocks = getattr(ir.layout, "blocks", ())
+        segments: dict[str, int] = {}
+        for block in blocks:
+            segments[block.segment] = segments.get(block.segment, 0) + block.length
+        out["layout"] = {
+            "blocks": len(blocks), "segment_bytes": segments,
+            "first_blocks": [{"name": b.name, "segment": b.segment, "length": b.length,
+                              "tensors": [{"name": t.name, "scheme": t.scheme, "shape": list(t.shape),
+                                           "offset_in_block": t.offset, "nbytes": t.nbytes}
+                                          for t in b.tensors]}
+                             for b in blocks[:3]],
+        }
+    return out

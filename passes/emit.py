@@ -17,15 +17,17 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from ktc.errors import KtcError
+from ktc.errors import InternalError, KtcError
 from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json, new_block_hasher
 from ktc.formats.dequant import to_float32, to_float32_rows
 from ktc.formats.quantize import convert, dequantize, quantize
+from ktc.ir import ModelIR
 
+from .base import Pass, PassContext
 from .layout import BlockJob, BundleLayout, TensorJob
 
 CHUNK_BYTES = 64 * 1024 * 1024  # non-expert tensors are converted this many source bytes at a time
@@ -437,3 +439,40 @@ def _worker_init() -> None:
     import numba
 
     numba.set_num_threads(1)
+
+
+class Emit(Pass):
+    """Write the laid-out bundle to ``out`` (see ``emit_bundle``); ``manifest_base(ir)`` gives
+    the manifest's model, plan and provenance sections."""
+
+    name: ClassVar[str] = "emit"
+    requires: ClassVar[frozenset[str]] = frozenset({"layout"})
+    produces: ClassVar[frozenset[str]] = frozenset({"bundle"})
+
+    def __init__(self, out: str, manifest_base: Callable[[ModelIR], dict[str, Any]], *, jobs: int = 1,
+                 compress: bool = False, report_error: bool = False, progress: bool = False) -> None:
+        self.out, self.manifest_base = out, manifest_base
+        self.jobs, self.compress, self.report_error, self.progress = jobs, compress, report_error, progress
+        self.result: EmitResult | None = None
+
+    def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
+        if ir is None or not isinstance(ir.layout, BundleLayout):
+            raise InternalError("emit needs an IR with a layout")
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(b.source_bytes for b in ir.layout.blocks), unit="B", unit_scale=True,
+                       unit_divisor=1024, desc="compiling", disable=None, leave=False)
+        try:
+            self.result = emit_bundle(ir.layout, self.out, self.manifest_base(ir), jobs=self.jobs,
+                                      compress=self.compress, report_error=self.report_error,
+                                      progress=bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        return ir
+
+    def verify(self, ir: ModelIR) -> None:
+        if self.result is None or os.path.getsize(self.result.path) != self.result.file_bytes:
+            raise InternalError("emit left no bundle of the size it wrote")

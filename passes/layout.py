@@ -6,13 +6,18 @@ machine (cores, NUMA nodes): the same IR and placement give the same layout ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from ktc.errors import ConfigError
+from ktc.errors import ConfigError, InternalError
 from ktc.formats.schemes import (
     EXPERT_ALIGN, TENSOR_ALIGN, align, get_scheme, non_expert_scheme,
 )
-from ktc.ir import Device, Expert, ModelIR, Placement, TensorRef, TensorRole
+from ktc.ir import Device, Expert, ModelIR, Placement, QuantPlan, TensorRef, TensorRole
+
+from .base import Pass, PassContext
+from .planner import check_placement
 
 DEVICE, HOST = "device", "host"
 # How rows are laid out, recorded per tensor in the manifest.
@@ -83,11 +88,8 @@ def expert_block(expert: Expert, device: Device, scheme: str) -> BlockJob:
     """An expert's block: gate and up fused, down, then float32 biases; tensors aligned to 64,
     the block to a page. The same order and sizes as ``formats.schemes.expert_footprint``."""
     inter, hidden = expert.gate.shape
+    _check_fits(expert, scheme)
     s = get_scheme(scheme)
-    if not (s.fits(hidden) and s.fits(inter)):
-        raise ConfigError(f"scheme {s.name} needs rows that are a multiple of {s.block_elems} values; "
-                          f"layer {expert.layer} expert {expert.index} has rows of {hidden} and {inter}",
-                          hint="choose another scheme for this model")
     prefix = f"layers.{expert.layer}.experts.{expert.index}."
     specs: list[tuple[str, tuple[int, ...], str, tuple[TensorRef, ...], str]] = [
         ("gate_up", (2 * inter, hidden), s.name, (expert.gate, expert.up), LAYOUT_GATE_UP),
@@ -130,25 +132,26 @@ def _is_input_embedding(ir: ModelIR, ref: TensorRef, role: TensorRole) -> bool:
             and any(k in ref.name for k in ("embed_tokens", "token_embd", "wte")))
 
 
-def plan_layout(ir: ModelIR, placement: Placement, dense_scheme: str = "bf16") -> BundleLayout:
-    """The bundle's blocks in file order. Device segment: non-expert GPU tensors, then GPU
-    experts by (layer, expert). Host segment: CPU experts by (layer, expert), then the input
-    embedding table. Blocks within a segment follow each other; the last is padded to a page."""
-    if placement.layers != ir.moe_layer_indices:
-        raise ConfigError(f"the plan places experts of layers {list(placement.layers)[:8]}...; this "
-                          f"model's MoE layers are {list(ir.moe_layer_indices)[:8]}...",
-                          hint="the plan was made for another model")
-    device_tensors: list[BlockJob] = []
-    host_tensors: list[BlockJob] = []
+@dataclass(frozen=True)
+class NonExpertTensor:
+    """A tensor the bundle stores outside the experts."""
+
+    name: str
+    ref: TensorRef
+    role: str
+    layer: int | None
+    router: bool  # routers (and their biases) are kept exact
+    host: bool  # the input embedding table: a lookup, kept in host memory
+
+
+def non_expert_tensors(ir: ModelIR) -> Iterator[NonExpertTensor]:
+    """Every non-expert tensor the bundle stores, in bundle order: dense tensors, then each MoE
+    layer's router, biases and shared experts."""
     for tensor in ir.dense:
         if tensor.layer is not None and tensor.layer >= ir.config.num_layers:
             continue  # extra layers (DeepSeek-V3's multi-token prediction) are not served
-        scheme = non_expert_scheme(tensor.ref.shape, router=tensor.role is TensorRole.ROUTER,
-                                   dense_scheme=dense_scheme)
-        host = _is_input_embedding(ir, tensor.ref, tensor.role)
-        block = _tensor_block(tensor.ref.name, tensor.ref, tensor.role.value, HOST if host else DEVICE,
-                              scheme, tensor.layer)
-        (host_tensors if host else device_tensors).append(block)
+        yield NonExpertTensor(tensor.ref.name, tensor.ref, tensor.role.value, tensor.layer,
+                              tensor.role is TensorRole.ROUTER, _is_input_embedding(ir, tensor.ref, tensor.role))
     for layer in ir.moe_layers:
         prefix = f"layers.{layer.layer}."
         named = [("router", layer.router, True), ("router_bias", layer.router_bias, True),
@@ -158,21 +161,55 @@ def plan_layout(ir: ModelIR, placement: Placement, dense_scheme: str = "bf16") -
             named += [("shared_experts.gate", expert.gate, False), ("shared_experts.up", expert.up, False),
                       ("shared_experts.down", expert.down, False)]
         for suffix, ref, router in named:
-            if ref is None:
-                continue
-            scheme = non_expert_scheme(ref.shape, router=router, dense_scheme=dense_scheme)
-            role = "router" if router else "shared_experts"
-            device_tensors.append(_tensor_block(prefix + suffix, ref, role, DEVICE, scheme, layer.layer))
+            if ref is not None:
+                yield NonExpertTensor(prefix + suffix, ref, "router" if router else "shared_experts",
+                                      layer.layer, router, False)
+
+
+def choose_schemes(ir: ModelIR, placement: Placement, dense_scheme: str = "bf16") -> QuantPlan:
+    """Every stored tensor's scheme: experts as placed, non-expert tensors by
+    ``formats.schemes.non_expert_scheme``. Refuses a placement made for another model and a
+    scheme that does not fit an expert's rows."""
+    check_placement(ir, placement)
+    rows = []
+    for row, layer in zip(placement.experts, ir.moe_layers):
+        for where, expert in zip(row, layer.experts):
+            _check_fits(expert, where.scheme)
+        rows.append(tuple(get_scheme(where.scheme).name for where in row))
+    tensors = tuple((t.name, non_expert_scheme(t.ref.shape, router=t.router, dense_scheme=dense_scheme))
+                    for t in non_expert_tensors(ir))
+    return QuantPlan(placement.layers, tuple(rows), tensors, get_scheme(dense_scheme).name)
+
+
+def _check_fits(expert: Expert, scheme: str) -> None:
+    inter, hidden = expert.gate.shape
+    s = get_scheme(scheme)
+    if not (s.fits(hidden) and s.fits(inter)):
+        raise ConfigError(f"scheme {s.name} needs rows that are a multiple of {s.block_elems} values; "
+                          f"layer {expert.layer} expert {expert.index} has rows of {hidden} and {inter}",
+                          hint="choose another scheme for this model")
+
+
+def plan_layout(ir: ModelIR, placement: Placement, quant: QuantPlan) -> BundleLayout:
+    """The bundle's blocks in file order. Device segment: non-expert GPU tensors, then GPU
+    experts by (layer, expert). Host segment: CPU experts by (layer, expert), then the input
+    embedding table. Blocks within a segment follow each other; the last is padded to a page."""
+    schemes = dict(quant.tensors)
+    device_tensors: list[BlockJob] = []
+    host_tensors: list[BlockJob] = []
+    for t in non_expert_tensors(ir):
+        block = _tensor_block(t.name, t.ref, t.role, HOST if t.host else DEVICE, schemes[t.name], t.layer)
+        (host_tensors if t.host else device_tensors).append(block)
     gpu_experts: list[BlockJob] = []
     cpu_experts: list[BlockJob] = []
-    for row, layer in zip(placement.experts, ir.moe_layers):
-        if len(row) != len(layer.experts):
-            raise ConfigError(f"the plan has {len(row)} experts for layer {layer.layer}; the model has "
-                              f"{len(layer.experts)}", hint="the plan was made for another model")
-        for where, expert in zip(row, layer.experts):
-            block = expert_block(expert, where.device, where.scheme)
+    for row, expert_schemes, layer in zip(placement.experts, quant.experts, ir.moe_layers):
+        for where, scheme, expert in zip(row, expert_schemes, layer.experts):
+            block = expert_block(expert, where.device, scheme)
             (gpu_experts if where.device is Device.GPU else cpu_experts).append(block)
-    blocks = _pad_last(device_tensors + gpu_experts) + _pad_last(cpu_experts + host_tensors)
+    # Every expert starts on a page: the device segment's tensors are padded to one before the
+    # GPU experts that follow them (the host segment starts with its experts).
+    blocks = (_pad_last(_pad_last(device_tensors) + gpu_experts)
+              + _pad_last(cpu_experts + host_tensors))
     return BundleLayout(tuple(blocks))
 
 
@@ -186,3 +223,78 @@ def _pad_last(blocks: list[BlockJob]) -> list[BlockJob]:
     blocks[-1] = BlockJob(last.kind, last.name, last.segment, last.length + pad, last.tensors, last.layer,
                           last.expert, last.device, last.scheme)
     return blocks
+
+
+class ChooseSchemes(Pass):
+    """Attach every stored tensor's scheme (``ModelIR.quant``) from the placement."""
+
+    name: ClassVar[str] = "quantize"
+    requires: ClassVar[frozenset[str]] = frozenset({"experts", "placement"})
+    produces: ClassVar[frozenset[str]] = frozenset({"quant"})
+
+    def __init__(self, dense_scheme: str = "bf16") -> None:
+        self.dense_scheme = dense_scheme
+
+    def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
+        if ir is None or ir.placement is None:
+            raise InternalError("quantize needs an IR with a placement")
+        return replace(ir, quant=choose_schemes(ir, ir.placement, self.dense_scheme))
+
+    def verify(self, ir: ModelIR) -> None:
+        quant, placement = ir.quant, ir.placement
+        if quant is None or placement is None:
+            raise InternalError("quantize produced no schemes")
+        for row, schemes in zip(placement.experts, quant.experts):
+            if tuple(get_scheme(p.scheme).name for p in row) != schemes:
+                raise InternalError("expert schemes differ from the placement's")
+        stored = {t.name for t in non_expert_tensors(ir)}
+        if {name for name, _ in quant.tensors} != stored:
+            raise InternalError("non-expert schemes do not cover the stored tensors")
+
+
+class LayOut(Pass):
+    """Order, align and size every block of the bundle (``ModelIR.layout``)."""
+
+    name: ClassVar[str] = "layout"
+    requires: ClassVar[frozenset[str]] = frozenset({"experts", "placement", "quant"})
+    produces: ClassVar[frozenset[str]] = frozenset({"layout"})
+
+    def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
+        if ir is None or ir.placement is None or ir.quant is None:
+            raise InternalError("layout needs an IR with a placement and schemes")
+        return replace(ir, layout=plan_layout(ir, ir.placement, ir.quant))
+
+    def verify(self, ir: ModelIR) -> None:
+        layout = ir.layout
+        if not isinstance(layout, BundleLayout):
+            raise InternalError("layout produced no bundle layout")
+        verify_layout(layout)
+
+
+def verify_layout(layout: BundleLayout) -> None:
+    """The layout's invariants: device segment before host, every expert starting on a page
+    (blocks follow each other from a page-aligned start), tensors aligned to 64 inside their
+    block and not overlapping, segments whole pages."""
+    seen_host = False
+    at = 0
+    for block in layout.blocks:
+        if block.segment not in (DEVICE, HOST):
+            raise InternalError(f"{block.name}: unknown segment {block.segment!r}")
+        if block.segment == DEVICE and seen_host:
+            raise InternalError(f"{block.name}: a device block after the host segment began")
+        seen_host |= block.segment == HOST
+        if block.kind == "expert" and at % EXPERT_ALIGN:
+            raise InternalError(f"{block.name}: starts {at} bytes into the data, not on a page")
+        end = 0
+        for t in block.tensors:
+            if t.offset % TENSOR_ALIGN or t.offset < end:
+                raise InternalError(f"{t.name}: offset {t.offset} misaligned or overlapping")
+            if t.nbytes != _matrix_bytes(t.scheme, t.shape):
+                raise InternalError(f"{t.name}: {t.nbytes} bytes for {t.shape} in {t.scheme}")
+            end = t.offset + t.nbytes
+        if end > block.length:
+            raise InternalError(f"{block.name}: tensors run past the block")
+        at += block.length
+    for segment in (DEVICE, HOST):
+        if sum(b.length for b in layout.segment_blocks(segment)) % EXPERT_ALIGN:
+            raise InternalError(f"the {segment} segment is not whole pages")

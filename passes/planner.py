@@ -13,6 +13,7 @@ docs/planner.md describes the model in full; the short version:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -602,3 +603,45 @@ class PlanPlacement(Pass):
         if self.plan is None or ir.placement is None:
             raise InternalError("plan pass produced no placement")
         verify_plan(ir, self.plan)
+
+
+class UsePlacement(Pass):
+    """Take the placement from elsewhere (a plan file, the planner run through ``ktc.plan``, or
+    every expert on the CPU): ``decide(ir)`` returns it and what the manifest records of it."""
+
+    name: ClassVar[str] = "plan"
+    requires: ClassVar[frozenset[str]] = frozenset({"experts", "config"})
+    produces: ClassVar[frozenset[str]] = frozenset({"placement"})
+
+    def __init__(self, decide: Callable[[ModelIR], tuple[Placement, dict[str, Any]]]) -> None:
+        self.decide = decide
+        self.info: dict[str, Any] = {}
+
+    def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
+        from dataclasses import replace
+
+        if ir is None:
+            raise InternalError("plan needs an IR")
+        placement, self.info = self.decide(ir)
+        check_placement(ir, placement)
+        return replace(ir, placement=placement)
+
+    def verify(self, ir: ModelIR) -> None:
+        placement = ir.placement
+        if placement is None or placement.layers != ir.moe_layer_indices:
+            raise InternalError("the placement does not cover the model's MoE layers")
+        for row, layer in zip(placement.experts, ir.moe_layers):
+            if len(row) != len(layer.experts):
+                raise InternalError(f"layer {layer.layer}: {len(row)} placements for {len(layer.experts)} experts")
+
+
+def check_placement(ir: ModelIR, placement: Placement) -> None:
+    """``ConfigError`` unless ``placement`` places every expert of this model."""
+    if placement.layers != ir.moe_layer_indices:
+        raise ConfigError(f"the plan places experts of layers {list(placement.layers)[:8]}...; this "
+                          f"model's MoE layers are {list(ir.moe_layer_indices)[:8]}...",
+                          hint="the plan was made for another model")
+    for row, layer in zip(placement.experts, ir.moe_layers):
+        if len(row) != len(layer.experts):
+            raise ConfigError(f"the plan has {len(row)} experts for layer {layer.layer}; the model has "
+                              f"{len(layer.experts)}", hint="the plan was made for another model")

@@ -79,3 +79,14 @@ def test_sigkill_at_any_moment_leaves_nothing_or_the_previous_bundle(tmp_path, d
             assert subprocess.run(KTC + ["verify", str(out)], capture_output=True).returncode == 0
             previous = sha(out)
     assert mid_write >= 3, "the kills did not land while the bundle was being written"
+
+
+def test_stop_after_and_dump_after(tmp_path, demo_model):
+    out = tmp_path / "s.ktb"
+    proc = subprocess.run(KTC + ["compile", demo_model, "-o", str(out), "--vram", "16MiB", "--reserve", "0",
+                                 "--check", "--stop-after", "layout", "--dump-after", "layout"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped after the layout pass" in proc.stdout and not out.exists()
+    dumped = json.loads(proc.stderr[proc.stderr.index("{"):])
+    assert dumped["after"] == "layout" and dumped["layout"]["blocks"] > 0

@@ -258,3 +258,51 @@ def test_opening_reads_only_header_and_manifest(tmp_path, demo_model):
         assert b.tensor("layers.3.experts.9.down").shape[0] == 256  # mapping reads nothing either
     assert read < region + 4096, (read, region)  # no expert bytes, whatever the file's size
     assert elapsed < 0.5
+
+
+def test_every_expert_starts_on_a_page_with_gpu_experts(tmp_path, demo_model):
+    """The device segment's non-expert tensors are padded so the GPU experts after them start
+    on pages too (docs/bundle-format.md)."""
+    out = tmp_path / "g.ktb"
+    result = compile_bundle(demo_model, str(out), plan_kwargs=dict(vram="16MiB", reserve=0))
+    assert result is not None and result.gpu_experts > 0
+    with open_bundle(str(out)) as bundle:
+        experts = [b for b in bundle.manifest["blocks"] if b["kind"] == "expert"]
+        assert {b["device"] for b in experts} == {"gpu", "cpu"}
+        assert all(b["offset"] % 4096 == 0 for b in experts)
+        assert bundle.verify() == []
+
+
+def test_passes_stop_and_dump(tmp_path, demo_model):
+    """The compile runs as passes: --stop-after writes nothing, --dump-after shows the IR."""
+    out = tmp_path / "s.ktb"
+    dumps: list[str] = []
+    assert compile_bundle(demo_model, str(out), plan_kwargs=dict(vram="16MiB", reserve=0),
+                          stop_after="layout", dump_after="quantize", dump=dumps.append) is None
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    (dumped,) = [json.loads(text) for text in dumps]
+    assert dumped["after"] == "quantize" and dumped["placement"]["gpu_experts"] > 0
+    assert dumped["quant"]["expert_schemes"] == {"bf16": dumped["placement"]["gpu_experts"],
+                                                 "int8": dumped["placement"]["cpu_experts"]}
+    assert "layout" not in dumped
+    with pytest.raises(ConfigError, match="no pass named 'lay-out'"):
+        compile_bundle(demo_model, str(out), stop_after="lay-out")
+
+
+def test_check_names_the_pass_that_broke_its_postconditions(tmp_path, demo_model, monkeypatch):
+    from dataclasses import replace
+
+    import ktc.passes.layout as layout_pass
+    from ktc.errors import InternalError
+
+    real = layout_pass.plan_layout
+
+    def misaligned(ir, placement, quant):
+        layout = real(ir, placement, quant)
+        first = layout.blocks[0]
+        return layout_pass.BundleLayout((replace(first, length=first.length + 64),) + layout.blocks[1:])
+
+    monkeypatch.setattr(layout_pass, "plan_layout", misaligned)
+    with pytest.raises(InternalError, match="pass 'layout' failed.*not on a page"):
+        compile_bundle(demo_model, str(tmp_path / "x.ktb"), check=True)
+    assert list(tmp_path.iterdir()) == []
