@@ -79,11 +79,29 @@ def test_expert_forward_one_token_and_batch(scheme, activation):
     np.testing.assert_allclose(one, want[0], rtol=1e-4, atol=1e-4 * np.abs(want).max())
     batch = expert_forward_batch(stored(gate_up, scheme, hidden), stored(down, scheme, inter), scheme, x, **kw)
     np.testing.assert_allclose(batch, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    if scheme == "int8":  # from 16 tokens on, int8 experts run as an int8 GEMM (activations in int8)
-        many = rng.standard_normal((40, hidden)).astype(np.float32)
-        want = reference_expert(gu[:inter], gu[inter:], dq(down, inter), many.astype(np.float64), activation, b_gu, b_d)
-        got = expert_forward_batch(stored(gate_up, scheme, hidden), stored(down, scheme, inter), scheme, many, **kw)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1.5e-2
+    # From 16 tokens on, int8 experts run as an int8 GEMM (activations in int8) and block schemes
+    # as a bf16 GEMM: close to the float reference, not equal.
+    many = rng.standard_normal((40, hidden)).astype(np.float32)
+    want = reference_expert(gu[:inter], gu[inter:], dq(down, inter), many.astype(np.float64), activation, b_gu, b_d)
+    got = expert_forward_batch(stored(gate_up, scheme, hidden), stored(down, scheme, inter), scheme, many, **kw)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1.5e-2 if scheme != "f32" else 1e-5)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_matches_dequantize(scheme, shape):
+    from ktc.formats.quantize import _f32_to_bf16
+    from ktc.runtime.kernels import decode
+
+    rows, cols = shape
+    if cols % 128 and scheme == "int4_g128":
+        pytest.skip("row not whole groups")
+    w = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(w, scheme)
+    want = dequantize(raw, scheme, cols)
+    np.testing.assert_allclose(decode(stored(raw, scheme, cols), scheme, cols), want, rtol=1e-6, atol=0)
+    bits = decode(stored(raw, scheme, cols), scheme, cols, bf16=True)
+    np.testing.assert_array_equal(bits, _f32_to_bf16(decode(stored(raw, scheme, cols), scheme, cols)))
 
 
 @pytest.mark.skipif(os.environ.get("NUMBA_DISABLE_JIT") == "1", reason="already running without JIT")
