@@ -21,7 +21,8 @@ _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def _nibbles(codes: Any) -> Any:
-    """[..., 16] bytes -> [..., 32] 4-bit codes in ggml's order (low nibbles, then high)."""
+    """[..., n] bytes -> [..., 2n] 4-bit codes: the low nibbles, then the high ones (the order of
+    ggml's blocks of 32 and of ktc's int4 groups)."""
     import torch
 
     return torch.cat([codes & 15, codes >> 4], dim=-1)
@@ -64,7 +65,7 @@ def dequantize(raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
     if name.startswith("int4_g"):
         group = get_scheme(name).block_elems
         groups = cols // group
-        q = _nibbles(raw[:, : cols // 2].reshape(rows, nb, 16)).float().reshape(rows, groups, group)
+        q = _nibbles(raw[:, : cols // 2].reshape(rows, groups, group // 2)).float()
         params = _view(raw[:, cols // 2:], torch.bfloat16).float()
         return (q * params[:, :groups, None] + params[:, groups:, None]).reshape(rows, cols).to(dtype)
     raise ValueError(f"no device decoder for scheme {scheme!r}")

@@ -246,7 +246,8 @@ def _bf16(bits):  # pragma: no cover - compiled
 
 @njit(**_OPTS)
 def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - compiled
-    # codes: uint8 [rows, cols / 2] (runs of 32: j low nibble, j + 16 high, unsigned 0..15)
+    # codes: uint8 [rows, cols / 2]: per group, byte k holds value k (low nibble) and
+    # k + group / 2 (high), unsigned 0..15
     # params: uint16 [rows, 2 * groups], bf16 scales then bf16 minimums; xsum: x summed per group.
     # value = code * scale + minimum, so a row is sum_g scale_g (codes . x)_g + minimum_g xsum_g
     rows = codes.shape[0]
@@ -272,11 +273,12 @@ def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - comp
             g = run >> shift  # run // (group / 32), without a division in the loop
             d0, d1 = _bf16(params[r0, g]), _bf16(params[r1, g])
             d2, d3 = _bf16(params[r2, g]), _bf16(params[r3, g])
-            xb = run * 32
-            cb = run * 16
+            cb = run * 16  # 16 bytes: values g * group + k (low nibbles), k + group / 2 (high)
+            xl_base = (g << shift) * 32 + (run - (g << shift)) * 16
+            xh_base = xl_base + (np.int64(16) << shift)
             for j in range(16):
-                xl = x[xb + j]
-                xh = x[xb + 16 + j]
+                xl = x[xl_base + j]
+                xh = x[xh_base + j]
                 b = np.float32(codes[r0, cb + j])
                 h = np.floor(b * sixteenth)
                 a0[j] += d0 * ((b - h * sixteen) * xl + h * xh)
@@ -547,13 +549,13 @@ def _decode_mxfp4(raw, cols, fp4, e8m0, bf16, out32, out16):  # pragma: no cover
 @njit(**_OPTS)
 def _decode_int4(raw, cols, group, bf16, out32, out16):  # pragma: no cover - compiled
     groups = cols // group
+    half = group // 2
     for r in prange(raw.shape[0]):
         params = raw[r, cols // 2:].copy().view(np.uint16)
-        for run in range(cols // 32):
-            g = run * 32 // group
+        for g in range(groups):
             d = _bf16(params[g])
             m = _bf16(params[groups + g])
-            for j in range(16):
-                c = np.int32(raw[r, run * 16 + j])
-                _put(bf16, out32, out16, r, run * 32 + j, np.float32(c & 15) * d + m)
-                _put(bf16, out32, out16, r, run * 32 + 16 + j, np.float32(c >> 4) * d + m)
+            for k in range(half):
+                c = np.int32(raw[r, g * half + k])
+                _put(bf16, out32, out16, r, g * group + k, np.float32(c & 15) * d + m)
+                _put(bf16, out32, out16, r, g * group + half + k, np.float32(c >> 4) * d + m)

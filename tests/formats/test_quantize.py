@@ -98,15 +98,15 @@ def test_int_schemes_reference():
     d_bits, m_bits = bf16(d_best), bf16(m_best)
     d = (d_bits.astype(np.uint32) << 16).view(np.float32)
     m = (m_bits.astype(np.uint32) << 16).view(np.float32)
-    codes = codes_for(groups, m[:, None], (np.float32(1) / d)[:, None]).astype(np.uint8).reshape(8, 4, 32)
-    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    codes = codes_for(groups, m[:, None], (np.float32(1) / d)[:, None]).astype(np.uint8)
+    packed = codes[:, :32] | (codes[:, 32:] << 4)  # per group, byte k: values k and k + 32
     np.testing.assert_array_equal(raw4[:, :64], packed.reshape(8, 64))
     params = raw4[:, 64:].copy().view(np.uint16)
     np.testing.assert_array_equal(params[:, :2].ravel(), d_bits)
     np.testing.assert_array_equal(params[:, 2:].ravel(), m_bits)
     # and the value is code * scale + minimum
     np.testing.assert_allclose(dequantize(raw4, "int4_g64", 128).reshape(16, 64),
-                               codes.reshape(16, 64) * d[:, None] + m[:, None], rtol=1e-6)
+                               codes * d[:, None] + m[:, None], rtol=1e-6)
 
 
 def test_every_scheme_has_a_quantizer():
