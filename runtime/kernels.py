@@ -247,7 +247,8 @@ def _bf16(bits):  # pragma: no cover - compiled
 @njit(**_OPTS)
 def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - compiled
     # codes: uint8 [rows, cols / 2]: per group, byte k holds value k (low nibble) and
-    # k + group / 2 (high), unsigned 0..15
+    # k + group / 2 (high), unsigned 0..15. x comes permuted to the codes' order: for each run of
+    # 16 bytes, the 16 values of its low nibbles, then the 16 of its high nibbles.
     # params: uint16 [rows, 2 * groups], bf16 scales then bf16 minimums; xsum: x summed per group.
     # value = code * scale + minimum, so a row is sum_g scale_g (codes . x)_g + minimum_g xsum_g
     rows = codes.shape[0]
@@ -273,12 +274,11 @@ def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - comp
             g = run >> shift  # run // (group / 32), without a division in the loop
             d0, d1 = _bf16(params[r0, g]), _bf16(params[r1, g])
             d2, d3 = _bf16(params[r2, g]), _bf16(params[r3, g])
-            cb = run * 16  # 16 bytes: values g * group + k (low nibbles), k + group / 2 (high)
-            xl_base = (g << shift) * 32 + (run - (g << shift)) * 16
-            xh_base = xl_base + (np.int64(16) << shift)
+            xb = run * 32
+            cb = run * 16
             for j in range(16):
-                xl = x[xl_base + j]
-                xh = x[xh_base + j]
+                xl = x[xb + j]
+                xh = x[xb + 16 + j]
                 b = np.float32(codes[r0, cb + j])
                 h = np.floor(b * sixteenth)
                 a0[j] += d0 * ((b - h * sixteen) * xl + h * xh)
@@ -361,7 +361,8 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
         codes = raw[:, : cols // 2]
         params = raw[:, cols // 2:].view(np.uint16)  # rows are 2-byte aligned: no copy
         xsum = x.reshape(cols // group, group).sum(axis=1)
-        _matvec_int4(codes, params, x, xsum, {32: 0, 64: 1, 128: 2}[group], out)
+        runs_x = x.reshape(cols // group, 2, group // 32, 16).transpose(0, 2, 1, 3).reshape(-1)
+        _matvec_int4(codes, params, np.ascontiguousarray(runs_x), xsum, {32: 0, 64: 1, 128: 2}[group], out)
     else:
         raise ValueError(f"no CPU kernel for scheme {scheme!r}")
     return out
