@@ -358,6 +358,10 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
         _matvec_mxfp4(raw, x, _E8M0, out)
     elif scheme.startswith("int4_g"):
         group = int(scheme[len("int4_g"):])
+        from . import vnni  # here: it builds on this module
+
+        if vnni.HAVE_VNNI and raw.flags.c_contiguous:
+            return vnni.matvec_int4(raw, x, group, out)
         codes = raw[:, : cols // 2]
         params = raw[:, cols // 2:].view(np.uint16)  # rows are 2-byte aligned: no copy
         xsum = x.reshape(cols // group, group).sum(axis=1)

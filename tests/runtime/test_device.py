@@ -14,6 +14,7 @@ from ktc.formats.bundle import open_bundle
 from ktc.formats.quantize import dequantize, quantize
 from ktc.formats.schemes import ExpertShape, expert_footprint
 from ktc.runtime import device as dev
+from ktc.runtime import vnni
 from ktc.runtime.moe import MoELayer
 
 SCHEMES = ["f32", "f16", "bf16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128"]
@@ -63,7 +64,9 @@ def _check_against_cpu(path: str, layer: int, hidden: np.ndarray, schemes, biase
         assert on_device.device_bytes == _device_bytes([schemes(e) for e in on_device.gpu_experts], biases)
         want = on_cpu.forward(hidden)
         got = on_device.forward(hidden)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+        # int4 on a VNNI CPU multiplies int8-quantized activations (the device does not)
+        vnni_int4 = vnni.HAVE_VNNI and any(str(schemes(e)).startswith("int4") for e in range(mf.EXPERTS))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-2 if vnni_int4 else 1e-5)
         on_device.close()
         on_cpu.close()
 
