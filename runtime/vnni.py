@@ -105,42 +105,22 @@ def _group(half, acc, flat, cbase, xq, xbase, s):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, out):  # pragma: no cover - compiled
     # flat: the matrix's bytes (rows of codes, bf16 scales, bf16 minimums), words: the same bytes
-    # as uint16; xq: x in int8 per group, dx: their scales;
-    # row r = sum_g d_g dx_g (codes . xq)_g + m_g xsum_g. Four rows at a time: four independent
-    # accumulators keep the adds from waiting on each other.
+    # as uint16; xq: x in int8 per group, dx: their scales, xsum: dx times the sum of xq per group;
+    # row r = sum_g d_g dx_g (codes . xq)_g + m_g xsum_g. One row at a time, 64 rows per work
+    # item: faster here than four rows side by side (19 against 26 GB/s from memory).
     groups = cols // group
     half = group // 2
-    last = rows - 1
-    for rb in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = rb * 4, min(rb * 4 + 1, last), min(rb * 4 + 2, last), min(rb * 4 + 3, last)
-        a0 = np.zeros(16, np.float32)
-        a1 = np.zeros(16, np.float32)
-        a2 = np.zeros(16, np.float32)
-        a3 = np.zeros(16, np.float32)
-        b0, b1, b2, b3 = r0 * row_bytes, r1 * row_bytes, r2 * row_bytes, r3 * row_bytes
-        p0, p1 = (b0 + cols // 2) // 2, (b1 + cols // 2) // 2
-        p2, p3 = (b2 + cols // 2) // 2, (b3 + cols // 2) // 2
-        m0 = m1 = m2 = m3 = np.float32(0.0)
-        for g in range(groups):
-            xs = xsum[g]
-            m0 += _bf16(words[p0 + groups + g]) * xs
-            m1 += _bf16(words[p1 + groups + g]) * xs
-            m2 += _bf16(words[p2 + groups + g]) * xs
-            m3 += _bf16(words[p3 + groups + g]) * xs
-            d = dx[g]
-            xb = g * group
-            at = g * half
-            _group(half, a0, flat, b0 + at, xq, xb, _bf16(words[p0 + g]) * d)
-            _group(half, a1, flat, b1 + at, xq, xb, _bf16(words[p1 + g]) * d)
-            _group(half, a2, flat, b2 + at, xq, xb, _bf16(words[p2 + g]) * d)
-            _group(half, a3, flat, b3 + at, xq, xb, _bf16(words[p3 + g]) * d)
-        out[r0] = a0.sum() + m0
-        if r0 + 1 < rows:
-            out[r0 + 1] = a1.sum() + m1
-        if r0 + 2 < rows:
-            out[r0 + 2] = a2.sum() + m2
-        if r0 + 3 < rows:
-            out[r0 + 3] = a3.sum() + m3
+    for chunk in prange((rows + 63) // 64):
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            base = r * row_bytes
+            params = (base + cols // 2) // 2
+            minimum = np.float32(0.0)
+            for g in range(groups):
+                minimum += _bf16(words[params + groups + g]) * xsum[g]
+                _group(half, acc, flat, base + g * half, xq, g * group, _bf16(words[params + g]) * dx[g])
+            out[r] = acc.sum() + minimum
 
 
 def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
