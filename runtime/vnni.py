@@ -41,11 +41,13 @@ def _host_has_vnni() -> bool:
 HAVE_VNNI = _host_has_vnni()
 
 
-def _group_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
+def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type: ignore[no-untyped-def]
     """An intrinsic ``group(acc, codes, cbase, xq, xbase, s)``: with k < nbytes, lane by lane,
     acc += s * sum of (codes[cbase + k] & 15) * xq[xbase + k] + (codes[cbase + k] >> 4) *
     xq[xbase + nbytes + k] (four k per int32 lane, as vpdpbusd adds them). ``acc`` is a float32
-    array of at least nbytes / 4 lanes, summed once a row is done: no horizontal sum per group."""
+    array of at least nbytes / 4 lanes, summed once a row is done: no horizontal sum per group.
+    With ``table`` (16 unsigned bytes, nbytes 16 only) each 4-bit code c counts as table[c]
+    (one pshufb), which is how e2m1 codes become integers."""
     from llvmlite import ir
 
     lanes = nbytes // 4
@@ -69,6 +71,11 @@ def _group_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
             packed = load(codes_a, cbase_v)
             low = builder.and_(packed, ir.Constant(bytes_t, [15] * nbytes))
             high = builder.lshr(packed, ir.Constant(bytes_t, [4] * nbytes))
+            if table is not None:
+                shuffle = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(bytes_t, [bytes_t, bytes_t]), "llvm.x86.ssse3.pshuf.b.128")
+                lut = ir.Constant(bytes_t, list(table))
+                low, high = builder.call(shuffle, [lut, low]), builder.call(shuffle, [lut, high])
             x_low = load(xq_a, xbase_v)
             x_high = load(xq_a, builder.add(xbase_v, ir.Constant(xbase_v.type, nbytes)))
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
@@ -88,6 +95,10 @@ def _group_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
 
 
 _group16, _group32, _group64 = _group_intrinsic(16), _group_intrinsic(32), _group_intrinsic(64)
+# e2m1 code -> twice its value, plus 12 so that it is unsigned (vpdpbusd multiplies unsigned
+# bytes by signed ones); the 12 is taken back through the activations' sums.
+E2M1_TWICE_PLUS_12 = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+_e2m1_group16 = _group_intrinsic(16, E2M1_TWICE_PLUS_12)
 
 
 
@@ -121,6 +132,67 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
                 minimum += _bf16(words[params + groups + g]) * xsum[g]
                 _group(half, acc, flat, base + g * half, xq, g * group, _bf16(words[params + g]) * dx[g])
             out[r] = acc.sum() + minimum
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _matvec_mxfp4_vnni(raw, e8m0, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # raw: [rows, blocks * 17] (e8m0 exponent byte, 16 bytes of e2m1 codes: j low, j + 16 high);
+    # a block's values are 2^(e - 127) / 2 * (T[c] - 12) with T = E2M1_TWICE_PLUS_12, so
+    # row r = sum_b d_b dx_b (T[c] . xq)_b - 12 d_b xsum_b.
+    rows = raw.shape[0]
+    blocks = raw.shape[1] // 17
+    flat = raw.reshape(-1)
+    row_bytes = raw.shape[1]
+    half = np.float32(0.5)
+    twelve = np.float32(12.0)
+    for chunk in prange((rows + 63) // 64):
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            base = r * row_bytes
+            shift = np.float32(0.0)
+            for b in range(blocks):
+                d = half * e8m0[flat[base + b * 17]]
+                shift += twelve * d * xsum[b]
+                _e2m1_group16(acc, flat, base + b * 17 + 1, xq, b * 32, d * dx[b])
+            out[r] = acc.sum() - shift
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _matvec_q4_0_vnni(raw, table, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # raw: [rows, blocks * 18] (float16 d, 16 bytes of codes: j low, j + 16 high); a block's
+    # values are d (q - 8), so row r = sum_b d_b dx_b (q . xq)_b - 8 d_b xsum_b.
+    rows = raw.shape[0]
+    blocks = raw.shape[1] // 18
+    flat = raw.reshape(-1)
+    row_bytes = raw.shape[1]
+    eight = np.float32(8.0)
+    for chunk in prange((rows + 63) // 64):
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            base = r * row_bytes
+            shift = np.float32(0.0)
+            for b in range(blocks):
+                at = base + b * 18
+                d = table[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+                shift += eight * d * xsum[b]
+                _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
+            out[r] = acc.sum() - shift
+
+
+def matvec_q4_0(raw: np.ndarray, x: np.ndarray, table: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``W @ x`` for q4_0 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
+    xq, dx, xsum = quantize_activations(x, 32)
+    _matvec_q4_0_vnni(raw, table, xq, dx, xsum, out)
+    return out
+
+
+def matvec_mxfp4(raw: np.ndarray, x: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``W @ x`` for mxfp4 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
+    xq, dx, xsum = quantize_activations(x, 32)
+    _matvec_mxfp4_vnni(raw, e8m0, xq, dx, xsum, out)
+    return out
 
 
 def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -45,10 +45,13 @@ def test_matvec_matches_numpy(scheme, shape, seed):
     np.testing.assert_allclose(got, reference, rtol=tolerance, atol=tolerance * np.abs(reference).max())
 
 
+VNNI_SCHEMES = ("int4_g32", "int4_g64", "int4_g128", "q4_0", "mxfp4")
+
+
 def one_token_tolerance(scheme: str) -> float:
-    """int4 through VNNI multiplies int8-quantized activations (test_int4_vnni checks that exactly);
-    every other kernel is float32 throughout."""
-    return 2e-2 if scheme.startswith("int4") and vnni.HAVE_VNNI else 1e-4
+    """The 4-bit kernels through VNNI multiply int8-quantized activations (the tests below check
+    that exactly); every other kernel is float32 throughout."""
+    return 2e-2 if scheme in VNNI_SCHEMES and vnni.HAVE_VNNI else 1e-4
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
@@ -150,12 +153,45 @@ def test_kernels_without_jit():
     assert " passed" in proc.stdout
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", ["q4_0", "mxfp4"])
+@pytest.mark.parametrize("shape", [(9, 256), (64, 1024), (3, 384)])
+def test_block_vnni_matches_its_definition(scheme, shape):
+    """q4_0 and mxfp4 through VNNI compute each block's integer codes (q - 8; twice the e2m1
+    value) times the activations quantized per 32, scaled by the block's scale (d; half the
+    e8m0 power of two) and dx, exactly."""
+    from ktc.runtime.kernels import _E8M0
+
+    rows, cols = shape
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 2)
+    x = rng.standard_normal(cols).astype(np.float32) * rng.uniform(0.1, 10)
+    raw = quantize(w, scheme)
+    blocks = cols // 32
+    size = 18 if scheme == "q4_0" else 17
+    b = raw.reshape(rows, blocks, size)
+    packed = b[..., size - 16:]
+    codes = np.concatenate([packed & 15, packed >> 4], axis=2)
+    if scheme == "q4_0":
+        ints = codes.astype(np.float64) - 8
+        scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    else:
+        ints = np.array(vnni.E2M1_TWICE_PLUS_12, dtype=np.float64)[codes] - 12
+        scale = 0.5 * _E8M0[b[..., 0]].astype(np.float64)
+    xq, dx, _ = vnni.quantize_activations(x, 32)
+    dots = (ints * xq.reshape(blocks, 32).astype(np.float64)).sum(axis=2)
+    want = (scale * dx * dots).sum(axis=1)
+    np.testing.assert_allclose(ints * scale[..., None], dequantize(raw, scheme, cols).reshape(rows, blocks, 32))
+    got = matvec(raw, scheme, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
 def test_int4_float_kernel_where_there_is_no_vnni():
-    """KTC_NO_VNNI=1 runs int4 through the float kernel, as on a CPU without VNNI."""
+    """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""
     env = dict(os.environ, KTC_NO_VNNI="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "int4 and not vnni and not without_jit"],
+                           "-k", "(int4 or q4_0 or mxfp4) and not vnni and not without_jit"],
                           capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
