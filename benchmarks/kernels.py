@@ -53,15 +53,29 @@ def main() -> int:
     x = rng.standard_normal(hidden).astype(np.float32)
     targets = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60}
     met = True
-    print(f"1. one token, expert {hidden}x{inter}:")
+    print(f"1. one token, expert {hidden}x{inter}: {3 * repeat} rounds, each measuring the read bandwidth "
+          "and then every scheme; each scheme's best round (this shared machine's bandwidth drifts "
+          "by up to 2x within minutes, so a time is compared with the bandwidth of its own round):")
+    experts = {scheme: (quantize(w_gate_up, scheme), quantize(w_down, scheme)) for scheme in targets}
+    best = {scheme: (0.0, 0.0, 0.0) for scheme in targets}  # (fraction, seconds, roofline)
+    for scheme, (gate_up, down) in experts.items():
+        expert_forward(gate_up, down, scheme, x)  # compile or load the kernels outside the timing
+    for _ in range(3 * repeat):
+        bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+        for scheme, (gate_up, down) in experts.items():
+            started = time.perf_counter()
+            expert_forward(gate_up, down, scheme, x)
+            seconds = time.perf_counter() - started
+            fraction = (gate_up.nbytes + down.nbytes) / seconds / bandwidth
+            if fraction > best[scheme][0]:
+                best[scheme] = (fraction, seconds, bandwidth)
     for scheme, target in targets.items():
-        gate_up, down = quantize(w_gate_up, scheme), quantize(w_down, scheme)
-        seconds = best_time(lambda: expert_forward(gate_up, down, scheme, x), repeat)
-        rate = (gate_up.nbytes + down.nbytes) / seconds
-        fraction = rate / roofline
+        gate_up, down = experts[scheme]
+        fraction, seconds, bandwidth = best[scheme]
         met &= fraction >= target
-        print(f"   {scheme:<10} {1e3 * seconds:7.2f} ms, {rate / 1e9:5.1f} GB/s = {100 * fraction:3.0f}% of the "
-              f"roofline (target {100 * target:.0f}%)")
+        print(f"   {scheme:<10} {1e3 * seconds:7.2f} ms, {(gate_up.nbytes + down.nbytes) / seconds / 1e9:5.1f} GB/s "
+              f"= {100 * fraction:3.0f}% of {bandwidth / 1e9:.1f} GB/s (target {100 * target:.0f}%)")
+    del experts
 
     print("2. MoE layer, Qwen3-30B-A3B shape, int8, 8 of 128 experts:")
     from ktc.compile import compile_bundle
