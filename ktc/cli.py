@@ -510,7 +510,7 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection and plan as JSON.")
 @_handle_errors
 def demo(out: str | None, vram: str, as_json: bool) -> None:
-    """Build the built-in demo MoE model (Qwen3-MoE layout), inspect it, plan it, compile it.
+    """Build the built-in demo MoE model (Qwen3-MoE layout); inspect, plan, compile and run it.
 
     The demo model has 4 layers of 16 experts (top-4) with random weights, and a synthetic
     Zipf-skewed routing profile; the plan is made for a tiny GPU so that experts must be split.
@@ -546,11 +546,14 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
         problems = bundle.verify()
     if problems:
         raise KtcError("the demo bundle failed verification: " + problems[0], path=bundle_path)
+    from ktc.runtime.bench import bench_bundle
+
+    ran = bench_bundle(bundle_path, tokens=(1, 16), steps=3)
     if as_json:
         plan_json = result.to_json()
         plan_json.pop("placement")
         click.echo(json.dumps({**summary.to_json(), "plan": plan_json,
-                               "bundle": compiled.to_json()}, indent=1))
+                               "bundle": compiled.to_json(), "bench": ran}, indent=1))
         return
     click.echo(f"demo model written to {folder}\n")
     click.echo(render_text(summary))
@@ -559,7 +562,11 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
     click.echo(f"\n$ ktc compile {folder} --plan {plan_path} -o {bundle_path} && ktc verify {bundle_path}")
     click.echo(f"wrote {bundle_path}: {format_bytes(compiled.file_bytes)}, {compiled.gpu_experts} GPU experts "
                f"(bf16) and {compiled.cpu_experts} CPU experts (int8); verified, sha256 {compiled.sha256[:16]}…")
-    click.echo("\nnot yet: running the bundle (see the README's table).")
+    click.echo(f"\n$ ktc bench {bundle_path} --tokens 1,16")
+    for count, figures in ran["tokens"].items():
+        click.echo(f"{count:>2} tokens: {figures['ms_per_step']:.3f} ms per step through the "
+                   f"{len(figures['layers'])} MoE layers (every expert on the CPU kernels)")
+    click.echo("\nnot yet: running a whole model (`ktc run`, transformers integration); see the README.")
 
 
 if __name__ == "__main__":  # pragma: no cover
