@@ -356,13 +356,13 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
         from . import vnni  # here: it builds on this module
 
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_q4_0(raw, x, _F16_TO_F32, out)
+            return vnni.matvec_q4_0(raw, x, _F16_TO_F32, _E8M0, out)
         _matvec_q4_0(raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)
     elif scheme == "mxfp4":
         from . import vnni  # here: it builds on this module
 
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_mxfp4(raw, x, _E8M0, out)
+            return vnni.matvec_mxfp4(raw, x, _F16_TO_F32, _E8M0, out)
         _matvec_mxfp4(raw, x, _E8M0, out)
     elif scheme.startswith("int4_g"):
         group = int(scheme[len("int4_g"):])

@@ -135,16 +135,18 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matvec_mxfp4_vnni(raw, e8m0, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # raw: [rows, blocks * 17] (e8m0 exponent byte, 16 bytes of e2m1 codes: j low, j + 16 high);
-    # a block's values are 2^(e - 127) / 2 * (T[c] - 12) with T = E2M1_TWICE_PLUS_12, so
-    # row r = sum_b d_b dx_b (T[c] . xq)_b - 12 d_b xsum_b.
+def _matvec_blocks_vnni(raw, e2m1, f16, e8m0, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # ggml blocks of 32 values, 16 bytes of codes each (value j low nibble, j + 16 high):
+    # q4_0 (e2m1 False): 18-byte blocks, float16 d first; a value is d (q - 8).
+    # mxfp4 (e2m1 True): 17-byte blocks, e8m0 exponent first; a value is 2^(e - 127) / 2
+    # (T[c] - 12) with T = E2M1_TWICE_PLUS_12. Either way d (u - offset) with u unsigned, so
+    # row r = sum_b d_b dx_b (u . xq)_b - offset d_b xsum_b.
     rows = raw.shape[0]
-    blocks = raw.shape[1] // 17
+    size = 17 if e2m1 else 18
+    blocks = raw.shape[1] // size
     flat = raw.reshape(-1)
     row_bytes = raw.shape[1]
-    half = np.float32(0.5)
-    twelve = np.float32(12.0)
+    offset = np.float32(12.0) if e2m1 else np.float32(8.0)
     for chunk in prange((rows + 63) // 64):
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
@@ -152,46 +154,28 @@ def _matvec_mxfp4_vnni(raw, e8m0, xq, dx, xsum, out):  # pragma: no cover - comp
             base = r * row_bytes
             shift = np.float32(0.0)
             for b in range(blocks):
-                d = half * e8m0[flat[base + b * 17]]
-                shift += twelve * d * xsum[b]
-                _e2m1_group16(acc, flat, base + b * 17 + 1, xq, b * 32, d * dx[b])
-            out[r] = acc.sum() - shift
+                at = base + b * size
+                if e2m1:
+                    d = np.float32(0.5) * e8m0[flat[at]]
+                    _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
+                else:
+                    d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+                    _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
+                shift += d * xsum[b]
+            out[r] = acc.sum() - offset * shift
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matvec_q4_0_vnni(raw, table, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # raw: [rows, blocks * 18] (float16 d, 16 bytes of codes: j low, j + 16 high); a block's
-    # values are d (q - 8), so row r = sum_b d_b dx_b (q . xq)_b - 8 d_b xsum_b.
-    rows = raw.shape[0]
-    blocks = raw.shape[1] // 18
-    flat = raw.reshape(-1)
-    row_bytes = raw.shape[1]
-    eight = np.float32(8.0)
-    for chunk in prange((rows + 63) // 64):
-        acc = np.zeros(16, np.float32)
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
-            base = r * row_bytes
-            shift = np.float32(0.0)
-            for b in range(blocks):
-                at = base + b * 18
-                d = table[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-                shift += eight * d * xsum[b]
-                _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
-            out[r] = acc.sum() - shift
-
-
-def matvec_q4_0(raw: np.ndarray, x: np.ndarray, table: np.ndarray, out: np.ndarray) -> np.ndarray:
+def matvec_q4_0(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``W @ x`` for q4_0 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
     xq, dx, xsum = quantize_activations(x, 32)
-    _matvec_q4_0_vnni(raw, table, xq, dx, xsum, out)
+    _matvec_blocks_vnni(raw, False, f16, e8m0, xq, dx, xsum, out)
     return out
 
 
-def matvec_mxfp4(raw: np.ndarray, x: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
+def matvec_mxfp4(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``W @ x`` for mxfp4 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
     xq, dx, xsum = quantize_activations(x, 32)
-    _matvec_mxfp4_vnni(raw, e8m0, xq, dx, xsum, out)
+    _matvec_blocks_vnni(raw, True, f16, e8m0, xq, dx, xsum, out)
     return out
 
 
