@@ -34,8 +34,11 @@ def _host_has_vnni() -> bool:
     wanted = ("avx512vnni", "avx512vl", "avx512bw", "avx512f")
     if not all(features.get(f, False) for f in wanted):
         return False
-    target = config.CPU_FEATURES or ""  # NUMBA_CPU_FEATURES, when set, must allow it too
-    return not target or "+avx512vnni" in target
+    # Numba compiles for this CPU unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another
+    # target (portable caches do): then the features must include VNNI explicitly.
+    if (config.CPU_NAME or "host") != "host" or config.CPU_FEATURES:
+        return all(f"+{f}" in (config.CPU_FEATURES or "") for f in wanted)
+    return True
 
 
 HAVE_VNNI = _host_has_vnni()

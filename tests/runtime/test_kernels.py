@@ -195,3 +195,13 @@ def test_int4_float_kernel_where_there_is_no_vnni():
                           capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_no_vnni_kernels_for_another_compile_target():
+    """With NUMBA_CPU_NAME naming a portable target, VNNI instructions could not be compiled:
+    the float kernels are used."""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic")
+    env.pop("NUMBA_CPU_FEATURES", None)
+    proc = subprocess.run([sys.executable, "-c", "from ktc.runtime import vnni; print(vnni.HAVE_VNNI)"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
