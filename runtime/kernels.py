@@ -10,6 +10,8 @@ thread while torch runs the GPU experts.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from numba import njit, prange
 
@@ -411,22 +413,26 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
                          activation: str = "silu", gate_up_bias: np.ndarray | None = None,
                          down_bias: np.ndarray | None = None, limit: float | None = None,
                          alpha: float | None = None) -> np.ndarray:
-    """Tokens ``x`` [T, hidden] routed to one expert: the weights are decoded once and multiplied
-    as matrices (compute-bound, unlike one token). From ``GEMM_MIN_TOKENS`` tokens on, int8
-    experts multiply in int8 and the other quantized schemes are decoded to bf16 and multiplied
-    by torch (each adds well under 1% relative error); below, in float32."""
+    """Tokens ``x`` [T, hidden] routed to one expert. From ``GEMM_MIN_TOKENS`` tokens on the
+    weights are used as a matrix (compute-bound, unlike one token): int8 experts multiply in
+    int8, the other quantized schemes are decoded to bf16 and multiplied by torch (each adds
+    well under 1% relative error), float experts in float32. Fewer tokens of a quantized expert
+    go one by one through the one-token kernels (decoding a large expert costs more than a few
+    passes over its bytes)."""
     x = np.asarray(x, dtype=np.float32)
-    hidden = x.shape[1]
-    inter = gate_up.shape[0] // 2
+    kw = dict(activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit, alpha=alpha)
     many = x.shape[0] >= GEMM_MIN_TOKENS
     if scheme == "int8" and many:
         product = _int8_gemm
-    elif many and scheme not in ("f32", "f16"):
+    elif scheme not in ("f32", "f16", "bf16") and many:
         def product(v: np.ndarray, raw: np.ndarray) -> np.ndarray:
             return _bf16_gemm(v, raw, scheme)
+    elif scheme not in ("f32", "f16", "bf16") or x.shape[0] == 1:
+        return np.stack([expert_forward(gate_up, down, scheme, row, **kw) for row in x])  # type: ignore[arg-type]
     else:
         def product(v: np.ndarray, raw: np.ndarray) -> np.ndarray:
-            return v @ decode(raw, scheme, v.shape[1]).T
+            return matmul_t(v, decode(raw, scheme, v.shape[1]))
+    inter = gate_up.shape[0] // 2
     h = product(x, gate_up)
     if gate_up_bias is not None:
         h += gate_up_bias
@@ -435,6 +441,20 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
     if down_bias is not None:
         y += down_bias
     return y
+
+
+def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b.T`` in float32, through torch when it is installed: numpy's OpenBLAS threads and
+    Numba's OpenMP threads spin against each other when their parallel regions alternate (a
+    4-token expert took 17 ms instead of 0.5 here); torch's and Numba's do not."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is installed wherever the tests run
+        return a @ b.T
+    with warnings.catch_warnings():  # read-only maps: torch only reads them here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+                @ torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32)).T).numpy()
 
 
 # From this many tokens on, int8 experts multiply in int8 (torch._int_mm, oneDNN's VNNI GEMM):

@@ -15,7 +15,7 @@ from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 
 from .device import matmul, upload
-from .kernels import expert_forward, expert_forward_batch, int8_experts_token
+from .kernels import expert_forward, expert_forward_batch, int8_experts_token, matmul_t
 
 _PLAIN = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -164,7 +164,7 @@ class MoELayer:
     def route(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(expert indices [T, top_k], weights [T, top_k]) as the model's own router computes them."""
         info = self.info
-        logits = hidden.astype(np.float32) @ self.router.T
+        logits = matmul_t(hidden, self.router)
         if self.router_bias is not None:
             logits = logits + self.router_bias
         k = self.top_k
@@ -227,10 +227,10 @@ class MoELayer:
                 np.add.at(out, tokens, y)
         if self.shared is not None:
             gate, up, down = self.shared
-            g = hidden @ gate.T
-            shared = (g / (1 + np.exp(-g)) * (hidden @ up.T)) @ down.T
+            g = matmul_t(hidden, gate)
+            shared = matmul_t(g / (1 + np.exp(-g)) * matmul_t(hidden, up), down)
             if self.shared_gate is not None:
-                shared = shared / (1 + np.exp(-(hidden @ self.shared_gate.T)))
+                shared = shared / (1 + np.exp(-matmul_t(hidden, self.shared_gate)))
             out += shared
         return out
 

@@ -117,7 +117,8 @@ def test_expert_forward_one_token_and_batch(scheme, activation):
     tolerance = one_token_tolerance(scheme)
     np.testing.assert_allclose(one, want[0], rtol=tolerance, atol=tolerance * np.abs(want).max())
     batch = expert_forward_batch(stored(gate_up, scheme, hidden), stored(down, scheme, inter), scheme, x, **kw)
-    np.testing.assert_allclose(batch, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # under 16 tokens a quantized expert runs its tokens through the one-token kernels
+    np.testing.assert_allclose(batch, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
     # From 16 tokens on, int8 experts run as an int8 GEMM (activations in int8) and block schemes
     # as a bf16 GEMM: close to the float reference, not equal.
     many = rng.standard_normal((40, hidden)).astype(np.float32)
