@@ -321,15 +321,37 @@ def int8_experts_token(file: np.ndarray, gate_up_offsets: np.ndarray, down_offse
     """One token through several int8 SiLU experts of one layer, weighted and summed: two
     parallel regions for the whole layer instead of two per expert. ``file`` is the bundle
     mapped as uint8 (length a multiple of 4); offsets are the experts' absolute tensor offsets."""
+    return experts_token(file, "int8", gate_up_offsets, down_offsets, hidden, inter, x, weights)
+
+
+def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, down_offsets: np.ndarray,
+                  hidden: int, inter: int, x: np.ndarray, weights: np.ndarray, *, activation: str = "silu",
+                  gate_up_bias: np.ndarray | None = None, down_bias: np.ndarray | None = None,
+                  limit: float | None = None, alpha: float | None = None) -> np.ndarray:
+    """One token through k experts of one layer stored in ``scheme`` (int8, or int4 on a VNNI
+    CPU), weighted by ``weights`` and summed: two parallel regions for the whole layer
+    (gate/up of every expert, then down) instead of two per expert. Biases are [k, ...]."""
     k = gate_up_offsets.shape[0]
-    codes = file.view(np.int8)
-    scales = file.view(np.float32)
     xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
-    h = np.empty((k, 2 * inter), dtype=np.float32)
-    _int8_rows_many(codes, scales, gate_up_offsets, xs, h)
-    a = _act(h, inter, "silu", None, None).astype(np.float32)
-    y = np.empty((k, hidden), dtype=np.float32)
-    _int8_rows_many(codes, scales, down_offsets, np.ascontiguousarray(a), y)
+    if scheme == "int8":
+        codes, scales = file.view(np.int8), file.view(np.float32)
+
+        def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
+            out = np.empty((k, n), dtype=np.float32)
+            _int8_rows_many(codes, scales, offsets, v, out)
+            return out
+    else:
+        from . import vnni
+
+        def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
+            return vnni.rows_many(file, scheme, offsets, n, v)
+    h = rows(gate_up_offsets, 2 * inter, xs)
+    if gate_up_bias is not None:
+        h += gate_up_bias
+    a = np.ascontiguousarray(_act(h, inter, activation, limit, alpha), dtype=np.float32)
+    y = rows(down_offsets, hidden, a)
+    if down_bias is not None:
+        y += down_bias
     return (weights[:, None] * y).sum(axis=0)
 
 

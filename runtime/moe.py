@@ -15,7 +15,7 @@ from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 
 from .device import matmul, upload
-from .kernels import expert_forward, expert_forward_batch, int8_experts_token, matmul_t
+from .kernels import expert_forward, expert_forward_batch, experts_token, matmul_t
 
 _PLAIN = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -86,15 +86,20 @@ class MoELayer:
                 bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"), scheme,
                 _as_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
                 _as_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
-        # Every CPU expert int8, uncompressed, SiLU and without biases: one token takes a fused
-        # path that runs all its experts in two parallel regions.
-        self._fused_int8 = None
-        if (self.activation == "silu" and self.cpu
-                and all(ex.scheme == "int8" and ex.gate_up_bias is None for ex in self.cpu.values())):
-            gu = {e: bundle.tensors[f"{prefix}experts.{e}.gate_up"].offset for e in self.cpu}
-            dn = {e: bundle.tensors[f"{prefix}experts.{e}.down"].offset for e in self.cpu}
-            if None not in gu.values() and None not in dn.values():
-                self._fused_int8 = (bundle.file_view(), gu, dn)
+        # Every CPU expert in one scheme that has a multi-expert kernel (int8; int4 on a VNNI
+        # CPU) and uncompressed: one token takes a fused path that runs all its experts
+        # in two parallel regions instead of two per expert.
+        self._fused = None
+        schemes = {ex.scheme for ex in self.cpu.values()}
+        if len(schemes) == 1:
+            (scheme,) = schemes
+            from . import vnni
+
+            if scheme == "int8" or (vnni.HAVE_VNNI and scheme in vnni.FUSED_GROUPS):
+                gu = {e: bundle.tensors[f"{prefix}experts.{e}.gate_up"].offset for e in self.cpu}
+                dn = {e: bundle.tensors[f"{prefix}experts.{e}.down"].offset for e in self.cpu}
+                if None not in gu.values() and None not in dn.values():
+                    self._fused = (scheme, bundle.file_view(), gu, dn)
         self.device = device
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0
@@ -235,14 +240,18 @@ class MoELayer:
         return out
 
     def _run_cpu(self, hidden: np.ndarray, work: list[tuple[int, np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        if self._fused_int8 is not None and len(hidden) == 1 and work:
-            file, gu, dn = self._fused_int8
+        if self._fused is not None and len(hidden) == 1 and work:
+            scheme, file, gu, dn = self._fused
             experts = [e for e, _, _ in work]
-            weights = np.array([w[0] for _, _, w in work], dtype=np.float32)
-            inter = self.cpu[experts[0]].down.shape[1] - 4
-            y = int8_experts_token(file, np.array([gu[e] for e in experts], dtype=np.int64),
-                                   np.array([dn[e] for e in experts], dtype=np.int64),
-                                   self.hidden_size, inter, hidden[0], weights)
+            first = self.cpu[experts[0]]
+            biases = first.gate_up_bias is not None
+            y = experts_token(file, scheme, np.array([gu[e] for e in experts], dtype=np.int64),
+                              np.array([dn[e] for e in experts], dtype=np.int64), self.hidden_size,
+                              first.gate_up.shape[0] // 2, hidden[0],
+                              np.array([w[0] for _, _, w in work], dtype=np.float32),
+                              activation=self.activation, limit=self.swiglu_limit, alpha=self.swiglu_alpha,
+                              gate_up_bias=np.stack([self.cpu[e].gate_up_bias for e in experts]) if biases else None,
+                              down_bias=np.stack([self.cpu[e].down_bias for e in experts]) if biases else None)
             return [(np.zeros(1, dtype=np.int64), y[None, :])]
         results = []
         for e, tokens, weights in work:

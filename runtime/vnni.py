@@ -1,13 +1,15 @@
-"""int4 experts through the CPU's integer dot-product instruction (AVX-512 VNNI ``vpdpbusd``).
+"""4-bit experts through the CPU's integer dot-product instruction (AVX-512 VNNI ``vpdpbusd``).
 
 Numba has no vector types and no way to ask for one instruction, and its integer arithmetic is
-widened to int64, so the float kernels spend most of their time unpacking nibbles. Here one
-small LLVM function, built with ``numba.extending.intrinsic``, multiplies a group's 4-bit codes
-(``G/2`` bytes: byte k holds values k and k + G/2) by the activations quantized to int8 and
-returns the sum; the rest of the kernel is ordinary Numba. Activations are quantized per group
-of the weights, with one float32 scale each, as llama.cpp does for its q8 activations (about 0.5%
-relative error, far below int4's own). Used when the CPU has AVX-512 VNNI and the JIT is on;
-otherwise ``kernels.py``'s float kernel runs. ``KTC_NO_VNNI=1`` forces the float kernel.
+widened to int64, so the float kernels spend most of their time unpacking nibbles. Here small
+LLVM functions, built with ``numba.extending.intrinsic``, multiply a group's 4-bit codes by the
+activations quantized to int8 and add the sums to a float accumulator; the rest of each kernel is
+ordinary Numba. Activations are quantized per group of the weights (32 for ggml's blocks), with
+one float32 scale each, as llama.cpp does for its q8 activations (about 0.5% relative error, far
+below 4-bit weights' own). Kernels: int4 (codes then scale/minimum pairs, one row's group in one
+load), q4_0 and mxfp4 (ggml blocks; mxfp4's e2m1 codes become integers with one ``pshufb``), and
+int4 for all the selected experts of a layer at once. Used when the CPU has AVX-512 VNNI and the
+JIT is on; otherwise ``kernels.py``'s float kernels run. ``KTC_NO_VNNI=1`` forces those.
 """
 
 from __future__ import annotations
@@ -179,6 +181,50 @@ def matvec_mxfp4(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, e8m0: np.ndarr
     """``W @ x`` for mxfp4 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
     xq, dx, xsum = quantize_activations(x, 32)
     _matvec_blocks_vnni(raw, True, f16, e8m0, xq, dx, xsum, out)
+    return out
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # out[e, r] = row r of the int4 matrix at byte offsets[e] of flat . the activations xq[e]
+    # (quantized per group: dx[e], xsum[e]). One parallel region for the same matrix of every
+    # selected expert of a layer.
+    k, rows = out.shape
+    cols = xq.shape[1]
+    chunks = (rows + 63) // 64
+    groups = cols // group
+    half = group // 2
+    for item in prange(k * chunks):
+        e = item // chunks
+        chunk = item - e * chunks
+        xe = xq[e]
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            base = offsets[e] + r * row_bytes
+            params = (base + cols // 2) // 2
+            minimum = np.float32(0.0)
+            for g in range(groups):
+                minimum += _bf16(words[params + groups + g]) * xsum[e, g]
+                _group(half, acc, flat, base + g * half, xe, g * group, _bf16(words[params + g]) * dx[e, g])
+            out[e, r] = acc.sum() + minimum
+
+
+# Schemes with a multi-expert kernel. q4_0 and mxfp4 were no faster so: with rows of 24-64 blocks
+# (Qwen3-30B-A3B's experts) the per-row work, not the number of parallel regions, bounds them.
+FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
+
+
+def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
+    """[k, rows]: the int4 matrix at byte ``offsets[e]`` of ``file`` (the bundle mapped as uint8,
+    of even length) times x[e], for the k selected experts of a layer at once."""
+    group = FUSED_GROUPS[scheme]
+    k, cols = x.shape
+    quantized = [quantize_activations(row, group) for row in x]
+    out = np.empty((k, rows), dtype=np.float32)
+    _rows_many(file, file.view(np.uint16), group, offsets, cols // 2 + 4 * (cols // group),
+               np.stack([q[0] for q in quantized]), np.stack([q[1] for q in quantized]),
+               np.stack([q[2] for q in quantized]), out)
     return out
 
 
