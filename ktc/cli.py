@@ -496,6 +496,7 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
                                   or "no CUDA device"))
     click.echo(f"{'bandwidth':<14}{report['read_bandwidth_gbps']:.1f} GB/s read, measured")
     click.echo(f"{'numba threads':<14}{report['numba']['threads']} ({report['numba']['threading_layer']})")
+    click.echo(f"{'kernels':<14}{report['kernels']['description']}")
     for warning in report["warnings"]:
         click.echo(f"warning: {warning}")
     if write_profile:

@@ -60,6 +60,10 @@ def diagnose() -> dict[str, Any]:
         layer = numba.threading_layer()
     except ValueError:  # no parallel region has run yet
         layer = "not started"
+    from .vnni import HAVE_VNNI
+
+    kernels = ("4-bit one-token kernels through AVX-512 VNNI" if HAVE_VNNI else
+               "float kernels for 4-bit schemes (no AVX-512 VNNI, another compile target, or KTC_NO_VNNI=1)")
     warnings = []
     if not cpu["features"]["avx512"]:
         warnings.append("no AVX-512: CPU experts run on 256-bit vectors; expect about half the "
@@ -83,5 +87,6 @@ def diagnose() -> dict[str, Any]:
                      "torch": torch_version, "numba": numba.__version__},
         "cpu": cpu, "ram_bytes": ram, "cuda": cuda, "read_bandwidth_gbps": bandwidth / 1e9,
         "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
+        "kernels": {"vnni": HAVE_VNNI, "description": kernels},
         "warnings": warnings, "hardware_profile": profile.to_json(),
     }
