@@ -193,14 +193,15 @@ INT4_STEPS = np.arange(14.0, 19.0, 0.25).astype(np.float32)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _bf16_round(f):  # pragma: no cover - compiled
-    # float32 -> bf16 bits, round to nearest even (finite values)
+def bf16_bits(f):  # pragma: no cover - compiled
+    # float32 -> bf16 bits, round to nearest even (finite values); Numba code calls it too
     n = np.uint64(np.float32(f).view(np.uint32))
     return np.uint16((n + np.uint64(0x7FFF) + ((n >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _bf16_value(bits):  # pragma: no cover - compiled
+def bf16_value(bits):  # pragma: no cover - compiled
+    # bf16 bits -> float32 (the upper half of a float32)
     return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
@@ -259,12 +260,12 @@ def _int4_kernel(x, group, steps, params, codes):  # pragma: no cover - compiled
                         best_err = err
                         best_d = d
                         best_m = m
-            d_bits = _bf16_round(np.float32(best_d))
-            m_bits = _bf16_round(np.float32(best_m))
+            d_bits = bf16_bits(np.float32(best_d))
+            m_bits = bf16_bits(np.float32(best_m))
             params[r, g] = d_bits
             params[r, groups + g] = m_bits
-            d = _bf16_value(d_bits)
-            m = _bf16_value(m_bits)
+            d = bf16_value(d_bits)
+            m = bf16_value(m_bits)
             inv = _F0 if d == _F0 else _F1 / d
             half = group // 2
             for k in range(half):
@@ -285,7 +286,8 @@ def _bf16_kernel(bits, out):  # pragma: no cover - compiled
                                >> np.uint64(16))
 
 
-def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
+def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of float32 values, in parallel (as ggml rounds them)."""
     out = np.empty(values.size, dtype=np.uint16)
     _bf16_kernel(values.reshape(-1).view(np.uint32), out)
     return out.reshape(values.shape)
@@ -323,7 +325,7 @@ def _quantize(values: np.ndarray, scheme: Scheme | str, out: np.ndarray | None) 
     if name == "f16":
         return x.astype(np.float16).view(np.uint8).reshape(rows, cols * 2)
     if name == "bf16":
-        return _f32_to_bf16(x).view(np.uint8).reshape(rows, cols * 2)
+        return f32_to_bf16_bits(x).view(np.uint8).reshape(rows, cols * 2)
     if name in ("q8_0", "q4_0"):
         blocks = x.reshape(-1, 32)
         dest = (np.empty((blocks.shape[0], scheme.block_bytes), dtype=np.uint8) if out is None

@@ -205,9 +205,6 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result)
 
 
-COMPILE_PASSES = ("detect", "plan", "quantize", "layout", "emit")
-
-
 def check_writable_target(out: str) -> None:
     folder = os.path.dirname(os.path.abspath(out)) or "."
     if os.path.isdir(out):

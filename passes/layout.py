@@ -87,8 +87,7 @@ def _matrix_bytes(scheme: str, shape: tuple[int, ...]) -> int:
 def expert_block(expert: Expert, device: Device, scheme: str) -> BlockJob:
     """An expert's block: gate and up fused, down, then float32 biases; tensors aligned to 64,
     the block to a page. The same order and sizes as ``formats.schemes.expert_footprint``."""
-    inter, hidden = expert.gate.shape
-    _check_fits(expert, scheme)
+    inter, hidden = expert.gate.shape  # choose_schemes has checked that the scheme fits
     s = get_scheme(scheme)
     prefix = f"layers.{expert.layer}.experts.{expert.index}."
     specs: list[tuple[str, tuple[int, ...], str, tuple[TensorRef, ...], str]] = [

@@ -15,6 +15,8 @@ import warnings
 import numpy as np
 from numba import njit, prange
 
+from ktc.formats.quantize import bf16_bits, bf16_value, f32_to_bf16_bits
+
 _F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 # e2m1 code -> value, and e8m0 exponent byte -> 2^(e - 127) (OCP Microscaling v1.0).
 _FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
@@ -241,11 +243,6 @@ def _matvec_mxfp4(raw, x, e8m0, out):  # pragma: no cover - compiled
         _store4(out, rb * 4, rows, a0.sum(), a1.sum(), a2.sum(), a3.sum())
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _bf16(bits):  # pragma: no cover - compiled
-    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
-
-
 @njit(**_OPTS)
 def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - compiled
     # codes: uint8 [rows, cols / 2]: per group, byte k holds value k (low nibble) and
@@ -268,14 +265,14 @@ def _matvec_int4(codes, params, x, xsum, shift, out):  # pragma: no cover - comp
         t0 = t1 = t2 = t3 = np.float32(0.0)
         for g in range(groups):
             sg = xsum[g]
-            t0 += _bf16(params[r0, groups + g]) * sg
-            t1 += _bf16(params[r1, groups + g]) * sg
-            t2 += _bf16(params[r2, groups + g]) * sg
-            t3 += _bf16(params[r3, groups + g]) * sg
+            t0 += bf16_value(params[r0, groups + g]) * sg
+            t1 += bf16_value(params[r1, groups + g]) * sg
+            t2 += bf16_value(params[r2, groups + g]) * sg
+            t3 += bf16_value(params[r3, groups + g]) * sg
         for run in range(cols // 32):
             g = run >> shift  # run // (group / 32), without a division in the loop
-            d0, d1 = _bf16(params[r0, g]), _bf16(params[r1, g])
-            d2, d3 = _bf16(params[r2, g]), _bf16(params[r3, g])
+            d0, d1 = bf16_value(params[r0, g]), bf16_value(params[r1, g])
+            d2, d3 = bf16_value(params[r2, g]), bf16_value(params[r3, g])
             xb = run * 32
             cb = run * 16
             for j in range(16):
@@ -316,14 +313,6 @@ def _int8_rows_many(codes, scales, offsets, x, out):  # pragma: no cover - compi
         out[e, r] = acc * scales[(base + cols) // 4]
 
 
-def int8_experts_token(file: np.ndarray, gate_up_offsets: np.ndarray, down_offsets: np.ndarray,
-                       hidden: int, inter: int, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """One token through several int8 SiLU experts of one layer, weighted and summed: two
-    parallel regions for the whole layer instead of two per expert. ``file`` is the bundle
-    mapped as uint8 (length a multiple of 4); offsets are the experts' absolute tensor offsets."""
-    return experts_token(file, "int8", gate_up_offsets, down_offsets, hidden, inter, x, weights)
-
-
 def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, down_offsets: np.ndarray,
                   hidden: int, inter: int, x: np.ndarray, weights: np.ndarray, *, activation: str = "silu",
                   gate_up_bias: np.ndarray | None = None, down_bias: np.ndarray | None = None,
@@ -341,8 +330,6 @@ def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, do
             _int8_rows_many(codes, scales, offsets, v, out)
             return out
     else:
-        from . import vnni
-
         def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
             return vnni.rows_many(file, scheme, offsets, n, v)
     h = rows(gate_up_offsets, 2 * inter, xs)
@@ -377,21 +364,15 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
     elif scheme == "q8_0":
         _matvec_q8_0(raw, x, _F16_TO_F32, out)
     elif scheme == "q4_0":
-        from . import vnni  # here: it builds on this module
-
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
             return vnni.matvec_q4_0(raw, x, _F16_TO_F32, _E8M0, out)
         _matvec_q4_0(raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)
     elif scheme == "mxfp4":
-        from . import vnni  # here: it builds on this module
-
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
             return vnni.matvec_mxfp4(raw, x, _F16_TO_F32, _E8M0, out)
         _matvec_mxfp4(raw, x, _E8M0, out)
     elif scheme.startswith("int4_g"):
         group = int(scheme[len("int4_g"):])
-        from . import vnni  # here: it builds on this module
-
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
             return vnni.matvec_int4(raw, x, group, out)
         codes = raw[:, : cols // 2]
@@ -473,10 +454,15 @@ def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         import torch
     except ImportError:  # pragma: no cover - torch is installed wherever the tests run
         return a @ b.T
-    with warnings.catch_warnings():  # read-only maps: torch only reads them here
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-                @ torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32)).T).numpy()
+    return (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+            @ torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32)).T).numpy()
+
+
+# Weights come from read-only maps of the bundle; torch only reads them here. One filter for this
+# module's calls (catch_warnings around each call costs time and is not thread-safe, and the CPU
+# experts run in a thread of their own).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__.replace(".", "\\."))
 
 
 # From this many tokens on, int8 experts multiply in int8 (torch._int_mm, oneDNN's VNNI GEMM):
@@ -514,14 +500,13 @@ def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False) -> np.nd
     parallel: float32, or with ``bf16`` their bf16 bit patterns (uint16, rounded to nearest
     even). The same values as ``ktc.formats.quantize.dequantize``."""
     rows = raw.shape[0]
-    if scheme in ("f32", "f16", "bf16"):
-        values = {"f32": lambda: raw.view(np.float32).reshape(rows, cols),
-                  "f16": lambda: raw.view(np.float16).reshape(rows, cols).astype(np.float32),
-                  "bf16": lambda: (raw.view(np.uint16).reshape(rows, cols).astype(np.uint32) << 16).view(np.float32)}
-        if scheme == "bf16" and bf16:
-            return np.ascontiguousarray(raw.view(np.uint16).reshape(rows, cols))
-        out32 = values[scheme]()
-        return _to_bf16(out32) if bf16 else out32
+    if scheme == "bf16":
+        bits = raw.view(np.uint16).reshape(rows, cols)
+        return np.ascontiguousarray(bits) if bf16 else (bits.astype(np.uint32) << 16).view(np.float32)
+    if scheme in ("f32", "f16"):
+        values = raw.view(np.float32 if scheme == "f32" else np.float16).reshape(rows, cols)
+        values = values.astype(np.float32, copy=False)
+        return f32_to_bf16_bits(values) if bf16 else values
     raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8).reshape(rows, -1)
     out32 = np.empty((rows, cols) if not bf16 else (0, cols), dtype=np.float32)
     out16 = np.empty((rows, cols) if bf16 else (0, cols), dtype=np.uint16)
@@ -540,26 +525,12 @@ def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False) -> np.nd
     return out16 if bf16 else out32
 
 
-def _to_bf16(values: np.ndarray) -> np.ndarray:
-    out = np.empty(values.shape, dtype=np.uint16)
-    _bf16_bits(np.ascontiguousarray(values).reshape(-1), out.reshape(-1))
-    return out
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _put(bf16, out32, out16, r, j, v):  # pragma: no cover - compiled
-    if bf16:  # round to nearest even (decoded weights are finite)
-        n = np.uint64(np.float32(v).view(np.uint32))
-        out16[r, j] = np.uint16((n + np.uint64(0x7FFF) + ((n >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
+    if bf16:
+        out16[r, j] = bf16_bits(v)  # decoded weights are finite: no NaN to quiet
     else:
         out32[r, j] = v
-
-
-@njit(**_OPTS)
-def _bf16_bits(values, out):  # pragma: no cover - compiled
-    for i in prange(values.shape[0]):
-        n = np.uint64(np.float32(values[i]).view(np.uint32))
-        out[i] = np.uint16((n + np.uint64(0x7FFF) + ((n >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
 
 
 @njit(**_OPTS)
@@ -608,9 +579,12 @@ def _decode_int4(raw, cols, group, bf16, out32, out16):  # pragma: no cover - co
     for r in prange(raw.shape[0]):
         params = raw[r, cols // 2:].copy().view(np.uint16)
         for g in range(groups):
-            d = _bf16(params[g])
-            m = _bf16(params[groups + g])
+            d = bf16_value(params[g])
+            m = bf16_value(params[groups + g])
             for k in range(half):
                 c = np.int32(raw[r, g * half + k])
                 _put(bf16, out32, out16, r, g * group + k, np.float32(c & 15) * d + m)
                 _put(bf16, out32, out16, r, g * group + half + k, np.float32(c >> 4) * d + m)
+
+
+from . import vnni  # noqa: E402  (the VNNI kernels, used above; they build on formats only)

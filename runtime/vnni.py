@@ -21,7 +21,8 @@ from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels import _bf16
+from ktc.formats.quantize import bf16_value
+from ktc.formats.schemes import get_scheme
 
 
 def _host_has_vnni() -> bool:
@@ -134,8 +135,8 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
             params = (base + cols // 2) // 2
             minimum = np.float32(0.0)
             for g in range(groups):
-                minimum += _bf16(words[params + groups + g]) * xsum[g]
-                _group(half, acc, flat, base + g * half, xq, g * group, _bf16(words[params + g]) * dx[g])
+                minimum += bf16_value(words[params + groups + g]) * xsum[g]
+                _group(half, acc, flat, base + g * half, xq, g * group, bf16_value(words[params + g]) * dx[g])
             out[r] = acc.sum() + minimum
 
 
@@ -205,8 +206,8 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
             params = (base + cols // 2) // 2
             minimum = np.float32(0.0)
             for g in range(groups):
-                minimum += _bf16(words[params + groups + g]) * xsum[e, g]
-                _group(half, acc, flat, base + g * half, xe, g * group, _bf16(words[params + g]) * dx[e, g])
+                minimum += bf16_value(words[params + groups + g]) * xsum[e, g]
+                _group(half, acc, flat, base + g * half, xe, g * group, bf16_value(words[params + g]) * dx[e, g])
             out[e, r] = acc.sum() + minimum
 
 
@@ -220,11 +221,10 @@ def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: 
     of even length) times x[e], for the k selected experts of a layer at once."""
     group = FUSED_GROUPS[scheme]
     k, cols = x.shape
-    quantized = [quantize_activations(row, group) for row in x]
+    xq, dx, xsum = quantize_activations(x.reshape(-1), group)  # groups never straddle two rows
     out = np.empty((k, rows), dtype=np.float32)
-    _rows_many(file, file.view(np.uint16), group, offsets, cols // 2 + 4 * (cols // group),
-               np.stack([q[0] for q in quantized]), np.stack([q[1] for q in quantized]),
-               np.stack([q[2] for q in quantized]), out)
+    _rows_many(file, file.view(np.uint16), group, offsets, get_scheme(scheme).matrix_bytes(1, cols),
+               xq.reshape(k, cols), dx.reshape(k, -1), xsum.reshape(k, -1), out)
     return out
 
 

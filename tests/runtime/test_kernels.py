@@ -130,7 +130,7 @@ def test_expert_forward_one_token_and_batch(scheme, activation):
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_matches_dequantize(scheme, shape):
-    from ktc.formats.quantize import _f32_to_bf16
+    from ktc.formats.quantize import f32_to_bf16_bits
     from ktc.runtime.kernels import decode
 
     rows, cols = shape
@@ -141,7 +141,7 @@ def test_decode_matches_dequantize(scheme, shape):
     want = dequantize(raw, scheme, cols)
     np.testing.assert_allclose(decode(stored(raw, scheme, cols), scheme, cols), want, rtol=1e-6, atol=0)
     bits = decode(stored(raw, scheme, cols), scheme, cols, bf16=True)
-    np.testing.assert_array_equal(bits, _f32_to_bf16(decode(stored(raw, scheme, cols), scheme, cols)))
+    np.testing.assert_array_equal(bits, f32_to_bf16_bits(decode(stored(raw, scheme, cols), scheme, cols)))
 
 
 @pytest.mark.skipif(os.environ.get("NUMBA_DISABLE_JIT") == "1", reason="already running without JIT")
