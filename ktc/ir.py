@@ -468,13 +468,6 @@ class QuantPlan:
     tensors: tuple[tuple[str, str], ...]
     dense_scheme: str
 
-    def scheme_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for row in self.experts:
-            for scheme in row:
-                counts[scheme] = counts.get(scheme, 0) + 1
-        return counts
-
 
 @dataclass(frozen=True)
 class SourceInfo:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -87,16 +88,14 @@ def describe_ir(ir: ModelIR) -> dict[str, Any]:
         out["placement"] = {"gpu_experts": sum(per_layer), "cpu_experts": out["experts"] - sum(per_layer),
                             "gpu_experts_per_layer": dict(zip(map(str, ir.placement.layers), per_layer))}
     if ir.quant is not None:
-        tensor_schemes: dict[str, int] = {}
-        for _, scheme in ir.quant.tensors:
-            tensor_schemes[scheme] = tensor_schemes.get(scheme, 0) + 1
-        out["quant"] = {"expert_schemes": ir.quant.scheme_counts(), "non_expert_schemes": tensor_schemes,
+        out["quant"] = {"expert_schemes": Counter(s for row in ir.quant.experts for s in row),
+                        "non_expert_schemes": Counter(s for _, s in ir.quant.tensors),
                         "dense_scheme": ir.quant.dense_scheme}
     if ir.layout is not None:
         blocks = getattr(ir.layout, "blocks", ())
-        segments: dict[str, int] = {}
+        segments: Counter[str] = Counter()
         for block in blocks:
-            segments[block.segment] = segments.get(block.segment, 0) + block.length
+            segments[block.segment] += block.length
         out["layout"] = {
             "blocks": len(blocks), "segment_bytes": segments,
             "first_blocks": [{"name": b.name, "segment": b.segment, "length": b.length,

@@ -627,12 +627,8 @@ class UsePlacement(Pass):
         return replace(ir, placement=placement)
 
     def verify(self, ir: ModelIR) -> None:
-        placement = ir.placement
-        if placement is None or placement.layers != ir.moe_layer_indices:
-            raise InternalError("the placement does not cover the model's MoE layers")
-        for row, layer in zip(placement.experts, ir.moe_layers):
-            if len(row) != len(layer.experts):
-                raise InternalError(f"layer {layer.layer}: {len(row)} placements for {len(layer.experts)} experts")
+        if ir.placement is None:  # that it fits the model, run() checked (check_placement)
+            raise InternalError("plan produced no placement")
 
 
 def check_placement(ir: ModelIR, placement: Placement) -> None:
