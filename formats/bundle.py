@@ -22,8 +22,12 @@ from ktc.errors import BundleError
 from .schemes import EXPERT_ALIGN, get_scheme
 
 MAGIC = b"KTCBNDL\x00"
-FORMAT_MAJOR = 1
+FORMAT_MAJOR = 2
 FORMAT_MINOR = 0
+# Version 2.0 added file blocks (tokenizer files), the manifest's "run" section and each
+# non-expert tensor's "source" name; version 1 bundles still open (for bench, inspect, verify)
+# but cannot run a whole model.
+OLDEST_MAJOR = 1
 HEADER_SIZE = 128
 PAGE = EXPERT_ALIGN
 # magic, major, minor, header size, manifest offset, manifest length, data offset, file size,
@@ -61,12 +65,12 @@ class BundleHeader:
         if major > FORMAT_MAJOR:
             raise BundleError(f"bundle format version {major}.{minor} is newer than this ktc reads "
                               f"({FORMAT_MAJOR}.x)", path=path, hint="upgrade ktc to read it")
-        if major < 1:
+        if major < OLDEST_MAJOR:
             raise BundleError(f"bundle format version {major}.{minor} is not valid", path=path)
         if hashlib.sha256(raw[:96]).digest() != raw[96:128]:
             raise BundleError("header checksum does not match: the header is damaged", path=path)
         if size != HEADER_SIZE or reserved != bytes(16):
-            raise BundleError("header size or reserved bytes are not as version 1 defines them", path=path)
+            raise BundleError("header size or reserved bytes are not as the format defines them", path=path)
         return cls(m_off, m_len, d_off, f_size, m_sha, major, minor)
 
 
@@ -111,14 +115,15 @@ class BundleTensor:
     layout: str
     layer: int | None = None
     expert: int | None = None
+    source: str | None = None  # the checkpoint's name of a non-expert tensor (format 2)
 
 
 @dataclass(frozen=True)
 class BundleBlock:
-    """A checksummed range: one expert, or one non-expert tensor with its padding."""
+    """A checksummed range: one expert, one non-expert tensor, or one file, with its padding."""
 
     index: int
-    kind: str  # "expert" or "tensor"
+    kind: str  # "expert", "tensor" or "file"
     name: str
     segment: str
     offset: int
@@ -128,6 +133,7 @@ class BundleBlock:
     compressed_length: int | None = None  # bytes of the compressed frame at the block's start
     raw_length: int | None = None  # decompressed length when compressed
     tensors: tuple[str, ...] = ()
+    size: int | None = None  # a file block's file length (the rest is padding)
 
 
 @dataclass
@@ -177,6 +183,28 @@ class Bundle:
     @property
     def segments(self) -> list[dict[str, Any]]:
         return self.manifest["segments"]
+
+    @property
+    def format_major(self) -> int:
+        return self.header.major
+
+    @property
+    def run_info(self) -> dict[str, Any] | None:
+        """The manifest's "run" section (format 2): the model's config, its generation config,
+        the KV capacity and workload the bundle was planned for; None in older bundles."""
+        run = self.manifest.get("run")
+        return run if isinstance(run, dict) else None
+
+    def file_names(self) -> tuple[str, ...]:
+        """Names of the files the bundle carries (tokenizer files), in bundle order."""
+        return tuple(b.name for b in self.blocks if b.kind == "file")
+
+    def file_bytes(self, name: str) -> bytes:
+        """The content of a file the bundle carries (``KeyError`` when it has none of that name)."""
+        for block in self.blocks:
+            if block.kind == "file" and block.name == name:
+                return bytes(memoryview(self._mapped())[block.offset: block.offset + (block.size or 0)])
+        raise KeyError(name)
 
     def file_view(self) -> np.ndarray:
         """The whole bundle as one zero-copy uint8 array (kernels address tensors by offset)."""
@@ -232,6 +260,8 @@ class Bundle:
         return problems
 
     def _check_padding(self, block: BundleBlock, data: bytes) -> list[str]:
+        if block.kind == "file":
+            return [] if not any(data[block.size or 0:]) else [f"file '{block.name}': padding is not zero"]
         if block.compression:
             used = block.compressed_length or 0
             return [] if not any(data[used:]) else [f"{block.kind} '{block.name}': padding is not zero"]
@@ -320,9 +350,15 @@ def _validate_manifest(manifest: dict[str, Any], header: BundleHeader, size: int
                 raise BundleError(f"block '{b.get('name')}': compressed frame is longer than the block",
                                   path=path)
             _int(b.get("raw_length"), "raw length", path)
+        file_size = None
+        if b.get("kind") == "file":
+            file_size = _int(b.get("size"), f"size of file '{b.get('name')}'", path)
+            if file_size > length or b.get("tensors"):
+                raise BundleError(f"file block '{b.get('name')}' is larger than its block or lists tensors",
+                                  path=path)
         blocks.append(BundleBlock(i, str(b.get("kind")), str(b.get("name")), b["segment"], off, length,
                                   sha, compression, b.get("compressed_length"), b.get("raw_length"),
-                                  tuple(b.get("tensors", ()))))
+                                  tuple(b.get("tensors", ())), file_size))
         cursor = off + length
     if cursor != size:
         raise BundleError(f"blocks end at {cursor} but the data runs to {size}", path=path)
@@ -360,7 +396,7 @@ def _validate_manifest(manifest: dict[str, Any], header: BundleHeader, size: int
                               f"the manifest says {nbytes}", path=path, tensor=name)
         tensors[name] = BundleTensor(name, str(t.get("role")), block.segment, block_index, absolute, inner,
                                      nbytes, shape, scheme.name, str(t.get("layout")), t.get("layer"),
-                                     t.get("expert"))
+                                     t.get("expert"), t.get("source"))
     for block in blocks:
         ends = []
         for name in block.tensors:

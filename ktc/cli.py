@@ -310,8 +310,9 @@ def _write_text(path: str, text: str) -> None:
 @click.option("--ram", help="RAM budget for the planner [default: this machine's RAM].")
 @click.option("--hardware", type=click.Path(dir_okay=False), help="Hardware profile JSON for the planner.")
 @click.option("--reserve", help="VRAM reserve for the planner [default: 1GiB].")
-@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
-              help="KV cache capacity the planner keeps room for.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="KV cache capacity (prompt + generated tokens) the planner keeps room for and "
+                   "`ktc run` allocates.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Decode batch for the planner.")
 @click.option("--profile", type=click.Path(dir_okay=False), help="Activation profile for the planner.")
 @click.option("--cpu-scheme", default="int8", show_default=True,
@@ -368,7 +369,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
                             jobs=jobs, compress=compress, report_error=report_error,
                             hash_sources=hash_sources, progress=not as_json, check=check,
                             stop_after=stop_after, dump_after=dump_after,
-                            dump=lambda text: click.echo(text, err=True))
+                            dump=lambda text: click.echo(text, err=True), max_tokens=max_tokens)
     elapsed = time.perf_counter() - started  # writing the bundle; the sha256 below reads it back
     if result is None:
         message = f"stopped after the {stop_after} pass; nothing written"

@@ -16,7 +16,7 @@ from ktc.formats.bundle import FORMAT_MAJOR, FORMAT_MINOR
 from ktc.formats.schemes import get_scheme
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
 from ktc.passes.emit import Emit, EmitResult
-from ktc.passes.layout import ChooseSchemes, LayOut
+from ktc.passes.layout import ChooseSchemes, LayOut, RunFile
 from ktc.passes.planner import PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
 
 HEAD_HASH_BYTES = 16 * 1024 * 1024
@@ -130,8 +130,8 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                    gpu_scheme: str = "bf16", dense_scheme: str = "bf16", jobs: int = 1,
                    compress: bool = False, report_error: bool = False, hash_sources: bool = False,
                    progress: bool = False, check: bool = True, stop_after: str | None = None,
-                   dump_after: str | None = None, dump: Callable[[str], None] | None = None
-                   ) -> CompileResult | None:
+                   dump_after: str | None = None, dump: Callable[[str], None] | None = None,
+                   max_tokens: int = 4096) -> CompileResult | None:
     """Compile ``source`` into the bundle ``out``.
 
     The passes detect -> plan -> quantize -> layout -> emit run through ``ktc.pipeline``'s pass
@@ -139,8 +139,13 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     a pass). The placement comes from ``plan_path`` (a ``ktc plan -o`` file), from the planner
     when ``plan_kwargs`` has a budget (``vram=...``), or puts every expert on the CPU. Nothing is
     left at ``out`` unless the whole bundle was written. Returns None when stopped before emit.
+
+    The bundle also carries what running it needs (``formats.run_files``): the model's config,
+    generation config and tokenizer, and the KV capacity to allocate: the plan's ``max_tokens``
+    when there is a plan, else ``max_tokens``.
     """
     from ktc.formats.checkpoint import open_checkpoint
+    from ktc.formats.run_files import collect_run_files
     from ktc.passes.base import PassContext
     from ktc.passes.detect import DetectExperts
     from ktc.pipeline import PassManager
@@ -177,6 +182,11 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     plan_pass = UsePlacement(decide)
 
     def manifest_base(ir: ModelIR) -> dict[str, Any]:
+        workload = dict(plan_pass.info.get("workload") or {})
+        workload.setdefault("max_tokens", max_tokens)
+        workload.setdefault("kv_dtype", "bf16")
+        workload.setdefault("prefill_chunk", 512)
+        workload.setdefault("batch", 1)
         return {
             "format": "ktc-bundle",
             "format_version": [FORMAT_MAJOR, FORMAT_MINOR],
@@ -188,12 +198,16 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                 "source_files": _source_files(ir, hash_sources),
                 "options": {"dense_scheme": get_scheme(dense_scheme).name, "compress": compress},
             },
+            "run": {**run_files.manifest_section(), "workload": workload,
+                    "dense_scheme": get_scheme(dense_scheme).name},
         }
 
     emit = Emit(out, manifest_base, jobs=jobs, compress=compress, report_error=report_error,
                 progress=progress)
     with open_checkpoint(source) as ckpt:
-        manager = PassManager((DetectExperts(ckpt), plan_pass, ChooseSchemes(dense_scheme), LayOut(), emit))
+        run_files = collect_run_files(ckpt.format, ckpt.path, dict(ckpt.raw_config))
+        layout = LayOut(tuple(RunFile(name, data) for name, data in run_files.files))
+        manager = PassManager((DetectExperts(ckpt), plan_pass, ChooseSchemes(dense_scheme), layout, emit))
         ir = manager.run(PassContext(check=check), stop_after=stop_after, dump_after=dump_after, dump=dump)
     if emit.result is None:
         return None

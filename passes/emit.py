@@ -211,6 +211,8 @@ def _block_entry(block: BlockJob, offset: int, length: int, sha: str, stored: in
     if block.kind == "expert":
         entry.update({"layer": block.layer, "expert": block.expert, "device": block.device,
                       "scheme": block.scheme})
+    if block.kind == "file":
+        entry["size"] = len(block.payload or b"")
     if stored is not None:
         entry.update({"compression": "zstd", "compressed_length": stored, "raw_length": raw_length})
     return entry
@@ -227,6 +229,8 @@ def _tensor_entries(block: BlockJob, index: int, offset: int | None) -> list[dic
             entry["layer"] = t.layer
         if t.expert is not None:
             entry["expert"] = t.expert
+        if t.source is not None:
+            entry["source"] = t.source
         out.append(entry)
     return out
 
@@ -341,6 +345,9 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
                     stored = len(view)
                 writer.write(view, digest)
                 used = len(view)
+            elif block.kind == "file":
+                used = len(block.payload or b"")
+                writer.write(block.payload or b"", digest)
             else:
                 (job,) = block.tensors
                 used = 0

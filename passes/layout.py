@@ -7,7 +7,7 @@ machine (cores, NUMA nodes): the same IR and placement give the same layout ever
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from ktc.errors import ConfigError, InternalError
@@ -43,11 +43,21 @@ class TensorJob:
     layout: str = LAYOUT_ROWS
     layer: int | None = None
     expert: int | None = None
+    source: str | None = None  # the checkpoint's name of a non-expert tensor
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """A file the bundle carries so that it runs without its source (a tokenizer file)."""
+
+    name: str
+    data: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)
 class BlockJob:
-    """A checksummed unit: one expert (``kind == "expert"``) or one non-expert tensor."""
+    """A checksummed unit: one expert (``kind == "expert"``), one non-expert tensor, or one file
+    (``kind == "file"``, its bytes in ``payload``)."""
 
     kind: str
     name: str
@@ -58,6 +68,7 @@ class BlockJob:
     expert: int | None = None
     device: str | None = None  # for experts: "gpu" or "cpu"
     scheme: str | None = None
+    payload: bytes | None = field(default=None, repr=False)
 
     @property
     def source_bytes(self) -> int:
@@ -115,7 +126,7 @@ def _tensor_block(name: str, ref: TensorRef, role: str, segment: str, scheme: st
                   layer: int | None) -> BlockJob:
     shape = ref.shape if len(ref.shape) <= 2 else (ref.shape[0], _prod(ref.shape[1:]))
     nbytes = _matrix_bytes(scheme, shape)
-    job = TensorJob(name, role, scheme, shape, nbytes, 0, (ref,), LAYOUT_ROWS, layer)
+    job = TensorJob(name, role, scheme, shape, nbytes, 0, (ref,), LAYOUT_ROWS, layer, source=ref.name)
     return BlockJob("tensor", name, segment, align(nbytes, TENSOR_ALIGN), (job,), layer)
 
 
@@ -189,10 +200,12 @@ def _check_fits(expert: Expert, scheme: str) -> None:
                           hint="choose another scheme for this model")
 
 
-def plan_layout(ir: ModelIR, placement: Placement, quant: QuantPlan) -> BundleLayout:
+def plan_layout(ir: ModelIR, placement: Placement, quant: QuantPlan,
+                files: tuple[RunFile, ...] = ()) -> BundleLayout:
     """The bundle's blocks in file order. Device segment: non-expert GPU tensors, then GPU
-    experts by (layer, expert). Host segment: CPU experts by (layer, expert), then the input
-    embedding table. Blocks within a segment follow each other; the last is padded to a page."""
+    experts by (layer, expert). Host segment: CPU experts by (layer, expert), the input
+    embedding table, then ``files``. Blocks within a segment follow each other; the last is
+    padded to a page."""
     schemes = dict(quant.tensors)
     device_tensors: list[BlockJob] = []
     host_tensors: list[BlockJob] = []
@@ -207,8 +220,10 @@ def plan_layout(ir: ModelIR, placement: Placement, quant: QuantPlan) -> BundleLa
             (gpu_experts if where.device is Device.GPU else cpu_experts).append(block)
     # Every expert starts on a page: the device segment's tensors are padded to one before the
     # GPU experts that follow them (the host segment starts with its experts).
+    file_blocks = [BlockJob("file", f.name, HOST, align(len(f.data), TENSOR_ALIGN), (), payload=f.data)
+                   for f in files]
     blocks = (_pad_last(_pad_last(device_tensors) + gpu_experts)
-              + _pad_last(cpu_experts + host_tensors))
+              + _pad_last(cpu_experts + host_tensors + file_blocks))
     return BundleLayout(tuple(blocks))
 
 
@@ -219,8 +234,7 @@ def _pad_last(blocks: list[BlockJob]) -> list[BlockJob]:
     total = sum(b.length for b in blocks)
     pad = align(total, EXPERT_ALIGN) - total
     last = blocks[-1]
-    blocks[-1] = BlockJob(last.kind, last.name, last.segment, last.length + pad, last.tensors, last.layer,
-                          last.expert, last.device, last.scheme)
+    blocks[-1] = replace(last, length=last.length + pad)
     return blocks
 
 
@@ -252,16 +266,20 @@ class ChooseSchemes(Pass):
 
 
 class LayOut(Pass):
-    """Order, align and size every block of the bundle (``ModelIR.layout``)."""
+    """Order, align and size every block of the bundle (``ModelIR.layout``), with ``files``
+    (the run files: tokenizer and such) at the end of the host segment."""
 
     name: ClassVar[str] = "layout"
     requires: ClassVar[frozenset[str]] = frozenset({"experts", "placement", "quant"})
     produces: ClassVar[frozenset[str]] = frozenset({"layout"})
 
+    def __init__(self, files: tuple[RunFile, ...] = ()) -> None:
+        self.files = files
+
     def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
         if ir is None or ir.placement is None or ir.quant is None:
             raise InternalError("layout needs an IR with a placement and schemes")
-        return replace(ir, layout=plan_layout(ir, ir.placement, ir.quant))
+        return replace(ir, layout=plan_layout(ir, ir.placement, ir.quant, self.files))
 
     def verify(self, ir: ModelIR) -> None:
         layout = ir.layout

@@ -26,7 +26,7 @@ def test_golden_header_bytes():
                           manifest_sha256=bytes(range(32)))
     raw = header.to_bytes()
     assert raw[:96].hex() == (
-        "4b5443424e444c00" "0100" "0000" "80000000" "8000000000000000" "e803000000000000"
+        "4b5443424e444c00" "0200" "0000" "80000000" "8000000000000000" "e803000000000000"
         "0010000000000000" "0020000000000000" + bytes(range(32)).hex() + "00" * 16)
     assert raw[96:] == hashlib.sha256(raw[:96]).digest()
     assert BundleHeader.from_bytes(raw) == header
@@ -36,10 +36,10 @@ def test_newer_major_version_is_refused_by_name(tmp_path, demo_model):
     out = tmp_path / "d.ktb"
     compile_bundle(demo_model, str(out))
     raw = bytearray(out.read_bytes())
-    struct.pack_into("<H", raw, 8, 2)  # major version 2
+    struct.pack_into("<H", raw, 8, 3)  # major version 3
     raw[96:128] = hashlib.sha256(bytes(raw[:96])).digest()
     out.write_bytes(bytes(raw))
-    with pytest.raises(BundleError, match=r"version 2\.0 is newer"):
+    with pytest.raises(BundleError, match=r"version 3\.0 is newer"):
         open_bundle(str(out))
 
 
@@ -297,8 +297,8 @@ def test_check_names_the_pass_that_broke_its_postconditions(tmp_path, demo_model
 
     real = layout_pass.plan_layout
 
-    def misaligned(ir, placement, quant):
-        layout = real(ir, placement, quant)
+    def misaligned(ir, placement, quant, files=()):
+        layout = real(ir, placement, quant, files)
         first = layout.blocks[0]
         return layout_pass.BundleLayout((replace(first, length=first.length + 64),) + layout.blocks[1:])
 

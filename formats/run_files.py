@@ -1,0 +1,117 @@
+"""What a bundle carries besides weights so that it runs without its source: the model's
+Hugging Face ``config.json``, its ``generation_config.json``, and the tokenizer files.
+
+A Hugging Face folder has them beside the weights. A GGUF file has them as metadata
+(``{arch}.*`` and ``tokenizer.ggml.*``); transformers converts that metadata into a config and a
+tokenizer (``from_pretrained(..., gguf_file=...)``), which is what we use when it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from ktc.errors import ConfigError, FormatError
+
+# Files of a Hugging Face model folder that a tokenizer or a chat template may need.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json")
+MAX_FILE_BYTES = 256 * 1024 * 1024  # far above any tokenizer; guards against a wrong file
+# Config fields that describe how the source stored its weights, not the model: the bundle
+# stores its own schemes, so a runtime must not build (say) an FP8-quantized model from them.
+_SOURCE_ONLY_KEYS = ("quantization_config", "_name_or_path", "transformers_version")
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The model's config and generation config (JSON objects, kept in the manifest) and the
+    tokenizer files (name, bytes), sorted by name; ``origin`` says where they came from."""
+
+    config: dict[str, Any] | None
+    generation_config: dict[str, Any] | None
+    files: tuple[tuple[str, bytes], ...] = field(repr=False, default=())
+    origin: str = ""
+    missing: str | None = None  # why the bundle will not run, when it will not
+
+    def manifest_section(self) -> dict[str, Any]:
+        return {"config": self.config, "generation_config": self.generation_config,
+                "files": [name for name, _ in self.files], "origin": self.origin,
+                "missing": self.missing}
+
+
+def model_config_json(raw: dict[str, Any]) -> dict[str, Any]:
+    """A source's config.json as the bundle keeps it (without the source's storage details)."""
+    return {k: v for k, v in raw.items() if k not in _SOURCE_ONLY_KEYS}
+
+
+def _read_file(path: str) -> bytes:
+    size = os.path.getsize(path)
+    if size > MAX_FILE_BYTES:
+        raise FormatError(f"{size} bytes is too large for a tokenizer file", path=path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def folder_run_files(folder: str, raw_config: dict[str, Any]) -> RunFiles:
+    """Config, generation config and tokenizer files of a Hugging Face model folder."""
+    files = tuple((name, _read_file(os.path.join(folder, name))) for name in TOKENIZER_FILES
+                  if os.path.isfile(os.path.join(folder, name)))
+    generation = None
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):
+        try:
+            generation = json.loads(_read_file(gen_path))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FormatError(f"generation_config.json is not valid JSON ({exc})", path=gen_path) from None
+    missing = None if files else "the source folder has no tokenizer files (tokenizer.json, tokenizer.model, ...)"
+    return RunFiles(model_config_json(dict(raw_config)), generation, tuple(sorted(files)),
+                    "config.json", missing)
+
+
+def gguf_run_files(path: str) -> RunFiles:
+    """Config and tokenizer derived from a GGUF file's metadata by transformers (the same
+    conversion ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` does). Without transformers,
+    or for an architecture it cannot convert, the result says why in ``missing``."""
+    try:
+        import transformers
+    except ImportError:
+        return RunFiles(None, None, (), "gguf metadata",
+                        "transformers is not installed, so the GGUF metadata could not be turned into "
+                        "a config and tokenizer (pip install 'ktc[hf]', then compile again)")
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # transformers raises ValueError/KeyError/... for what it cannot map
+        return RunFiles(None, None, (), "gguf metadata",
+                        f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")
+    config_dict = model_config_json(config.to_dict())
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:
+        return RunFiles(config_dict, None, (), "gguf metadata",
+                        f"transformers cannot build a tokenizer from this GGUF's metadata "
+                        f"({type(exc).__name__}: {exc})")
+    with tempfile.TemporaryDirectory(prefix="ktc-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = tuple(sorted((n, _read_file(os.path.join(tmp, n))) for n in os.listdir(tmp)
+                             if n in TOKENIZER_FILES))
+    generation = None
+    try:
+        generation = transformers.GenerationConfig.from_model_config(config).to_diff_dict()
+    except Exception:  # a model config without generation defaults
+        generation = None
+    return RunFiles(config_dict, generation, files, "gguf metadata")
+
+
+def collect_run_files(source_format: str, path: str, raw_config: dict[str, Any]) -> RunFiles:
+    """The run files of an opened checkpoint at ``path`` (a folder or a file in it)."""
+    if source_format == "gguf":
+        return gguf_run_files(path)
+    if not raw_config:
+        raise ConfigError("no config.json to store in the bundle", path=path)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return folder_run_files(folder, raw_config)
