@@ -17,7 +17,7 @@ from .moe import MoELayer, moe_layers
 
 
 def _expert_bytes(layer: MoELayer, expert: int) -> int:
-    ex = layer.cpu.get(expert)
+    ex = layer.experts.cpu.get(expert)
     if ex is None:
         return 0
     return ex.gate_up.nbytes + ex.down.nbytes

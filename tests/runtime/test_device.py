@@ -60,7 +60,7 @@ def _check_against_cpu(path: str, layer: int, hidden: np.ndarray, schemes, biase
         on_cpu = MoELayer(bundle, layer)
         assert on_cpu.gpu_experts == () and on_cpu.device_bytes == 0
         assert on_device.gpu_experts == tuple(e for e in range(mf.EXPERTS) if schemes(e))
-        assert sorted(on_device._device_weights) == sorted({schemes(e) for e in on_device.gpu_experts})
+        assert sorted(on_device.experts._device_weights) == sorted({schemes(e) for e in on_device.gpu_experts})
         assert on_device.device_bytes == _device_bytes([schemes(e) for e in on_device.gpu_experts], biases)
         want = on_cpu.forward(hidden)
         got = on_device.forward(hidden)
@@ -114,7 +114,7 @@ def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
             on_device = MoELayer(bundle, 1, device="cuda")
             torch.cuda.synchronize()
             grown = torch.cuda.memory_allocated() - before
-            tensors = 4 * len(on_device._device_weights)  # the allocator rounds each up to 512 bytes
+            tensors = 4 * len(on_device.experts._device_weights)  # the allocator rounds each up to 512 bytes
             assert on_device.device_bytes <= grown <= on_device.device_bytes + 512 * tensors
             assert (grown == 0) == (on_device.gpu_experts == ())
             on_cpu = MoELayer(bundle, 1)

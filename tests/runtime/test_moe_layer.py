@@ -115,13 +115,13 @@ def test_one_token_fused_path(family, scheme, hf_models, tiny_models, tmp_path):
     with open_bundle(str(path)) as bundle:
         layer = mf.FAMILIES[family].moe_layers[-1]
         moe = MoELayer(bundle, layer)
-        assert moe._fused is not None
+        assert moe.experts._fused is not None
         for _ in range(3):
             h = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
             fused = moe.forward(h)
-            saved, moe._fused = moe._fused, None
+            saved, moe.experts._fused = moe.experts._fused, None
             plain = moe.forward(h)
-            moe._fused = saved
+            moe.experts._fused = saved
             np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5 * np.abs(plain).max())
             tolerance = TOLERANCE[scheme]
             assert relative_error(fused, block_output(hf_models[family], layer, h)) < tolerance

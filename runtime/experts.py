@@ -1,0 +1,257 @@
+"""The routed experts of one MoE layer of an opened bundle, run for routing the caller decided.
+
+This is what transformers' experts interface asks of an implementation — ``(hidden_states,
+top_k_index, top_k_weights)`` in, the weighted sum of the chosen experts out — and what
+``runtime.moe.MoELayer`` calls after its own routing. Experts the plan put on the device run in
+torch there; CPU experts run in the Numba kernels in a worker thread at the same time (the
+kernels release the GIL). Only device experts take device memory.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ktc.errors import KtcError
+from ktc.formats.bundle import Bundle
+from ktc.formats.quantize import dequantize
+
+from .device import matmul, upload
+from .kernels import expert_forward, expert_forward_batch, experts_token
+
+
+def tensor_float32(bundle: Bundle, name: str) -> np.ndarray:
+    """A stored tensor's values as float32 (a zero-copy view when it is stored as f32)."""
+    t = bundle.tensors[name]
+    raw = bundle.tensor(name)
+    if t.scheme == "f32":
+        return np.asarray(raw, dtype=np.float32)
+    cols = t.shape[-1]
+    rows = t.shape[0] if len(t.shape) > 1 else 1
+    flat = raw.view(np.uint8).reshape(rows, -1)
+    return dequantize(flat, t.scheme, cols).reshape(t.shape)
+
+
+@dataclass(frozen=True)
+class _CpuExpert:
+    gate_up: np.ndarray
+    down: np.ndarray
+    scheme: str
+    gate_up_bias: np.ndarray | None
+    down_bias: np.ndarray | None
+
+
+Work = list[tuple[int, np.ndarray, np.ndarray]]  # (expert, token rows, routing weights)
+
+
+class ExpertSet:
+    """The routed experts of MoE layer ``layer``.
+
+    ``device`` is a torch device for the experts the plan put on the GPU (``"cuda"``; ``"cpu"``
+    runs the same torch code on the CPU, as tests do); with ``device=None`` every expert runs in
+    the Numba kernels. ``compute_dtype`` is the torch dtype of device products (bf16 on CUDA,
+    float32 elsewhere, by default). ``counts`` records how often each expert was chosen.
+    """
+
+    def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None) -> None:
+        model = bundle.manifest["model"]
+        infos = {info["layer"]: info for info in model["moe_layers"]}
+        if layer not in infos:
+            raise KtcError(f"layer {layer} is not a MoE layer of this bundle "
+                           f"(MoE layers: {sorted(infos)[:8]}...)", path=bundle.path)
+        info = infos[layer]
+        self.layer = layer
+        self.hidden_size = int(model["config"]["hidden_size"])
+        self.num_experts = int(info["num_experts"])
+        self.intermediate_size = int(info["intermediate_size"])
+        self.activation = info["activation"]
+        self.swiglu_limit = model["config"].get("swiglu_limit")
+        self.swiglu_alpha = model["config"].get("swiglu_alpha")
+        prefix = f"layers.{layer}."
+        placement = bundle.manifest["plan"]["placement"][str(layer)]
+        self.cpu: dict[int, _CpuExpert] = {}
+        gpu: list[int] = []
+        for e in range(self.num_experts):
+            name = f"{prefix}experts.{e}."
+            if placement[e].startswith("gpu:") and device is not None:
+                gpu.append(e)
+                continue
+            self.cpu[e] = _CpuExpert(
+                bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"),
+                bundle.tensors[name + "gate_up"].scheme,
+                tensor_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
+                tensor_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
+        # Every CPU expert in one scheme that has a multi-expert kernel (int8; int4 on a VNNI
+        # CPU) and uncompressed: one token takes a fused path that runs all its experts
+        # in two parallel regions instead of two per expert.
+        self._fused = None
+        schemes = {ex.scheme for ex in self.cpu.values()}
+        if len(schemes) == 1:
+            (scheme,) = schemes
+            from . import vnni
+
+            if scheme == "int8" or (vnni.HAVE_VNNI and scheme in vnni.FUSED_GROUPS):
+                gu = {e: bundle.tensors[f"{prefix}experts.{e}.gate_up"].offset for e in self.cpu}
+                dn = {e: bundle.tensors[f"{prefix}experts.{e}.down"].offset for e in self.cpu}
+                if None not in gu.values() and None not in dn.values():
+                    self._fused = (scheme, bundle.file_view(), gu, dn)
+        self.device = device
+        self.gpu_experts = tuple(gpu)
+        self.device_bytes = 0
+        self._device_weights: dict[str, Any] = {}
+        self._device_index: dict[int, tuple[str, int]] = {}
+        self._compute_dtype = compute_dtype
+        if gpu:
+            self._load_device(bundle, prefix, gpu, device)
+        self.counts = np.zeros(self.num_experts, dtype=np.int64)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}") if gpu else None
+
+    # ------------------------------------------------------------------------------------------
+    # Device experts
+
+    def _load_device(self, bundle: Bundle, prefix: str, experts: list[int], device: Any) -> None:
+        """Upload the device experts' bytes, stacked per scheme, at their scheme (see
+        ``device.py``): the device holds exactly the bytes the plan counted for them."""
+        import torch
+
+        parts: dict[str, tuple[list, list, list, list, list]] = {}
+        for e in experts:
+            name = f"{prefix}experts.{e}."
+            meta = bundle.tensors[name + "gate_up"]
+            ids, gate_up, down, gu_bias, d_bias = parts.setdefault(meta.scheme, ([], [], [], [], []))
+            ids.append(e)
+            for target, suffix in ((gate_up, "gate_up"), (down, "down")):
+                t = bundle.tensors[name + suffix]
+                target.append(bundle.tensor(name + suffix).view(np.uint8).reshape(t.shape[0], -1))
+            if name + "gate_up_bias" in bundle.tensors:
+                gu_bias.append(tensor_float32(bundle, name + "gate_up_bias"))
+                d_bias.append(tensor_float32(bundle, name + "down_bias"))
+        self._device_weights = {scheme: upload(scheme, *lists[1:], device) for scheme, lists in parts.items()}
+        self._device_index = {e: (scheme, i) for scheme, lists in parts.items() for i, e in enumerate(lists[0])}
+        self.device_bytes = sum(stack.nbytes for stack in self._device_weights.values())
+        if self._compute_dtype is None:
+            self._compute_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+    def _run_device(self, x_all: Any, work: Work, out: Any) -> None:
+        """Add the device experts' weighted outputs for ``work`` into ``out`` (float32, on the
+        device); ``x_all`` holds every token's hidden state on the device."""
+        import torch
+
+        for e, tokens, weights in work:
+            scheme, i = self._device_index[e]
+            stack = self._device_weights[scheme]
+            inter = stack.gate_up.shape[1] // 2
+            rows = torch.from_numpy(tokens).to(self.device)
+            h = matmul(x_all[rows], stack.gate_up[i], scheme, self.hidden_size, self._compute_dtype)
+            if stack.gate_up_bias is not None:
+                h = h + stack.gate_up_bias[i]
+            gate, up = h[:, :inter], h[:, inter:]
+            if self.activation == "swiglu_clamped":
+                limit = float(self.swiglu_limit if self.swiglu_limit is not None else 7.0)
+                alpha = float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702)
+                gate = gate.clamp(max=limit)
+                a = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+            else:
+                a = torch.nn.functional.silu(gate) * up
+            y = matmul(a, stack.down[i], scheme, inter, self._compute_dtype)
+            if stack.down_bias is not None:
+                y = y + stack.down_bias[i]
+            out.index_add_(0, rows, y * torch.from_numpy(weights).to(self.device)[:, None])
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+
+    def _split(self, idx: np.ndarray, weights: np.ndarray) -> tuple[Work, Work]:
+        """Per selected expert, its tokens and their weights: (CPU work, device work)."""
+        np.add.at(self.counts, idx.ravel(), 1)
+        cpu_work: Work = []
+        dev_work: Work = []
+        for e in np.unique(idx).tolist():
+            if not 0 <= e < self.num_experts:
+                raise KtcError(f"layer {self.layer}: routing chose expert {e}; the layer has {self.num_experts}")
+            tokens, slot = np.nonzero(idx == e)
+            item = (e, tokens, np.ascontiguousarray(weights[tokens, slot], dtype=np.float32))
+            (dev_work if e in self._device_index else cpu_work).append(item)
+        return cpu_work, dev_work
+
+    def forward(self, hidden: np.ndarray, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The experts' weighted sum for ``hidden`` [tokens, hidden_size] (float32, numpy)
+        routed to ``idx`` [tokens, k] with ``weights`` [tokens, k]."""
+        if self._device_index:
+            import torch
+
+            out = self.forward_torch(torch.from_numpy(hidden).to(self.device), torch.from_numpy(idx),
+                                     torch.from_numpy(weights))
+            return out.cpu().numpy()
+        cpu_work, _ = self._split(idx, weights)
+        return self._accumulate(hidden.shape, self._run_cpu(hidden, cpu_work))
+
+    def forward_torch(self, hidden: Any, idx: Any, weights: Any) -> Any:
+        """The same for torch tensors (what transformers passes): ``hidden`` on any device and
+        dtype; the result has ``hidden``'s device and dtype."""
+        import torch
+
+        idx_np = idx.detach().to("cpu", torch.int64).numpy()
+        weights_np = weights.detach().to("cpu", torch.float32).numpy()
+        cpu_work, dev_work = self._split(idx_np, weights_np)
+        host = None
+        if cpu_work:
+            host = np.ascontiguousarray(hidden.detach().to("cpu", torch.float32).numpy())
+        if not dev_work:  # nothing to overlap with: no thread hand-off
+            out = torch.from_numpy(self._accumulate(host.shape, self._run_cpu(host, cpu_work)))
+            return out.to(hidden.device, hidden.dtype)
+        future = self._pool.submit(self._run_cpu, host, cpu_work) if cpu_work else None
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        self._run_device(hidden.detach().to(self.device), dev_work, out)
+        if future is not None:
+            out += torch.from_numpy(self._accumulate(host.shape, future.result())).to(out.device)
+        return out.to(hidden.dtype)
+
+    @staticmethod
+    def _accumulate(shape: tuple[int, ...], results: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        out = np.zeros(shape, dtype=np.float32)
+        for tokens, y in results:
+            if len(tokens) == 1:
+                out[tokens[0]] += y[0]
+            else:
+                np.add.at(out, tokens, y)
+        return out
+
+    def _run_cpu(self, hidden: np.ndarray, work: Work) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self._fused is not None and len(hidden) == 1 and work:
+            scheme, file, gu, dn = self._fused
+            experts = [e for e, _, _ in work]
+            first = self.cpu[experts[0]]
+            biases = first.gate_up_bias is not None
+            y = experts_token(file, scheme, np.array([gu[e] for e in experts], dtype=np.int64),
+                              np.array([dn[e] for e in experts], dtype=np.int64), self.hidden_size,
+                              first.gate_up.shape[0] // 2, hidden[0],
+                              np.array([w[0] for _, _, w in work], dtype=np.float32),
+                              activation=self.activation, limit=self.swiglu_limit, alpha=self.swiglu_alpha,
+                              gate_up_bias=np.stack([self.cpu[e].gate_up_bias for e in experts]) if biases else None,
+                              down_bias=np.stack([self.cpu[e].down_bias for e in experts]) if biases else None)
+            return [(np.zeros(1, dtype=np.int64), y[None, :])]
+        results = []
+        for e, tokens, weights in work:
+            ex = self.cpu[e]
+            kw = dict(activation=self.activation, gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
+                      limit=self.swiglu_limit, alpha=self.swiglu_alpha)
+            if len(tokens) == 1:
+                y = expert_forward(ex.gate_up, ex.down, ex.scheme, hidden[tokens[0]], **kw)[None, :]
+            else:
+                y = expert_forward_batch(ex.gate_up, ex.down, ex.scheme, hidden[tokens], **kw)
+            results.append((tokens, y * weights[:, None]))
+        return results
+
+    def close(self) -> None:
+        """Stop the worker thread and drop every reference to the bundle's memory and the device."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.cpu.clear()
+        self._fused = None
+        self._device_weights.clear()
+        self._device_index.clear()
