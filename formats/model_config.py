@@ -65,7 +65,7 @@ def config_from_hf(raw: Mapping[str, Any], path: str) -> ModelConfig:
     heads = need("num_attention_heads")
     num_experts = opt(EXPERT_COUNT_KEYS)
     top_k = opt(TOP_K_KEYS)
-    if num_experts and not 1 <= top_k <= num_experts:
+    if num_experts and top_k and not 1 <= top_k <= num_experts:
         raise ConfigError(f"experts per token is {top_k}, expected 1..{num_experts}", path=path)
     moe_inter = opt("moe_intermediate_size") or opt("intermediate_size")
     shared_inter = opt("shared_expert_intermediate_size")

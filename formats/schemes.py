@@ -125,23 +125,39 @@ def dense_tensor_bytes(numel: int, scheme: Scheme | str = "bf16") -> int:
     """Bytes of a non-expert tensor of ``numel`` values stored in a plain ``scheme``, aligned."""
     if isinstance(scheme, str):
         scheme = get_scheme(scheme)
-    if scheme.block_elems != 1:
-        raise ValueError("non-expert tensors are stored in a plain float scheme")
+    if scheme.block_elems != 1 or scheme.row_extra_bytes:
+        raise ValueError("a tensor given by its element count is stored in a plain float scheme")
     return align(numel * scheme.block_bytes, TENSOR_ALIGN)
+
+
+# A quantized --dense-scheme stores a matrix whose rows are not whole blocks in this instead (as
+# llama.cpp falls back to another type for tensors whose rows do not fit a block type).
+DENSE_FALLBACK = "bf16"
 
 
 def non_expert_scheme(shape: tuple[int, ...], *, router: bool, dense_scheme: str) -> str:
     """The scheme a non-expert tensor is stored in: float32 for 1-D tensors (norms, biases) and
     for routers, whose scores pick the experts and are cheap to keep exact; ``dense_scheme`` for
-    every other matrix."""
+    every other matrix (``[rows, everything else]``), or ``DENSE_FALLBACK`` where its rows are not
+    whole blocks of a block scheme."""
     if router or len(shape) <= 1:
         return "f32"
-    return get_scheme(dense_scheme).name
+    scheme = get_scheme(dense_scheme)
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    return scheme.name if scheme.fits(cols) else DENSE_FALLBACK
 
 
 def non_expert_bytes(shape: tuple[int, ...], *, router: bool, dense_scheme: str) -> int:
     """Bytes a non-expert tensor occupies in a bundle (rounded up to the tensor alignment)."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return dense_tensor_bytes(numel, non_expert_scheme(shape, router=router, dense_scheme=dense_scheme))
+    scheme = get_scheme(non_expert_scheme(shape, router=router, dense_scheme=dense_scheme))
+    if len(shape) <= 1 or (scheme.block_elems == 1 and not scheme.row_extra_bytes):
+        numel = 1
+        for d in shape:
+            numel *= d
+        return dense_tensor_bytes(numel, scheme)
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    return align(scheme.matrix_bytes(shape[0], cols), TENSOR_ALIGN)

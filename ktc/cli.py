@@ -14,6 +14,7 @@ import click
 
 from ktc import __version__
 from ktc.errors import KtcError
+from ktc.formats.schemes import SCHEMES
 
 EXIT_USER_ERROR = 2
 
@@ -44,6 +45,7 @@ def main() -> None:
       ktc plan ./Qwen3-30B-A3B --vram 24GiB         which experts go on the GPU, and how fast
       ktc compile ./Qwen3-30B-A3B -o q.ktb --vram 24GiB
       ktc verify q.ktb && ktc bench q.ktb           check the bundle, time its CPU experts
+      ktc run q.ktb -p "Hello" -n 32                generate text with the whole model
     """
 
 
@@ -201,6 +203,8 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4."),
         click.option("--cpu-schemes", default="int8", show_default=True,
                      help="Comma list of schemes CPU experts may use, e.g. int8,int4."),
+        click.option("--dense-scheme", default="bf16", show_default=True, type=click.Choice(list(SCHEMES)),
+                     help="Scheme of non-expert matrices (what ktc compile --dense-scheme stores)."),
         click.option("--pin-gpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the GPU."),
         click.option("--pin-cpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the CPU."),
         click.option("--quality-weight", type=float, default=0.0, show_default=True,
@@ -224,6 +228,7 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      reserve=kw["reserve"], max_tokens=kw["max_tokens"], batch=kw["batch"],
                      kv_dtype=kw["kv_dtype"], prefill_chunk=kw["prefill_chunk"], profile=kw["profile"],
                      gpu_schemes=split(kw["gpu_schemes"]), cpu_schemes=split(kw["cpu_schemes"]),
+                     dense_scheme=kw["dense_scheme"],
                      pin_gpu=kw["pin_gpu"], pin_cpu=kw["pin_cpu"], quality_weight=kw["quality_weight"],
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
@@ -318,8 +323,9 @@ def _write_text(path: str, text: str) -> None:
 @click.option("--cpu-scheme", default="int8", show_default=True,
               help="Scheme of CPU experts: int8, int4_g32/64/128, q8_0, q4_0, mxfp4, bf16, f16, f32.")
 @click.option("--gpu-scheme", default="bf16", show_default=True, help="Scheme of GPU experts.")
-@click.option("--dense-scheme", default="bf16", show_default=True,
-              type=click.Choice(["bf16", "f16", "f32"]), help="Scheme of non-expert matrices.")
+@click.option("--dense-scheme", default="bf16", show_default=True, type=click.Choice(list(SCHEMES)),
+              help="Scheme of non-expert matrices (attention, shared experts, lm_head, embeddings); "
+                   "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes building experts; each writes its experts into the bundle. "
                    "Pays off on large models (start-up about 1 s); the bytes do not depend on it.")
@@ -464,6 +470,91 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
                    f"weights {fig['weight_gbps']:6.2f} GB/s = {100 * fig['roofline_fraction']:.0f}% of the roofline")
         for layer, lf in fig["layers"].items():
             click.echo(f"        layer {layer:>3}: {lf['ms']:8.3f} ms, {lf['weight_gbps']:6.2f} GB/s")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(exists=False))
+@click.option("-p", "--prompt", help="The prompt text.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), help="Read the prompt from this file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (one user turn).")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens to generate at most (fewer when the model ends its answer).")
+@click.option("--temperature", type=float, default=0.8, show_default=True, help="Sampling temperature; 0: greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=40, show_default=True, help="Sample among this many (0: all).")
+@click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling mass.")
+@click.option("--seed", type=int, help="Random seed for sampling (reproducible runs).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="cuda: the plan's device experts, the non-expert weights and the KV cache on the GPU; "
+                   "cpu: everything on the CPU; auto: cuda when torch sees one, else cpu.")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens tokens even past the end of text.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
+@_handle_errors
+def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
+        temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
+        ignore_eos: bool, as_json: bool) -> None:
+    """Generate text from a bundle: the whole model, its experts where the plan put them.
+
+    Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
+    prefill tokens/s, generated tokens and decode tokens/s, time to first token, peak memory
+    (and on CUDA the device memory against the plan's figure). A prompt plus --max-new-tokens
+    longer than the KV cache the bundle was planned for is refused before anything runs.
+
+    \b
+    Examples:
+      ktc run qwen.ktb -p "The capital of France is" -n 32
+      ktc run qwen.ktb --chat -p "Explain mixture of experts in one line" --temperature 0
+      ktc run qwen.ktb --prompt-file long.txt -n 64 --device cuda --json
+    """
+    from ktc.runtime.generate import Sampling, encode_prompt, generate, peak_device_bytes, peak_rss_bytes
+    from ktc.runtime.hf import from_bundle
+
+    if (prompt is None) == (prompt_file is None):
+        raise KtcError("give the prompt with -p TEXT or --prompt-file FILE (one of them)")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KtcError(f"cannot read the prompt: {exc}", path=prompt_file) from None
+    if not os.path.exists(bundle):
+        raise KtcError("no such bundle", path=bundle)
+    sampling = Sampling(temperature, top_k, top_p, seed)
+    target = None if device == "cpu" else device
+    if device == "auto":
+        import torch
+
+        target = "cuda" if torch.cuda.is_available() else None
+    loaded_at = time.perf_counter()
+    with from_bundle(bundle, device=target, threads=threads) as model:
+        load_seconds = time.perf_counter() - loaded_at
+        ids = encode_prompt(model, prompt or "", chat=chat)
+        echo = None if as_json else (lambda text: click.echo(text, nl=False))
+        result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
+                          stop_at_eos=not ignore_eos)
+        peak_device = peak_device_bytes(model)
+        device_bytes, plan_bytes = model.device_total, model.plan_device_total
+    out = {"prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
+           "text": result.text, "stopped": result.stopped,
+           "prefill_tokens_per_s": result.prefill_tokens_per_s,
+           "decode_tokens_per_s": result.decode_tokens_per_s, "ttft_s": result.ttft_seconds,
+           "load_s": load_seconds, "peak_rss_bytes": peak_rss_bytes(),
+           "device": "cpu" if target is None else target, "device_bytes": device_bytes,
+           "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo("")
+    from ktc.summary import format_bytes
+
+    click.echo(f"prompt {result.prompt_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s; "
+               f"generated {len(result.generated_tokens)} tokens, {result.decode_tokens_per_s:.1f} tokens/s; "
+               f"first token after {result.ttft_seconds * 1e3:.0f} ms", err=True)
+    memory = f"peak RSS {format_bytes(out['peak_rss_bytes'])}"
+    if target is not None:
+        shown = peak_device if peak_device is not None else device_bytes
+        memory += f"; device {format_bytes(shown)}" + (f" of the plan's {format_bytes(plan_bytes)}" if plan_bytes else "")
+    click.echo(memory, err=True)
 
 
 @main.command()

@@ -157,8 +157,6 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
             get_scheme(name)
         except KeyError as exc:
             raise ConfigError(str(exc.args[0])) from None
-    if get_scheme(dense_scheme).block_elems != 1 or get_scheme(dense_scheme).row_extra_bytes:
-        raise ConfigError(f"non-expert tensors need a float scheme (f32, f16, bf16), not {dense_scheme}")
 
     def decide(ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
         if plan_path:

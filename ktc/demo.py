@@ -33,6 +33,58 @@ DEMO_CONFIG: dict[str, object] = {
 }
 
 
+# The text the demo tokenizer is trained on (and the demo's prompts come from): a few paragraphs
+# about serving Mixture-of-Experts models, written for ktc.
+DEMO_TEXT = """\
+A Mixture-of-Experts model replaces the feed-forward block of a transformer layer with many
+small experts and a router. For every token the router scores the experts and picks a few of
+them; only the chosen experts run, so a model with hundreds of billions of weights reads a few
+billion of them per token. That is why such a model can run on one GPU beside a large CPU: the
+experts that are used most often live in the GPU's memory, the rest live in the CPU's memory,
+and each token reads only the experts it was routed to.
+
+Decoding one token is bound by memory bandwidth. The time of a step is the bytes it reads over
+the speed at which the memory delivers them. A GPU reads its memory ten times faster than a CPU
+reads its own, so every expert moved to the GPU makes the step shorter, until the GPU is full.
+The key and value cache grows with the context, and it has to fit in the same memory.
+
+Prefill is bound by arithmetic. A long prompt sends many tokens to every expert at once, and
+the experts then run as matrix products instead of matrix-vector products. The CPU's vector
+units and the GPU's tensor cores both matter here.
+
+Quantization stores the weights in fewer bits: eight bits per weight halves the bytes of a
+bfloat16 expert, four bits quarter them. Fewer bytes mean faster steps and more experts on the
+GPU, at a small cost in accuracy that a careful compiler measures instead of guessing.
+
+A compiler for such models reads the checkpoint, finds the experts, decides which of them go on
+the GPU under a memory budget, quantizes each one for the device that will run it, and writes
+one file that a small runtime maps into memory and serves. The plan is exact: the weights, the
+cache and a reserve are counted byte by byte, so the model either fits or the compiler says why
+it does not, and by how much.
+"""
+
+
+def demo_tokenizer_files(vocab_size: int) -> dict[str, bytes]:
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` tokens trained on ``DEMO_TEXT``
+    (deterministic), saved the way transformers saves one. Needs transformers (the ``hf``
+    extra); without it the demo model has no tokenizer and cannot run."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([DEMO_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with tempfile.TemporaryDirectory() as folder:
+        fast.save_pretrained(folder)
+        return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
 def default_cache_dir() -> str:
     """``$KTC_CACHE_DIR``, else ``$XDG_CACHE_HOME/ktc``, else ``~/.cache/ktc``."""
     if os.environ.get("KTC_CACHE_DIR"):
@@ -78,7 +130,8 @@ def demo_tensors(config: dict[str, object], seed: int = 0) -> dict[str, np.ndarr
 
 
 def write_demo_model(folder: str, *, seed: int = 0) -> str:
-    """Write the demo checkpoint (``model.safetensors`` + ``config.json``) into ``folder``.
+    """Write the demo checkpoint (``model.safetensors``, ``config.json``, and with transformers
+    installed a tokenizer) into ``folder``.
 
     Files are written beside their final names and renamed into place, so an interrupted run
     never leaves a half-written model that a later run would take as complete.
@@ -89,10 +142,17 @@ def write_demo_model(folder: str, *, seed: int = 0) -> str:
     model_path = os.path.join(folder, "model.safetensors")
     config_path = os.path.join(folder, "config.json")
     tensors = demo_tensors(DEMO_CONFIG, seed)
-    for final, write in (
+    writers = [
         (model_path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})),
         (config_path, lambda tmp: _write_json(tmp, DEMO_CONFIG)),
-    ):
+    ]
+    try:
+        files = demo_tokenizer_files(int(DEMO_CONFIG["vocab_size"]))  # type: ignore[arg-type]
+    except ImportError:
+        files = {}
+    for name, data in files.items():
+        writers.append((os.path.join(folder, name), lambda tmp, data=data: _write_bytes(tmp, data)))
+    for final, write in writers:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(final))
         os.close(fd)
         try:
@@ -102,6 +162,11 @@ def write_demo_model(folder: str, *, seed: int = 0) -> str:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return folder
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _write_json(path: str, value: object) -> None:

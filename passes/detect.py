@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from ktc.errors import ConfigError, InternalError, UnsupportedModelError
@@ -18,6 +18,7 @@ from .adapters import (
     StackedNames,
 )
 from .base import Pass, PassContext
+from .detect_hf import DerivedLayout, derive_layout
 
 _EXPERT_LIKE = re.compile(r"expert|_exps|moe|router|ffn_gate_inp", re.IGNORECASE)
 
@@ -96,10 +97,10 @@ def family_of(config: ModelConfig, table: LayoutTable, names: set[str], layer_pr
 class _Builder:
     """Builds the MoE layers of one checkpoint under one layout table, checking every shape."""
 
-    def __init__(self, ckpt: Checkpoint, table: LayoutTable) -> None:
+    def __init__(self, ckpt: Checkpoint, table: LayoutTable, cfg: ModelConfig) -> None:
         self.ckpt = ckpt
         self.table = table
-        self.cfg = ckpt.config
+        self.cfg = cfg
         self.tensors = ckpt.tensors
         self.used: set[str] = set()
 
@@ -257,10 +258,31 @@ def role_of(name: str, table: LayoutTable) -> TensorRole:
 _LAYER_NUMBER = re.compile(r"(?:layers|blk)\.(\d+)\.")
 
 
-def build_ir(ckpt: Checkpoint) -> ModelIR:
-    """Detect the experts of an opened checkpoint and return its ``ModelIR``."""
-    match = _choose_layout(ckpt)
+def _with_structure(cfg: ModelConfig, derived: DerivedLayout) -> ModelConfig:
+    """The config with the expert facts transformers' model structure gave."""
+    dense = tuple(layer for layer in range(derived.num_layers) if layer not in derived.moe_layers)
+    return replace(cfg, num_experts=derived.num_experts, top_k=derived.top_k,
+                   expert_intermediate_size=derived.intermediate_size, moe_layer_step=1, dense_layers=dense)
+
+
+def build_ir(ckpt: Checkpoint, *, use_transformers: bool = True) -> ModelIR:
+    """Detect the experts of an opened checkpoint and return its ``ModelIR``.
+
+    With transformers installed (and ``use_transformers``), Hugging Face checkpoints are read
+    through the model structure transformers builds for their config (``detect_hf``); the
+    declarative tables read GGUF files, checkpoints transformers does not know, and everything
+    when transformers is not installed."""
     cfg = ckpt.config
+    names = set(ckpt.tensors)
+    derived = derive_layout(ckpt) if use_transformers else None
+    match = None
+    if derived is not None:
+        layers = _find_layers(derived.table, names, cfg.num_layers)
+        if layers == derived.moe_layers:
+            cfg = _with_structure(cfg, derived)
+            match = _Match(derived.table, layers)
+    if match is None:
+        match = _choose_layout(ckpt)
     expected = tuple(layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer))
     if match.layers != expected:
         missing = sorted(set(expected) - set(match.layers))
@@ -273,9 +295,11 @@ def build_ir(ckpt: Checkpoint) -> ModelIR:
         raise ConfigError("; ".join(detail), path=ckpt.path,
                           hint="the config (first_k_dense_replace, decoder_sparse_step, "
                                "mlp_only_layers) does not match the weights")
-    names = set(ckpt.tensors)
-    family = family_of(cfg, match.table, names, match.table.layer_prefix.format(layer=match.layers[0]))
-    builder = _Builder(ckpt, match.table)
+    if match.table.name == "transformers" and cfg.model_type not in KNOWN_FAMILIES:
+        family = cfg.model_type  # a family known by its transformers structure alone
+    else:
+        family = family_of(cfg, match.table, names, match.table.layer_prefix.format(layer=match.layers[0]))
+    builder = _Builder(ckpt, match.table, cfg)
     layers = tuple(builder.layer(layer, family) for layer in match.layers)
     dense = []
     for name in sorted(ckpt.tensors):

@@ -416,34 +416,42 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
                          activation: str = "silu", gate_up_bias: np.ndarray | None = None,
                          down_bias: np.ndarray | None = None, limit: float | None = None,
                          alpha: float | None = None) -> np.ndarray:
-    """Tokens ``x`` [T, hidden] routed to one expert. From ``GEMM_MIN_TOKENS`` tokens on the
-    weights are used as a matrix (compute-bound, unlike one token): int8 experts multiply in
-    int8, the other quantized schemes are decoded to bf16 and multiplied by torch (each adds
-    well under 1% relative error), float experts in float32. Fewer tokens of a quantized expert
-    go one by one through the one-token kernels (decoding a large expert costs more than a few
-    passes over its bytes)."""
+    """Tokens ``x`` [T, hidden] routed to one expert, each product through ``linear``."""
     x = np.asarray(x, dtype=np.float32)
-    kw = dict(activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit, alpha=alpha)
-    many = x.shape[0] >= GEMM_MIN_TOKENS
-    if scheme == "int8" and many:
-        product = _int8_gemm
-    elif scheme not in ("f32", "f16", "bf16") and many:
-        def product(v: np.ndarray, raw: np.ndarray) -> np.ndarray:
-            return _bf16_gemm(v, raw, scheme)
-    elif scheme not in ("f32", "f16", "bf16") or x.shape[0] == 1:
-        return np.stack([expert_forward(gate_up, down, scheme, row, **kw) for row in x])  # type: ignore[arg-type]
-    else:
-        def product(v: np.ndarray, raw: np.ndarray) -> np.ndarray:
-            return matmul_t(v, decode(raw, scheme, v.shape[1]))
     inter = gate_up.shape[0] // 2
-    h = product(x, gate_up)
+    h = linear(x, gate_up, scheme)
     if gate_up_bias is not None:
         h += gate_up_bias
     a = _act(h, inter, activation, limit, alpha).astype(np.float32)
-    y = product(a, down)
+    y = linear(a, down, scheme)
     if down_bias is not None:
         y += down_bias
     return y
+
+
+def linear(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    """``x @ W.T`` (float32 [T, rows]) for tokens ``x`` [T, cols] and a weight stored in
+    ``scheme`` as raw rows (uint8 [rows, row_bytes], or the plain dtype for f32/f16/bf16).
+
+    One token reads the weights once through the matrix-vector kernels (memory-bound). From
+    ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix (compute-bound): int8
+    multiplies in int8 (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded
+    first; each adds well under 1% relative error), f32 and f16 in float32. Between the two,
+    quantized weights go token by token through the one-token kernels (decoding a large matrix
+    costs more than a few passes over its bytes)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    tokens, cols = x.shape
+    if tokens == 1:
+        return matvec(raw, scheme, x[0])[None, :]
+    if scheme == "f32":
+        return matmul_t(x, raw.view(np.float32).reshape(raw.shape[0], cols))
+    if scheme == "f16":
+        return matmul_t(x, decode(raw, scheme, cols))
+    if tokens < GEMM_MIN_TOKENS:
+        return np.stack([matvec(raw, scheme, row) for row in x])
+    if scheme == "int8":
+        return _int8_gemm(x, raw)
+    return _bf16_gemm(x, raw, scheme)
 
 
 def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -458,11 +466,11 @@ def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             @ torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32)).T).numpy()
 
 
-# Weights come from read-only maps of the bundle; torch only reads them here. One filter for this
-# module's calls (catch_warnings around each call costs time and is not thread-safe, and the CPU
-# experts run in a thread of their own).
+# Weights come from read-only maps of the bundle; torch only reads them in the runtime's modules.
+# One filter for them (catch_warnings around each call costs time and is not thread-safe, and
+# the CPU experts run in a thread of their own).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
-                        module=__name__.replace(".", "\\."))
+                        module=r"ktc\.runtime\.")
 
 
 # From this many tokens on, int8 experts multiply in int8 (torch._int_mm, oneDNN's VNNI GEMM):
@@ -488,10 +496,14 @@ def _int8_gemm(x: np.ndarray, raw: np.ndarray) -> np.ndarray:
 
 
 def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
-    """``x @ W.T`` with ``W`` decoded to bf16 and ``x`` rounded to bf16, accumulated in float32."""
+    """``x @ W.T`` with ``W`` decoded to bf16 (bf16 weights used in place) and ``x`` rounded to
+    bf16, accumulated in float32."""
     import torch
 
-    w = torch.from_numpy(decode(raw, scheme, x.shape[1], bf16=True)).view(torch.bfloat16)
+    if scheme == "bf16":
+        w = torch.from_numpy(raw.view(np.uint16).reshape(raw.shape[0], x.shape[1])).view(torch.bfloat16)
+    else:
+        w = torch.from_numpy(decode(raw, scheme, x.shape[1], bf16=True)).view(torch.bfloat16)
     return (torch.from_numpy(x).to(torch.bfloat16) @ w.T).float().numpy()
 
 

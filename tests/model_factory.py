@@ -41,7 +41,8 @@ FAMILIES = {
                           dict(n_routed_experts=EXPERTS, moe_intermediate_size=32,
                                first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1,
                                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                               qk_nope_head_dim=8, v_head_dim=8), "deepseek2", (1, 2), 1),
+                               qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+                          "deepseek2", (1, 2), 1),
     "deepseek_v2": Family("deepseek_v2", "DeepseekV2Config",
                           dict(n_routed_experts=EXPERTS, moe_intermediate_size=32,
                                first_k_dense_replace=1, n_shared_experts=2, kv_lora_rank=16,
@@ -51,12 +52,28 @@ FAMILIES = {
                                                      head_dim=8), "gpt-oss", (0, 1, 2), 0),
 }
 
+# More families that transformers runs through its experts interface, for the whole-model tests;
+# detection reads them with the tables above (their checkpoints reuse those names) or through
+# transformers' own model structure.
+EXTRA_FAMILIES = {
+    "glm4_moe": Family("glm4_moe", "Glm4MoeConfig",
+                       dict(n_routed_experts=EXPERTS, moe_intermediate_size=32, first_k_dense_replace=1,
+                            n_group=1, topk_group=1, n_shared_experts=1, head_dim=8), "glm4moe", (1, 2), 1),
+    "dots1": Family("dots1", "Dots1Config",
+                    dict(n_routed_experts=EXPERTS, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_shared_experts=1, head_dim=8), "dots1", (1, 2), 1),
+    "phimoe": Family("phimoe", "PhimoeConfig", dict(num_local_experts=EXPERTS), "phimoe", (0, 1, 2), 0),
+    "ernie4_5_moe": Family("ernie4_5_moe", "Ernie4_5_MoeConfig",
+                           dict(moe_num_experts=EXPERTS, moe_intermediate_size=32, moe_num_shared_experts=1),
+                           "ernie4_5-moe", (1, 2), 1),
+}
+
 
 def build_hf_model(family: str, seed: int = 0):
     import torch
     import transformers
 
-    spec = FAMILIES[family]
+    spec = FAMILIES.get(family) or EXTRA_FAMILIES[family]
     kwargs = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                   num_experts_per_tok=TOP_K)
@@ -269,3 +286,28 @@ def write_gpt_oss_mxfp4(st_folder: str, folder: str) -> dict[str, np.ndarray]:
     save_file(out, os.path.join(folder, "model.safetensors"))
     shutil.copy(os.path.join(st_folder, "config.json"), folder)
     return out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_char_tokenizer(folder: str, vocab_size: int) -> str:
+    """A character-level tokenizer of exactly ``vocab_size`` tokens (special tokens, then
+    printable characters), saved the way transformers saves one (tokenizer.json and
+    tokenizer_config.json with a chat template) into ``folder``."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate((specials + chars)[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder

@@ -249,3 +249,46 @@ def test_gguf_fused_gate_up_experts(tiny_models, tmp_path):
             got = _expert_arrays(fused, layer, e)
             for key in ("gate", "up", "down"):
                 np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.parametrize("family", list(mf.FAMILIES))
+@pytest.mark.parametrize("fmt", ("safetensors", "pytorch", "pytorch_fused"))
+def test_transformers_structure_and_tables_agree(tiny_models, family, fmt):
+    """Detection through transformers' model structure and through the declarative tables find
+    the same layers, experts (the same tensors, viewed the same way), routers and shared experts."""
+    from ktc.formats.checkpoint import open_checkpoint
+    from ktc.passes.detect import build_ir
+    from ktc.passes.detect_hf import derive_layout
+
+    if fmt not in tiny_models[family]:
+        pytest.skip("gpt-oss has no separate fused variant")
+    with open_checkpoint(tiny_models[family][fmt]) as ckpt:
+        assert derive_layout(ckpt) is not None, "transformers' structure was not read"
+        by_structure = build_ir(ckpt)
+        by_table = build_ir(ckpt, use_transformers=False)
+    assert by_structure.family == by_table.family
+    assert by_structure.moe_layer_indices == by_table.moe_layer_indices
+    assert by_structure.config.top_k == by_table.config.top_k
+    assert by_structure.config.num_experts == by_table.config.num_experts
+    for a, b in zip(by_structure.moe_layers, by_table.moe_layers):
+        assert a.experts == b.experts  # the same TensorRefs: names, views, byte ranges
+        assert (a.router, a.router_bias, a.score_correction_bias) == (b.router, b.router_bias, b.score_correction_bias)
+        assert a.shared_experts == b.shared_experts and a.shared_expert_gate == b.shared_expert_gate
+        assert (a.top_k, a.gating, a.activation) == (b.top_k, b.gating, b.activation)
+    assert {d.ref.name for d in by_structure.dense} == {d.ref.name for d in by_table.dense}
+
+
+def test_family_without_a_table_is_read_through_transformers(tmp_path):
+    """ERNIE-4.5-MoE calls its top-k ``moe_k`` and keeps its score bias in ``moe_statics``: no table
+    reads it, transformers' model structure does."""
+    from ktc.formats.checkpoint import open_checkpoint
+    from ktc.passes.detect import build_ir
+
+    folder = mf.write_safetensors(mf.build_hf_model("ernie4_5_moe"), str(tmp_path / "ernie"))
+    with open_checkpoint(folder) as ckpt:
+        with pytest.raises(UnsupportedModelError, match="expert count and top-k"):
+            build_ir(ckpt, use_transformers=False)
+        ir = build_ir(ckpt)
+    assert ir.family == "ernie4_5_moe"
+    assert ir.moe_layer_indices == (1, 2) and ir.config.top_k == mf.TOP_K
+    assert ir.config.num_experts == mf.EXPERTS and len(ir.layer(1).shared_experts) == 1

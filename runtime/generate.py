@@ -1,0 +1,216 @@
+"""Text generation from a bundle's model (``ktc run``): prefill in chunks of the plan's prefill
+size, then one token per step with the preallocated KV cache, sampling, streaming text, and the
+timings users compare with llama.cpp's (prompt tokens/s, generated tokens/s, time to first token).
+
+The loop calls the transformers model's forward directly rather than ``generate()`` (which
+works too): a decode step then costs the model's forward and a sample, nothing else, and the
+timings measure exactly that.
+"""
+
+from __future__ import annotations
+
+import inspect
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ktc.errors import KtcError
+
+from .hf import KtcModel
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy when ``temperature`` is 0, else softmax sampling at
+    ``temperature`` among the ``top_k`` most likely (0: all) within top-p mass ``top_p``."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0) or self.temperature == float("inf"):
+            raise KtcError(f"--temperature must be a number >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise KtcError(f"--top-k must be >= 0 (0: no limit), not {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise KtcError(f"--top-p must be in (0, 1], not {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """What one generation did: the token ids, the text, and its timings (seconds)."""
+
+    prompt_tokens: int
+    generated_tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    prefill_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    decode_seconds: float = 0.0  # the decode steps' forwards and samples (not printing)
+    stopped: str = "length"  # "eos" or "length"
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = max(len(self.generated_tokens) - 1, 0)  # the first token comes from the prefill
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def sample(logits: Any, sampling: Sampling, generator: Any) -> int:
+    """One token id from ``logits`` [vocab] (float32)."""
+    import torch
+
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k:
+        k = min(sampling.top_k, scores.shape[-1])
+        threshold = torch.topk(scores, k).values[-1]
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if sampling.top_p < 1:
+        ordered, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(ordered, dim=-1) - ordered < sampling.top_p  # always keeps the first
+        probs = torch.zeros_like(probs).scatter_(0, order, ordered * keep)
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Detokenizer:
+    """Text of a growing list of token ids, handed out as it becomes final: a token that ends
+    inside a multi-byte character is held until the character is complete."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        new, self.emitted = text[len(self.emitted):], text
+        return new
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def eos_ids(km: KtcModel) -> set[int]:
+    """Token ids that end a generation (the generation config's, else the model config's)."""
+    ids: set[int] = set()
+    for source in (getattr(km.model, "generation_config", None), km.model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+        if ids:
+            break
+    if not ids and getattr(km.tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(km.tokenizer.eos_token_id))
+    return ids
+
+
+def encode_prompt(km: KtcModel, prompt: str, *, chat: bool = False) -> list[int]:
+    """The prompt's token ids (through the chat template with ``chat``)."""
+    if not prompt or not prompt.strip():
+        raise KtcError("the prompt is empty")
+    if chat:
+        if not getattr(km.tokenizer, "chat_template", None):
+            raise KtcError("--chat: the bundle's tokenizer has no chat template", path=km.bundle.path)
+        ids = km.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        ids = km.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise KtcError("the prompt encodes to no tokens")
+    return ids
+
+
+def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+             on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; ``on_text`` receives the
+    text as it is generated. A request longer than the KV capacity is refused before anything
+    runs."""
+    import torch
+
+    if max_new_tokens < 1:
+        raise KtcError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+    if not prompt_ids:
+        raise KtcError("the prompt is empty")
+    km.check_capacity(len(prompt_ids), max_new_tokens)
+    model = km.model
+    forward_kwargs = {"use_cache": True}
+    parameters = inspect.signature(model.forward).parameters
+    if "logits_to_keep" in parameters:
+        forward_kwargs["logits_to_keep"] = 1
+    cache_arg = km.cache_argument
+    generator = torch.Generator()
+    if sampling.seed is not None:
+        generator.manual_seed(sampling.seed)
+    stops = eos_ids(km) if stop_at_eos else set()
+    detok = Detokenizer(km.tokenizer)
+    result = Generation(prompt_tokens=len(prompt_ids))
+    device = km.input_device
+    cache = km.new_cache()
+    with torch.inference_mode():
+        started = time.perf_counter()
+        logits = None
+        for start in range(0, len(prompt_ids), km.prefill_chunk):
+            chunk = torch.tensor([prompt_ids[start:start + km.prefill_chunk]], dtype=torch.long, device=device)
+            logits = model(input_ids=chunk, **{cache_arg: cache}, **forward_kwargs).logits[0, -1]
+        _sync(device)
+        result.prefill_seconds = time.perf_counter() - started
+        token = sample(logits.float().cpu(), sampling, generator)
+        result.ttft_seconds = time.perf_counter() - started
+        while True:
+            result.generated_tokens.append(token)
+            if on_text is not None:
+                piece = detok.add(token)
+                if piece:
+                    on_text(piece)
+            else:
+                detok.ids.append(token)
+            if token in stops:
+                result.stopped = "eos"
+                break
+            if len(result.generated_tokens) >= max_new_tokens:
+                break
+            step = time.perf_counter()
+            ids = torch.tensor([[token]], dtype=torch.long, device=device)
+            logits = model(input_ids=ids, **{cache_arg: cache}, **forward_kwargs).logits[0, -1]
+            token = sample(logits.float().cpu(), sampling, generator)
+            result.decode_seconds += time.perf_counter() - step
+    result.text = detok.text()
+    return result
+
+
+def _sync(device: Any) -> None:
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def peak_device_bytes(km: KtcModel) -> int | None:
+    """Peak bytes allocated on a CUDA device (torch's allocator), None elsewhere."""
+    if km.device is None or getattr(km.device, "type", "") != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(km.device))

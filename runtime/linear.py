@@ -1,0 +1,126 @@
+"""Small torch modules over a bundle's stored matrices, for the non-expert weights of a whole
+model: a ``nn.Linear`` replacement and an embedding lookup that read the bundle's bytes in their
+scheme (f32, bf16, int8, q8_0, the 4-bit schemes).
+
+On the host the bytes stay in the mapped bundle (zero-copy) and products go through ktc's
+kernels (``kernels.linear``: one token through the matrix-vector kernels, which read each weight
+byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size). On a
+device the bytes are uploaded once and decoded by torch when used (``device.matmul``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .device import matmul
+from .kernels import decode, linear
+
+
+def _plain_view(raw: np.ndarray, scheme: str, cols: int) -> torch.Tensor | None:
+    """A zero-copy torch view of plain-typed rows (f32, bf16, f16), else None."""
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(scheme)
+    if dtype is None:
+        return None
+    bits = raw.view(np.uint8).reshape(raw.shape[0], -1)
+    return torch.from_numpy(bits).view(dtype).reshape(raw.shape[0], cols)
+
+
+class HostLinear(torch.nn.Module):
+    """``y = x W^T + b`` for ``W`` [out, in] stored in ``scheme`` as the bundle's raw rows,
+    computed on the CPU in float32 (float32 inputs and outputs)."""
+
+    def __init__(self, raw: np.ndarray, scheme: str, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.raw = raw
+        self.scheme = scheme
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        # f32 weights are used in place by torch: the same products as an nn.Linear.
+        self._weight = _plain_view(raw, scheme, in_features) if scheme == "f32" else None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._weight is not None:
+            return torch.nn.functional.linear(x.float(), self._weight, self.bias)
+        flat = x.detach().reshape(-1, self.in_features).to(torch.float32)
+        y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme))
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+class DeviceLinear(torch.nn.Module):
+    """The same for a weight uploaded to a torch device at its quantized scheme (uint8 rows),
+    decoded by torch ops when used; products in ``dtype``."""
+
+    def __init__(self, raw: torch.Tensor, scheme: str, in_features: int, out_features: int,
+                 dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.raw = raw
+        self.scheme = scheme
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = matmul(flat, self.raw, self.scheme, self.in_features, self.dtype).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+class BundleEmbedding(torch.nn.Module):
+    """Token embedding rows looked up in the bundle's table (kept in host memory, one row read
+    per token), decoded from ``scheme`` and moved to ``device`` in ``dtype``. ``scale``
+    multiplies the rows (models that scale their embeddings)."""
+
+    def __init__(self, raw: np.ndarray, scheme: str, num_embeddings: int, embedding_dim: int, *,
+                 device: Any = "cpu", dtype: torch.dtype = torch.float32, scale: float | None = None) -> None:
+        super().__init__()
+        self.raw = raw
+        self.scheme = scheme
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.scale = scale
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Float32 rows [len(ids), embedding_dim]."""
+        return decode(np.ascontiguousarray(self.raw[ids]), self.scheme, self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range 0..{self.num_embeddings - 1}")
+        values = torch.from_numpy(np.ascontiguousarray(self.rows(ids)))
+        if self.scale is not None:
+            values = values * self.scale
+        return values.reshape(*input_ids.shape, self.embedding_dim).to(self.device, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme}"

@@ -1,0 +1,145 @@
+"""Whole models from bundles (``ktc.runtime.hf``) against transformers' own models on the same
+checkpoints, family by family: logits, greedy tokens, and the quantized schemes' agreement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import model_factory as mf
+from ktc.compile import compile_bundle
+from ktc.runtime.generate import Sampling, generate
+from ktc.runtime.hf import from_bundle
+
+RUN_FAMILIES = list(mf.FAMILIES) + list(mf.EXTRA_FAMILIES)
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each family's tiny model (in eval mode: phimoe's router samples in training mode) and its
+    folder with safetensors, config and a tokenizer."""
+    root = tmp_path_factory.mktemp("run")
+    out = {}
+    for family in RUN_FAMILIES:
+        model = mf.build_hf_model(family).eval()
+        folder = str(root / family)
+        mf.write_safetensors(model, folder)
+        mf.write_char_tokenizer(folder, VOCAB)
+        out[family] = (model, folder)
+    return out
+
+
+def prompt_ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+    out = ids
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(out).logits[0, -1].argmax()
+            out = torch.cat([out, nxt.view(1, 1)], dim=1)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def logits_of(km, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return km.model(ids, **{km.cache_argument: km.new_cache()}).logits
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("family", RUN_FAMILIES)
+def test_f32_bundle_equals_transformers(family, checkpoints, tmp_path):
+    model, folder = checkpoints[family]
+    path = str(tmp_path / "f32.ktb")
+    compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
+    ids = prompt_ids(32)
+    with torch.no_grad():
+        want = model(ids).logits
+    with from_bundle(path) as km:
+        assert relative(logits_of(km, ids), want) < 1e-4
+        run = generate(km, ids[0].tolist(), max_new_tokens=16, sampling=Sampling(temperature=0),
+                       stop_at_eos=False)
+    assert run.generated_tokens == reference_greedy(model, ids, 16)
+
+
+def rounded_to_bf16(model):
+    """transformers' model with the weights a bf16 bundle stores in bf16 rounded to bf16 (every
+    matrix but the routers, which bundles keep in float32), computed in float32."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if p.dim() >= 2 and not name.endswith(("gate.weight", "router.weight")):
+                p.copy_(p.to(torch.bfloat16).float())
+    return rounded
+
+
+@pytest.mark.parametrize("family", RUN_FAMILIES)
+def test_bf16_bundle_within_1e_2(family, checkpoints, tmp_path):
+    """Against transformers on the same bf16 weights: what the runtime adds (bf16 products
+    in prefill) stays within 1e-2. (Against the float32 weights, bf16 rounding of attention can
+    flip a tiny random model's routing of a token, which no runtime avoids: transformers' own
+    bf16 model flips one of these 32 tokens for gpt-oss.)"""
+    model, folder = checkpoints[family]
+    path = str(tmp_path / "bf16.ktb")
+    compile_bundle(folder, path, cpu_scheme="bf16", dense_scheme="bf16")
+    ids = prompt_ids(32)
+    with torch.no_grad():
+        want = rounded_to_bf16(model)(ids).logits
+    with from_bundle(path) as km:
+        assert relative(logits_of(km, ids), want) < 1e-2
+
+
+@pytest.mark.parametrize("family", RUN_FAMILIES)
+def test_int8_experts_agree_on_the_next_token(family, checkpoints, tmp_path):
+    """Greedy top-1 agreement over 256 positions of one sequence (teacher-forced)."""
+    model, folder = checkpoints[family]
+    path = str(tmp_path / "int8.ktb")
+    compile_bundle(folder, path, cpu_scheme="int8", dense_scheme="bf16")
+    ids = prompt_ids(256, seed=1)
+    with torch.no_grad():
+        want = model(ids).logits[0].argmax(-1)
+    with from_bundle(path) as km:
+        got = logits_of(km, ids)[0].argmax(-1)
+    assert float((got == want).float().mean()) >= 0.95
+
+
+def test_generate_of_transformers_works(checkpoints, tmp_path):
+    """The returned model's generate() (transformers' own loop) gives the greedy tokens too."""
+    model, folder = checkpoints["qwen3_moe"]
+    path = str(tmp_path / "m.ktb")
+    compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
+    ids = prompt_ids(12)
+    with from_bundle(path) as km:
+        out = km.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out[0, 12:].tolist() == reference_greedy(model, ids, 8)
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "int4_g32", "mxfp4", "int8"])
+def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tmp_path):
+    """--dense-scheme stores attention and lm_head quantized; on the CPU they run through ktc's
+    kernels and the logits stay near the float model's (4-bit: a rough bound)."""
+    model, folder = checkpoints["qwen3_moe"]
+    path = str(tmp_path / "q.ktb")
+    compile_bundle(folder, path, cpu_scheme=scheme, dense_scheme=scheme)
+    ids = prompt_ids(32)
+    with torch.no_grad():
+        want = model(ids).logits
+    with from_bundle(path) as km:
+        from ktc.runtime.linear import HostLinear
+
+        linears = [m for m in km.model.modules() if isinstance(m, HostLinear)]
+        assert linears and {m.scheme for m in linears} == {scheme}
+        got = logits_of(km, ids)
+        single = logits_of(km, ids[:, :1])  # one token: the matrix-vector kernels
+    bound = 3e-2 if scheme in ("q8_0", "int8") else 0.3
+    assert relative(got, want) < bound
+    with torch.no_grad():
+        assert relative(single, model(ids[:, :1]).logits) < bound
