@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ktc.errors import ConfigError, FormatError
+from ktc.ir import ModelConfig
 
 # Files of a Hugging Face model folder that a tokenizer or a chat template may need.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -72,9 +73,40 @@ def folder_run_files(folder: str, raw_config: dict[str, Any]) -> RunFiles:
                     "config.json", missing)
 
 
-def gguf_run_files(path: str) -> RunFiles:
+def _experts_as_weights(transformers: Any, config: Any, model_config: ModelConfig) -> str | None:
+    """Make ``config`` (transformers' reading of GGUF metadata) build experts of the width the
+    weights have: its GGUF mapping does not read ``expert_feed_forward_length`` for every
+    architecture (Qwen3-MoE's experts come out at the class default, 768). Returns what still
+    disagrees, or None."""
+    from .transformers_model import is_experts_module, meta_model
+
+    want = (model_config.num_experts, model_config.expert_intermediate_size)
+
+    def built() -> tuple[int, int] | None:
+        model = meta_model(transformers, config)
+        for module in model.modules():
+            if is_experts_module(module):
+                down = module.down_proj
+                return int(down.shape[0]), int(down.shape[1] if module.is_transposed else down.shape[2])
+        return None
+
+    have = built()
+    if have is None or have == want or not model_config.expert_intermediate_size:
+        return None
+    for attr in ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"):
+        if hasattr(config, attr):
+            old = getattr(config, attr)
+            setattr(config, attr, model_config.expert_intermediate_size)
+            if built() == want:
+                return None
+            setattr(config, attr, old)
+    return f"transformers' config from this GGUF builds experts {have}, the weights are {want}"
+
+
+def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFiles:
     """Config and tokenizer derived from a GGUF file's metadata by transformers (the same
-    conversion ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` does). Without transformers,
+    conversion ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` does), the experts' width
+    checked against ``model_config`` (ktc's own reading of the metadata). Without transformers,
     or for an architecture it cannot convert, the result says why in ``missing``."""
     try:
         import transformers
@@ -88,6 +120,10 @@ def gguf_run_files(path: str) -> RunFiles:
     except Exception as exc:  # transformers raises ValueError/KeyError/... for what it cannot map
         return RunFiles(None, None, (), "gguf metadata",
                         f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")
+    if model_config is not None:
+        disagreement = _experts_as_weights(transformers, config, model_config)
+        if disagreement:
+            return RunFiles(None, None, (), "gguf metadata", disagreement)
     config_dict = model_config_json(config.to_dict())
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -99,18 +135,19 @@ def gguf_run_files(path: str) -> RunFiles:
         tokenizer.save_pretrained(tmp)
         files = tuple(sorted((n, _read_file(os.path.join(tmp, n))) for n in os.listdir(tmp)
                              if n in TOKENIZER_FILES))
-    generation = None
     try:
         generation = transformers.GenerationConfig.from_model_config(config).to_diff_dict()
+        generation.pop("transformers_version", None)
     except Exception:  # a model config without generation defaults
         generation = None
     return RunFiles(config_dict, generation, files, "gguf metadata")
 
 
-def collect_run_files(source_format: str, path: str, raw_config: dict[str, Any]) -> RunFiles:
+def collect_run_files(source_format: str, path: str, raw_config: dict[str, Any],
+                      model_config: ModelConfig | None = None) -> RunFiles:
     """The run files of an opened checkpoint at ``path`` (a folder or a file in it)."""
     if source_format == "gguf":
-        return gguf_run_files(path)
+        return gguf_run_files(path, model_config)
     if not raw_config:
         raise ConfigError("no config.json to store in the bundle", path=path)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))

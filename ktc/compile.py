@@ -203,7 +203,7 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     emit = Emit(out, manifest_base, jobs=jobs, compress=compress, report_error=report_error,
                 progress=progress)
     with open_checkpoint(source) as ckpt:
-        run_files = collect_run_files(ckpt.format, ckpt.path, dict(ckpt.raw_config))
+        run_files = collect_run_files(ckpt.format, ckpt.path, dict(ckpt.raw_config), ckpt.config)
         layout = LayOut(tuple(RunFile(name, data) for name, data in run_files.files))
         manager = PassManager((DetectExperts(ckpt), plan_pass, ChooseSchemes(dense_scheme), layout, emit))
         ir = manager.run(PassContext(check=check), stop_after=stop_after, dump_after=dump_after, dump=dump)

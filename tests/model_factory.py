@@ -200,13 +200,23 @@ def gguf_tensors(st_folder: str) -> dict[str, np.ndarray]:
 
 def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | None = None,
                fuse_gate_up: bool = False) -> str:
-    """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys."""
+    """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
+    (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json)."""
     import gguf
 
     spec = FAMILIES[family]
     cfg = json.load(open(os.path.join(st_folder, "config.json")))
     arch = spec.gguf_arch
     writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(cfg.get("max_position_embeddings", 4096))
+    if cfg.get("rms_norm_eps") is not None:
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if rope_theta is not None:
+        writer.add_rope_freq_base(rope_theta)
+    tokenizer_json = os.path.join(st_folder, "tokenizer.json")
+    if os.path.exists(tokenizer_json):
+        _add_gguf_tokenizer(writer, json.load(open(tokenizer_json)))
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -254,6 +264,36 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | No
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_gguf_tokenizer(writer, tokenizer: dict) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's converter writes it (model "gpt2")."""
+    vocab = tokenizer["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
+    tokens = [None] * (max(list(vocab.values()) + list(added.values())) + 1)
+    for text, i in {**vocab, **added}.items():
+        tokens[i] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in added else 1 for t in tokens])  # 3: control
+    writer.add_token_merges(merges)
+    if added:
+        first = min(added.values())
+        writer.add_eos_token_id(first)
+        writer.add_bos_token_id(first)
+
+
+def write_bpe_tokenizer(folder: str, vocab_size: int) -> str:
+    """The demo's byte-level BPE tokenizer (``vocab_size`` tokens) saved into ``folder``."""
+    from ktc.demo import demo_tokenizer_files
+
+    os.makedirs(folder, exist_ok=True)
+    for name, data in demo_tokenizer_files(vocab_size).items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    return folder
 
 
 def mxfp4_encode(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

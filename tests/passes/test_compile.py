@@ -306,3 +306,23 @@ def test_check_names_the_pass_that_broke_its_postconditions(tmp_path, demo_model
     with pytest.raises(InternalError, match="pass 'layout' failed.*not on a page"):
         compile_bundle(demo_model, str(tmp_path / "x.ktb"), check=True)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dense", ["bf16", "q8_0", "int8", "q4_0"])
+def test_planner_counts_non_expert_bytes_as_the_bundle_stores_them(tmp_path, demo_model, dense):
+    """--dense-scheme sizes the planner's non-expert VRAM and the bundle's tensors alike."""
+    from ktc.formats.schemes import TENSOR_ALIGN, align
+
+    path = str(tmp_path / "d.ktb")
+    compile_bundle(demo_model, path, dense_scheme=dense, plan_kwargs=dict(vram="16MiB", reserve=0, ram="1GiB"))
+    with open_bundle(path) as b:
+        vram = b.manifest["plan"]["memory"]["vram"]
+        ram = b.manifest["plan"]["memory"]["ram"]
+        stored = {seg: sum(align(t.nbytes, TENSOR_ALIGN) for t in b.tensors.values()
+                           if t.role != "expert" and t.segment == seg) for seg in ("device", "host")}
+        schemes = {t.scheme for t in b.tensors.values() if t.role != "expert" and len(t.shape) == 2
+                   and t.role != "router"}
+    planned = sum(v for k, v in vram.items() if k not in ("gpu_experts", "kv_cache", "workspace", "reserve"))
+    assert stored["device"] == planned
+    assert stored["host"] == ram["embeddings"]
+    assert schemes == {dense}

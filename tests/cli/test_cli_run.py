@@ -1,0 +1,143 @@
+"""``ktc run``: text and speed from a bundle, and each bad input as a one- or two-line error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import model_factory as mf
+from ktc.cli import main
+from ktc.compile import compile_bundle
+
+
+@pytest.fixture(scope="module")
+def bundle(demo_model, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("run") / "demo.ktb")
+    compile_bundle(demo_model, path, max_tokens=256)
+    return path
+
+
+def run(*args: str):
+    return CliRunner(mix_stderr=False).invoke(main, ["run", *args]) if _mix_stderr_supported() else \
+        CliRunner().invoke(main, ["run", *args])
+
+
+def _mix_stderr_supported() -> bool:
+    import inspect
+
+    return "mix_stderr" in inspect.signature(CliRunner.__init__).parameters
+
+
+def test_streams_text_then_speed(bundle):
+    result = run(bundle, "-p", "A Mixture-of-Experts model", "-n", "12", "--temperature", "0")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()  # the generated text
+    for words in ("prompt", "tokens/s", "generated 12 tokens", "first token", "peak RSS"):
+        assert words in result.stderr
+
+
+def test_json_reports_tokens_text_and_timings(bundle):
+    result = run(bundle, "-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert len(out["generated_tokens"]) == 8 and isinstance(out["text"], str)
+    assert out["prompt_tokens"] > 0 and out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
+    assert out["ttft_s"] > 0 and out["peak_rss_bytes"] > 0
+    assert out["device_bytes"] == 0 and out["plan_device_bytes"] == 0  # CPU only
+    again = json.loads(run(bundle, "-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0",
+                           "--json").stdout)
+    assert again["generated_tokens"] == out["generated_tokens"]  # greedy is deterministic
+    seeded = [json.loads(run(bundle, "-p", "Decoding", "-n", "8", "--seed", "3", "--json").stdout)["generated_tokens"]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_chat_template_and_prompt_file(bundle, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Explain the key and value cache")
+    result = run(bundle, "--prompt-file", str(prompt), "--chat", "-n", "4", "--json")
+    assert result.exit_code == 0, result.output
+    plain = run(bundle, "--prompt-file", str(prompt), "-n", "4", "--json")
+    assert json.loads(result.stdout)["prompt_tokens"] > json.loads(plain.stdout)["prompt_tokens"]
+
+
+def _older_bundle(path: str, out: str) -> str:
+    """The same bundle as a format 1.0 one: no run section in the manifest."""
+    from ktc.formats.bundle import HEADER_SIZE, BundleHeader, manifest_json, open_bundle
+
+    with open_bundle(path) as b:
+        manifest = dict(b.manifest)
+        header = b.header
+    manifest.pop("run")
+    manifest["format_version"] = [1, 0]
+    raw = bytearray(open(path, "rb").read())
+    text = manifest_json(manifest)
+    region = text + bytes(header.data_offset - HEADER_SIZE - len(text))
+    raw[HEADER_SIZE:header.data_offset] = region
+    new = BundleHeader(HEADER_SIZE, len(text), header.data_offset, header.file_size,
+                       hashlib.sha256(region).digest(), major=1, minor=0)
+    raw[:HEADER_SIZE] = new.to_bytes()
+    open(out, "wb").write(bytes(raw))
+    return out
+
+
+def test_bad_inputs_are_one_or_two_line_errors(bundle, tmp_path, demo_model):
+    cases = {
+        "empty prompt": (run(bundle, "-p", "  "), "prompt is empty"),
+        "no prompt": (run(bundle), "-p TEXT or --prompt-file"),
+        "too long": (run(bundle, "-p", "x" * 300, "-n", "8"), "exceeds the KV cache of 256"),
+        "older bundle": (run(_older_bundle(bundle, str(tmp_path / "old.ktb")), "-p", "hi"),
+                         "compile it again"),
+        "missing": (run(str(tmp_path / "none.ktb"), "-p", "hi"), "no such bundle"),
+    }
+    if not torch.cuda.is_available():
+        cases["cuda without CUDA"] = (run(bundle, "-p", "hi", "--device", "cuda"), "no CUDA device")
+    for name, (result, words) in cases.items():
+        assert result.exit_code != 0, name
+        message = result.stderr if _mix_stderr_supported() else result.output
+        assert words in message, (name, message)
+        assert "Traceback" not in message and len(message.strip().splitlines()) <= 2, (name, message)
+    for bad in ("0", "-3"):
+        result = run(bundle, "-p", "hi", "-n", bad)
+        assert result.exit_code == 2 and "max-new-tokens" in (result.stderr or result.output)
+
+
+def test_older_bundle_still_opens_for_bench_and_inspect(bundle, tmp_path):
+    old = _older_bundle(bundle, str(tmp_path / "old.ktb"))
+    assert CliRunner().invoke(main, ["inspect", old]).exit_code == 0
+    assert CliRunner().invoke(main, ["verify", old]).exit_code == 0
+    result = CliRunner().invoke(main, ["bench", old, "--tokens", "1", "--steps", "1", "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    folder = mf.write_safetensors(mf.build_hf_model("qwen3_moe"), str(tmp_path / "m"))
+    mf.write_char_tokenizer(folder, 100)  # the model's vocabulary is 96
+    compile_bundle(folder, str(tmp_path / "m.ktb"))
+    result = run(str(tmp_path / "m.ktb"), "-p", "hi")
+    assert result.exit_code != 0
+    assert "100 tokens" in (result.stderr or result.output) and "96" in (result.stderr or result.output)
+
+
+def test_transformers_older_than_the_experts_interface_is_named(bundle, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    result = run(bundle, "-p", "hi")
+    assert result.exit_code != 0
+    message = result.stderr or result.output
+    assert "4.56.2" in message and "5.7" in message
+
+
+
+def test_demo_ends_by_generating_text(tmp_path):
+    result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "demo"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert len(out["run"]["generated_tokens"]) == 48 and out["run"]["decode_tokens_per_s"] > 0
+    text = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "demo")])
+    assert "$ ktc run" in text.stdout and "tokens/s" in text.stdout
