@@ -269,6 +269,8 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
     except OSError as exc:
         raise _os_error(exc, folder) from None
     try:
+        # mkstemp makes the file private (0600); a bundle gets the permissions any new file gets.
+        os.fchmod(fd, 0o666 & ~_umask())
         # Sizing the file first lets the filesystem allocate it in large extents: appending
         # writes were 10x slower than writes into a pre-sized file here. Compressed bundles are
         # cut to their real size at the end.
@@ -296,6 +298,12 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
         pass
     result.path = out_path
     return result
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region: int, jobs: int,

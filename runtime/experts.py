@@ -88,16 +88,27 @@ class ExpertSet:
         # CPU) and uncompressed: one token takes a fused path that runs all its experts
         # in two parallel regions instead of two per expert.
         self._fused = None
+        self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         schemes = {ex.scheme for ex in self.cpu.values()}
         if len(schemes) == 1:
             (scheme,) = schemes
             from . import vnni
 
             if scheme == "int8" or (vnni.HAVE_VNNI and scheme in vnni.FUSED_GROUPS):
-                gu = {e: bundle.tensors[f"{prefix}experts.{e}.gate_up"].offset for e in self.cpu}
-                dn = {e: bundle.tensors[f"{prefix}experts.{e}.down"].offset for e in self.cpu}
-                if None not in gu.values() and None not in dn.values():
+                gu = np.full(self.num_experts, -1, dtype=np.int64)
+                dn = np.full(self.num_experts, -1, dtype=np.int64)
+                for e in self.cpu:
+                    gu[e] = bundle.tensors[f"{prefix}experts.{e}.gate_up"].offset or -1
+                    dn[e] = bundle.tensors[f"{prefix}experts.{e}.down"].offset or -1
+                if (gu[list(self.cpu)] >= 0).all() and (dn[list(self.cpu)] >= 0).all():
                     self._fused = (scheme, bundle.file_view(), gu, dn)
+                    first = next(iter(self.cpu.values()))
+                    if first.gate_up_bias is not None:  # stacked once: indexed per token
+                        self._fused_biases = (
+                            np.stack([self.cpu[e].gate_up_bias if e in self.cpu else np.zeros_like(first.gate_up_bias)
+                                      for e in range(self.num_experts)]),
+                            np.stack([self.cpu[e].down_bias if e in self.cpu else np.zeros_like(first.down_bias)
+                                      for e in range(self.num_experts)]))
         self.device = device
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0
@@ -166,7 +177,7 @@ class ExpertSet:
 
     def _split(self, idx: np.ndarray, weights: np.ndarray) -> tuple[Work, Work]:
         """Per selected expert, its tokens and their weights: (CPU work, device work)."""
-        np.add.at(self.counts, idx.ravel(), 1)
+        self.counts += np.bincount(idx.ravel(), minlength=self.num_experts)[: self.num_experts]
         cpu_work: Work = []
         dev_work: Work = []
         for e in np.unique(idx).tolist():
@@ -196,6 +207,11 @@ class ExpertSet:
 
         idx_np = idx.detach().to("cpu", torch.int64).numpy()
         weights_np = weights.detach().to("cpu", torch.float32).numpy()
+        if self._fused is not None and not self._device_index and idx_np.shape[0] == 1:
+            # One token, every expert on the CPU (a decode step): straight to the fused kernel.
+            host = hidden.detach().to("cpu", torch.float32).numpy()
+            y = self._fused_token(host[0], idx_np[0], weights_np[0])
+            return torch.from_numpy(y[None, :]).to(hidden.device, hidden.dtype)
         cpu_work, dev_work = self._split(idx_np, weights_np)
         host = None
         if cpu_work:
@@ -220,19 +236,22 @@ class ExpertSet:
                 np.add.at(out, tokens, y)
         return out
 
+    def _fused_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """One token through ``experts`` (CPU experts, all in the fused scheme), weighted."""
+        scheme, file, gu, dn = self._fused  # type: ignore[misc]
+        self.counts[experts] += 1
+        biases = self._fused_biases
+        return experts_token(file, scheme, gu[experts], dn[experts], self.hidden_size, self.intermediate_size,
+                             x, np.ascontiguousarray(weights, dtype=np.float32), activation=self.activation,
+                             limit=self.swiglu_limit, alpha=self.swiglu_alpha,
+                             gate_up_bias=biases[0][experts] if biases else None,
+                             down_bias=biases[1][experts] if biases else None)
+
     def _run_cpu(self, hidden: np.ndarray, work: Work) -> list[tuple[np.ndarray, np.ndarray]]:
         if self._fused is not None and len(hidden) == 1 and work:
-            scheme, file, gu, dn = self._fused
-            experts = [e for e, _, _ in work]
-            first = self.cpu[experts[0]]
-            biases = first.gate_up_bias is not None
-            y = experts_token(file, scheme, np.array([gu[e] for e in experts], dtype=np.int64),
-                              np.array([dn[e] for e in experts], dtype=np.int64), self.hidden_size,
-                              first.gate_up.shape[0] // 2, hidden[0],
-                              np.array([w[0] for _, _, w in work], dtype=np.float32),
-                              activation=self.activation, limit=self.swiglu_limit, alpha=self.swiglu_alpha,
-                              gate_up_bias=np.stack([self.cpu[e].gate_up_bias for e in experts]) if biases else None,
-                              down_bias=np.stack([self.cpu[e].down_bias for e in experts]) if biases else None)
+            experts = np.array([e for e, _, _ in work], dtype=np.int64)
+            self.counts[experts] -= 1  # _split counted them already
+            y = self._fused_token(hidden[0], experts, np.array([w[0] for _, _, w in work], dtype=np.float32))
             return [(np.zeros(1, dtype=np.int64), y[None, :])]
         results = []
         for e, tokens, weights in work:
@@ -253,5 +272,6 @@ class ExpertSet:
             self._pool = None
         self.cpu.clear()
         self._fused = None
+        self._fused_biases = None
         self._device_weights.clear()
         self._device_index.clear()

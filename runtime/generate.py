@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ktc.errors import KtcError
 
 from .hf import KtcModel
@@ -66,8 +68,8 @@ def sample(logits: Any, sampling: Sampling, generator: Any) -> int:
     """One token id from ``logits`` [vocab] (float32)."""
     import torch
 
-    if sampling.temperature == 0:
-        return int(torch.argmax(logits))
+    if sampling.temperature == 0:  # numpy: one thread, no parallel region to wake
+        return int(np.argmax(logits.detach().numpy()))
     scores = logits.float() / sampling.temperature
     if sampling.top_k:
         k = min(sampling.top_k, scores.shape[-1])
@@ -138,10 +140,11 @@ def encode_prompt(km: KtcModel, prompt: str, *, chat: bool = False) -> list[int]
 
 
 def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-             on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True) -> Generation:
+             on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
+             on_token: Callable[[int], None] | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; ``on_text`` receives the
-    text as it is generated. A request longer than the KV capacity is refused before anything
-    runs."""
+    text as it is generated, ``on_token`` each token id (both outside the timed steps). A
+    request longer than the KV capacity is refused before anything runs."""
     import torch
 
     if max_new_tokens < 1:
@@ -175,6 +178,8 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
         result.ttft_seconds = time.perf_counter() - started
         while True:
             result.generated_tokens.append(token)
+            if on_token is not None:
+                on_token(token)
             if on_text is not None:
                 piece = detok.add(token)
                 if piece:

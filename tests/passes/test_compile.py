@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import json
 import struct
 
@@ -326,3 +327,14 @@ def test_planner_counts_non_expert_bytes_as_the_bundle_stores_them(tmp_path, dem
     assert stored["device"] == planned
     assert stored["host"] == ram["embeddings"]
     assert schemes == {dense}
+
+
+def test_bundle_gets_the_permissions_of_a_new_file(tmp_path, demo_model):
+    """Written through a private temporary file, the bundle still ends up readable as any file
+    the user creates (mode 0666 minus the umask), not 0600."""
+    old = os.umask(0o022)
+    try:
+        compile_bundle(demo_model, str(tmp_path / "m.ktb"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.ktb").stat().st_mode & 0o777 == 0o644
