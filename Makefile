@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[hf,test]'
 	touch $@
 
 demo: setup

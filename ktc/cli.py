@@ -120,6 +120,7 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
             "schemes": schemes, "compressed_experts": sum(bool(blk.compression) for blk in experts),
             "plan": {k: v for k, v in m["plan"].items() if k != "placement"},
             "provenance": m["provenance"],
+            "run": _run_summary(b),
         }
         if tensors:
             out["tensors"] = [{"name": t.name, "scheme": t.scheme, "offset": t.offset, "nbytes": t.nbytes,
@@ -142,6 +143,12 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
         click.echo(f"plan          {plan['source']}: predicted {plan['predicted_ms_per_token']:.3f} ms/token")
     else:
         click.echo(f"plan          {plan['source']}")
+    run_info = out["run"]
+    if run_info["runnable"]:
+        click.echo(f"run           config from {run_info['origin']}, files {', '.join(run_info['files'])}; "
+                   f"KV cache for {run_info['max_tokens']} tokens")
+    else:
+        click.echo(f"run           cannot run: {run_info['why']}")
     prov = out["provenance"]
     click.echo(f"provenance    ktc {prov['ktc_version']} from {prov['source_format']} "
                f"({', '.join(f['name'] for f in prov['source_files'])})")
@@ -150,6 +157,18 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
         for t in out["tensors"]:
             offset = "compressed" if t["offset"] is None else t["offset"]
             click.echo(f"  {t['name']:<48} {t['scheme']:<10} {str(offset):>12} {t['nbytes']:>12} {t['shape']}")
+
+
+def _run_summary(bundle: Any) -> dict[str, Any]:
+    """Whether ``ktc run`` can run a bundle, and with what."""
+    run = bundle.run_info
+    if bundle.format_major < 2 or run is None:
+        return {"runnable": False, "why": f"format {bundle.format_major}.x bundles carry no config or tokenizer; "
+                                          "compile again"}
+    if run.get("config") is None or not run.get("files"):
+        return {"runnable": False, "why": run.get("missing") or "no config or tokenizer"}
+    return {"runnable": True, "origin": run.get("origin"), "files": list(run.get("files", [])),
+            "max_tokens": (run.get("workload") or {}).get("max_tokens")}
 
 
 def _tensor_rows(ir: Any) -> list[dict[str, Any]]:
@@ -506,8 +525,9 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
       ktc run qwen.ktb --chat -p "Explain mixture of experts in one line" --temperature 0
       ktc run qwen.ktb --prompt-file long.txt -n 64 --device cuda --json
     """
+    from ktc.formats.bundle import open_bundle
     from ktc.runtime.generate import Sampling, encode_prompt, generate, peak_device_bytes, peak_rss_bytes
-    from ktc.runtime.hf import from_bundle
+    from ktc.runtime.hf import check_capacity, from_bundle, kv_capacity, load_tokenizer
 
     if (prompt is None) == (prompt_file is None):
         raise KtcError("give the prompt with -p TEXT or --prompt-file FILE (one of them)")
@@ -525,10 +545,14 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         import torch
 
         target = "cuda" if torch.cuda.is_available() else None
+    # The prompt is checked against the KV capacity before the model is loaded: a request that
+    # cannot run allocates nothing.
+    with open_bundle(bundle) as opened:
+        ids = encode_prompt(load_tokenizer(opened), prompt or "", chat=chat)
+        check_capacity(len(ids), max_new_tokens, kv_capacity(opened), bundle)
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads) as model:
         load_seconds = time.perf_counter() - loaded_at
-        ids = encode_prompt(model, prompt or "", chat=chat)
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
                           stop_at_eos=not ignore_eos)

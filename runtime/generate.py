@@ -69,7 +69,7 @@ def sample(logits: Any, sampling: Sampling, generator: Any) -> int:
     import torch
 
     if sampling.temperature == 0:  # numpy: one thread, no parallel region to wake
-        return int(np.argmax(logits.detach().numpy()))
+        return int(np.argmax(logits.detach().float().numpy()))
     scores = logits.float() / sampling.temperature
     if sampling.top_k:
         k = min(sampling.top_k, scores.shape[-1])
@@ -120,19 +120,21 @@ def eos_ids(km: KtcModel) -> set[int]:
     return ids
 
 
-def encode_prompt(km: KtcModel, prompt: str, *, chat: bool = False) -> list[int]:
-    """The prompt's token ids (through the chat template with ``chat``)."""
+def encode_prompt(model: KtcModel | Any, prompt: str, *, chat: bool = False) -> list[int]:
+    """The prompt's token ids (through the chat template with ``chat``); ``model`` is a
+    ``KtcModel`` or a tokenizer."""
+    tokenizer = model.tokenizer if isinstance(model, KtcModel) else model
     if not prompt or not prompt.strip():
         raise KtcError("the prompt is empty")
     if chat:
-        if not getattr(km.tokenizer, "chat_template", None):
-            raise KtcError("--chat: the bundle's tokenizer has no chat template", path=km.bundle.path)
-        ids = km.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, tokenize=True)
+        if not getattr(tokenizer, "chat_template", None):
+            raise KtcError("--chat: the bundle's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
     else:
-        ids = km.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     ids = [int(i) for i in ids]
     if not ids:
         raise KtcError("the prompt encodes to no tokens")
@@ -176,6 +178,8 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
         result.prefill_seconds = time.perf_counter() - started
         token = sample(logits.float().cpu(), sampling, generator)
         result.ttft_seconds = time.perf_counter() - started
+        ids = torch.zeros((1, 1), dtype=torch.long)
+        step_kwargs = {cache_arg: cache, **forward_kwargs}
         while True:
             result.generated_tokens.append(token)
             if on_token is not None:
@@ -192,9 +196,9 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
             if len(result.generated_tokens) >= max_new_tokens:
                 break
             step = time.perf_counter()
-            ids = torch.tensor([[token]], dtype=torch.long, device=device)
-            logits = model(input_ids=ids, **{cache_arg: cache}, **forward_kwargs).logits[0, -1]
-            token = sample(logits.float().cpu(), sampling, generator)
+            ids[0, 0] = token  # one input tensor for every step (host memory, copied if on a device)
+            logits = model(input_ids=ids.to(device), **step_kwargs).logits[0, -1]
+            token = sample(logits if logits.device.type == "cpu" else logits.cpu(), sampling, generator)
             result.decode_seconds += time.perf_counter() - step
     result.text = detok.text()
     return result

@@ -20,6 +20,7 @@ transformers is imported here only (``pip install 'ktc[hf]'``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -30,7 +31,6 @@ import numpy as np
 
 from ktc.errors import BundleError, KtcError, UnsupportedModelError
 from ktc.formats.bundle import Bundle, open_bundle
-
 from ktc.formats.transformers_model import (
     config_from_dict, gguf_name_map, gguf_processor, hf_name_map, import_transformers, is_experts_module,
     meta_model,
@@ -255,14 +255,7 @@ class KtcModel:
 
     def check_capacity(self, prompt_tokens: int, new_tokens: int) -> None:
         """``KtcError`` unless ``prompt_tokens + new_tokens`` fit the KV cache the plan sized."""
-        need = prompt_tokens + new_tokens
-        if need > self.max_tokens:
-            raise KtcError(
-                f"{prompt_tokens} prompt tokens + {new_tokens} new tokens = {need} exceeds the KV cache of "
-                f"{self.max_tokens} tokens this bundle was planned for",
-                path=self.bundle.path,
-                hint="shorten the prompt or --max-new-tokens, or compile again with a larger --max-tokens "
-                     "(ktc plan shows the largest that fits the VRAM budget)")
+        check_capacity(prompt_tokens, new_tokens, self.max_tokens, self.bundle.path)
 
     def new_cache(self) -> Any:
         """The model's KV cache, emptied (one is allocated at load and reused)."""
@@ -320,6 +313,23 @@ class KtcModel:
         self.bundle.close()
 
 
+def check_capacity(prompt_tokens: int, new_tokens: int, max_tokens: int, path: str | None = None) -> None:
+    """``KtcError`` unless ``prompt_tokens + new_tokens`` fit a KV cache of ``max_tokens``."""
+    need = prompt_tokens + new_tokens
+    if need > max_tokens:
+        raise KtcError(
+            f"{prompt_tokens} prompt tokens + {new_tokens} new tokens = {need} exceeds the KV cache of "
+            f"{max_tokens} tokens this bundle was planned for", path=path,
+            hint="shorten the prompt or --max-new-tokens, or compile again with a larger --max-tokens "
+                 "(ktc plan shows the largest that fits the VRAM budget)")
+
+
+def kv_capacity(bundle: Bundle) -> int:
+    """Tokens the KV cache of a runnable bundle holds (the plan's ``max_tokens``)."""
+    workload = _require_runnable(bundle).get("workload") or {}
+    return int(workload.get("max_tokens") or 4096)
+
+
 def _require_runnable(bundle: Bundle) -> dict[str, Any]:
     run = bundle.run_info
     if bundle.format_major < 2 or run is None:
@@ -353,8 +363,6 @@ def load_tokenizer(bundle: Bundle, transformers: Any | None = None) -> Any:
     """The bundle's tokenizer (transformers' ``AutoTokenizer`` over the files it carries)."""
     transformers = transformers or require_transformers()
     run = _require_runnable(bundle)
-    import json
-
     with tempfile.TemporaryDirectory(prefix="ktc-tokenizer-") as folder:
         for name in bundle.file_names():
             with open(os.path.join(folder, name), "wb") as f:
@@ -411,11 +419,16 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None) -
                        buffers=True, path=bundle.path)
     loader = _Loader(transformers, bundle, model, device, dtype)
     experts = loader.attach_experts()
-    loader.fill()
     workload = run.get("workload") or {}
-    max_tokens = int(workload.get("max_tokens") or 4096)
+    max_tokens = kv_capacity(bundle)
     kv_dtype = torch.float32 if device is None else _kv_dtype(str(workload.get("kv_dtype", "bf16")))
-    cache = make_cache(config, max_tokens, device=loader.torch_device, dtype=kv_dtype, compute_dtype=dtype)
+    try:
+        loader.fill()
+        cache = make_cache(config, max_tokens, device=loader.torch_device, dtype=kv_dtype, compute_dtype=dtype)
+    except BaseException:
+        for expert_set in experts:  # their worker threads and device memory
+            expert_set.close()
+        raise
     generation = run.get("generation_config")
     if generation:
         model.generation_config = transformers.GenerationConfig.from_dict(generation)
@@ -631,9 +644,8 @@ class _Loader:
         key = f"{name}.weight"
         tensor = self._tensor_for(key)
         t = self.bundle.tensors[tensor]
-        scale = getattr(module, "embed_scale", None)
-        scale = float(scale) if scale is not None and not hasattr(scale, "shape") else (
-            float(scale.item()) if scale is not None else None)
+        scale = getattr(module, "embed_scale", None)  # models that scale their embeddings (Gemma)
+        scale = None if scale is None else float(scale)
         return BundleEmbedding(self._raw(tensor), t.scheme, t.shape[0], t.shape[1],
                                device=self.torch_device, dtype=self.dtype, scale=scale)
 
