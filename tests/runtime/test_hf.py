@@ -171,3 +171,79 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(tmp_path):
     assert encoded[0] == encoded[1]
     with torch.no_grad():
         assert relative(logits[1], twin(ids).logits) < 1e-4
+
+
+def test_tied_embeddings_run_on_the_host_and_on_a_device(tmp_path):
+    """lm_head tied to the input embedding: the bundle stores the table once, lm_head reads it."""
+    import transformers
+
+    base = mf.build_hf_model("qwen3_moe")
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**base.config.to_dict(), "tie_word_embeddings": True})).eval()
+    folder = str(tmp_path / "tied")
+    model.save_pretrained(folder)
+    mf.write_char_tokenizer(folder, VOCAB)
+    path = str(tmp_path / "t.ktb")
+    compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
+    ids = prompt_ids(16)
+    with torch.no_grad():
+        want = model(ids).logits
+    for device, bound in ((None, 1e-4), ("cpu", 1e-2)):  # on a device the KV cache is the plan's bf16
+        with from_bundle(path, device=device) as km:
+            assert relative(logits_of(km, ids), want) < bound, device
+
+
+def test_fp8_checkpoint_runs_from_its_dequantized_bundle(tmp_path):
+    """DeepSeek-V3's FP8 weights with block scales: the bundle stores them in its own schemes and
+    drops the source's quantization_config, so transformers builds a plain model to fill."""
+    from safetensors.torch import load_file, save_file
+
+    model = mf.build_hf_model("deepseek_v3").eval()
+    src = mf.write_safetensors(model, str(tmp_path / "src"))
+    state = load_file(f"{src}/model.safetensors")
+    block, out = 16, {}
+    for name, value in state.items():
+        if (name.endswith("proj.weight") and value.dim() == 2 and value.shape[0] % block == 0
+                and value.shape[1] % block == 0):
+            rows, cols = value.shape
+            blocks = value.reshape(rows // block, block, cols // block, block)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            out[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+            out[name + "_scale_inv"] = scale.float()
+        else:
+            out[name] = value
+    import json
+    import os
+    import shutil
+
+    os.makedirs(tmp_path / "fp8")
+    save_file(out, str(tmp_path / "fp8" / "model.safetensors"))
+    config = json.load(open(f"{src}/config.json"))
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    json.dump(config, open(tmp_path / "fp8" / "config.json", "w"))
+    mf.write_char_tokenizer(str(tmp_path / "fp8"), VOCAB)
+    shutil.rmtree(src)
+    path = str(tmp_path / "fp8.ktb")
+    compile_bundle(str(tmp_path / "fp8"), path, cpu_scheme="f32", dense_scheme="f32")
+    ids = prompt_ids(16)
+    with torch.no_grad():
+        want = model(ids).logits
+    with from_bundle(path) as km:
+        assert "quantization_config" not in km.bundle.run_info["config"]
+        assert relative(logits_of(km, ids), want) < 0.2  # FP8 e4m3 weights: a few percent per matrix
+
+
+def test_gpt_oss_released_mxfp4_checkpoint_runs(tmp_path):
+    """gpt-oss as released (experts in MXFP4 _blocks/_scales) passes through to mxfp4 experts."""
+    model = mf.build_hf_model("gpt_oss").eval()
+    src = mf.write_safetensors(model, str(tmp_path / "src"))
+    mf.write_gpt_oss_mxfp4(src, str(tmp_path / "mx"))
+    mf.write_char_tokenizer(str(tmp_path / "mx"), VOCAB)
+    path = str(tmp_path / "mx.ktb")
+    compile_bundle(str(tmp_path / "mx"), path, cpu_scheme="mxfp4", dense_scheme="f32")
+    ids = prompt_ids(16)
+    with torch.no_grad():
+        want = model(ids).logits
+    with from_bundle(path) as km:
+        assert {e.cpu[0].scheme for e in km.experts} == {"mxfp4"}
+        assert relative(logits_of(km, ids), want) < 0.3  # 4-bit experts against float32 ones
