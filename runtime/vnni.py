@@ -234,12 +234,32 @@ def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndar
     sums are of the quantized values, so that the minimum term sees the same activations as the
     codes: then the result is exactly the dequantized weights times the quantized activations,
     whose error scales with the weights and not with weights minus their group minimum."""
-    groups = x.reshape(-1, group)
-    amax = np.abs(groups).max(axis=1)
-    dx = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    xq = np.rint(groups / dx[:, None]).astype(np.int8)
-    sums = (xq.sum(axis=1, dtype=np.int32) * dx).astype(np.float32)
-    return xq.reshape(-1), dx, sums
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    groups = x.shape[0] // group
+    xq = np.empty(x.shape[0], dtype=np.int8)
+    dx = np.empty(groups, dtype=np.float32)
+    sums = np.empty(groups, dtype=np.float32)
+    # One thread, compiled: the numpy version of these few lines cost 50 us a call, 0.3 ms of a
+    # one-layer decode step, for a few thousand values.
+    _quantize_groups(x, group, xq, dx, sums)
+    return xq, dx, sums
+
+
+@njit(cache=True, nogil=True)
+def _quantize_groups(x, group, xq, dx, sums):  # pragma: no cover - compiled
+    scale_of_max = np.float32(127)
+    for g in range(dx.shape[0]):
+        amax = np.float32(0.0)
+        for j in range(g * group, g * group + group):
+            amax = max(amax, abs(x[j]))
+        d = amax / scale_of_max if amax > 0 else np.float32(1.0)
+        total = 0
+        for j in range(g * group, g * group + group):
+            q = np.int8(np.rint(x[j] / d))
+            xq[j] = q
+            total += np.int32(q)
+        dx[g] = d
+        sums[g] = np.float32(total) * d
 
 
 def matvec_int4(raw: np.ndarray, x: np.ndarray, group: int, out: np.ndarray) -> np.ndarray:
