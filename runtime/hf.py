@@ -326,8 +326,7 @@ def check_capacity(prompt_tokens: int, new_tokens: int, max_tokens: int, path: s
 
 def kv_capacity(bundle: Bundle) -> int:
     """Tokens the KV cache of a runnable bundle holds (the plan's ``max_tokens``)."""
-    workload = _require_runnable(bundle).get("workload") or {}
-    return int(workload.get("max_tokens") or 4096)
+    return int(_require_runnable(bundle)["workload"]["max_tokens"])
 
 
 def _require_runnable(bundle: Bundle) -> dict[str, Any]:
@@ -339,6 +338,19 @@ def _require_runnable(bundle: Bundle) -> dict[str, Any]:
     if run.get("config") is None or not run.get("files"):
         raise BundleError(f"the bundle cannot run: {run.get('missing') or 'it carries no config or tokenizer'}",
                           path=bundle.path)
+    # The manifest's checksum guards against damage, not against a manifest written wrong.
+    workload = run.get("workload") or {}
+    max_tokens = workload.get("max_tokens")
+    problems = []
+    if not isinstance(run["config"], dict) or not isinstance(run["config"].get("model_type"), str):
+        problems.append("run.config is not a model config")
+    if not isinstance(run["files"], list) or not set(run["files"]) <= set(bundle.file_names()):
+        problems.append("run.files names files the bundle does not carry")
+    if not isinstance(workload, dict) or isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
+            or max_tokens < 1:
+        problems.append(f"run.workload.max_tokens is {max_tokens!r}, not a positive integer")
+    if problems:
+        raise BundleError("; ".join(problems), path=bundle.path)
     return run
 
 

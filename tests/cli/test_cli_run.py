@@ -67,22 +67,11 @@ def test_chat_template_and_prompt_file(bundle, tmp_path):
 
 def _older_bundle(path: str, out: str) -> str:
     """The same bundle as a format 1.0 one: no run section in the manifest."""
-    from ktc.formats.bundle import HEADER_SIZE, BundleHeader, manifest_json, open_bundle
+    def older(manifest):  # type: ignore[no-untyped-def]
+        manifest.pop("run")
+        manifest["format_version"] = [1, 0]
 
-    with open_bundle(path) as b:
-        manifest = dict(b.manifest)
-        header = b.header
-    manifest.pop("run")
-    manifest["format_version"] = [1, 0]
-    raw = bytearray(open(path, "rb").read())
-    text = manifest_json(manifest)
-    region = text + bytes(header.data_offset - HEADER_SIZE - len(text))
-    raw[HEADER_SIZE:header.data_offset] = region
-    new = BundleHeader(HEADER_SIZE, len(text), header.data_offset, header.file_size,
-                       hashlib.sha256(region).digest(), major=1, minor=0)
-    raw[:HEADER_SIZE] = new.to_bytes()
-    open(out, "wb").write(bytes(raw))
-    return out
+    return _rewrite_manifest(path, out, older, major=1)
 
 
 def test_bad_inputs_are_one_or_two_line_errors(bundle, tmp_path, demo_model):
@@ -141,3 +130,33 @@ def test_demo_ends_by_generating_text(tmp_path):
     assert len(out["run"]["generated_tokens"]) == 48 and out["run"]["decode_tokens_per_s"] > 0
     text = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "demo")])
     assert "$ ktc run" in text.stdout and "tokens/s" in text.stdout
+
+
+def _rewrite_manifest(path: str, out: str, change, major: int = 2) -> str:  # type: ignore[no-untyped-def]
+    """The bundle with its manifest changed by ``change`` and its checksums made to match."""
+    from ktc.formats.bundle import HEADER_SIZE, BundleHeader, manifest_json, open_bundle
+
+    with open_bundle(path) as b:
+        manifest = json.loads(json.dumps(b.manifest))
+        header = b.header
+    change(manifest)
+    raw = bytearray(open(path, "rb").read())
+    text = manifest_json(manifest)
+    region = text + bytes(header.data_offset - HEADER_SIZE - len(text))
+    raw[HEADER_SIZE:header.data_offset] = region
+    raw[:HEADER_SIZE] = BundleHeader(HEADER_SIZE, len(text), header.data_offset, header.file_size,
+                                     hashlib.sha256(region).digest(), major=major, minor=0).to_bytes()
+    open(out, "wb").write(bytes(raw))
+    return out
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m["run"]["workload"].update(max_tokens="many"),
+    lambda m: m["run"]["workload"].update(max_tokens=0),
+    lambda m: m["run"].update(files=["missing.json"]),
+    lambda m: m["run"].update(config=[1, 2]),
+])
+def test_a_wrong_run_section_is_a_clear_error(bundle, tmp_path, change):
+    result = run(_rewrite_manifest(bundle, str(tmp_path / "w.ktb"), change), "-p", "hi")
+    message = result.stderr if _mix_stderr_supported() else result.output
+    assert result.exit_code != 0 and "Traceback" not in message and "run." in message, message

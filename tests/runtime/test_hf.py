@@ -53,6 +53,19 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def relative_to_transformers(model, folder: str, path: str, check=None, **options) -> float:  # type: ignore[no-untyped-def]
+    """Compile ``folder`` into ``path`` with ``options`` and return the bundle's logits' relative
+    error against ``model`` on a 16-token prompt (``check`` looks at the loaded model first)."""
+    compile_bundle(folder, path, **options)
+    ids = prompt_ids(16)
+    with torch.no_grad():
+        want = model(ids).logits
+    with from_bundle(path) as km:
+        if check is not None:
+            check(km)
+        return relative(logits_of(km, ids), want)
+
+
 @pytest.mark.parametrize("family", RUN_FAMILIES)
 def test_f32_bundle_equals_transformers(family, checkpoints, tmp_path):
     model, folder = checkpoints[family]
@@ -223,14 +236,13 @@ def test_fp8_checkpoint_runs_from_its_dequantized_bundle(tmp_path):
     json.dump(config, open(tmp_path / "fp8" / "config.json", "w"))
     mf.write_char_tokenizer(str(tmp_path / "fp8"), VOCAB)
     shutil.rmtree(src)
-    path = str(tmp_path / "fp8.ktb")
-    compile_bundle(str(tmp_path / "fp8"), path, cpu_scheme="f32", dense_scheme="f32")
-    ids = prompt_ids(16)
-    with torch.no_grad():
-        want = model(ids).logits
-    with from_bundle(path) as km:
+
+    def no_quantization_config(km):  # type: ignore[no-untyped-def]
         assert "quantization_config" not in km.bundle.run_info["config"]
-        assert relative(logits_of(km, ids), want) < 0.2  # FP8 e4m3 weights: a few percent per matrix
+
+    error = relative_to_transformers(model, str(tmp_path / "fp8"), str(tmp_path / "fp8.ktb"),
+                                     no_quantization_config, cpu_scheme="f32", dense_scheme="f32")
+    assert error < 0.2  # FP8 e4m3 weights: a few percent per matrix
 
 
 def test_gpt_oss_released_mxfp4_checkpoint_runs(tmp_path):
@@ -239,11 +251,10 @@ def test_gpt_oss_released_mxfp4_checkpoint_runs(tmp_path):
     src = mf.write_safetensors(model, str(tmp_path / "src"))
     mf.write_gpt_oss_mxfp4(src, str(tmp_path / "mx"))
     mf.write_char_tokenizer(str(tmp_path / "mx"), VOCAB)
-    path = str(tmp_path / "mx.ktb")
-    compile_bundle(str(tmp_path / "mx"), path, cpu_scheme="mxfp4", dense_scheme="f32")
-    ids = prompt_ids(16)
-    with torch.no_grad():
-        want = model(ids).logits
-    with from_bundle(path) as km:
+
+    def mxfp4_experts(km):  # type: ignore[no-untyped-def]
         assert {e.cpu[0].scheme for e in km.experts} == {"mxfp4"}
-        assert relative(logits_of(km, ids), want) < 0.3  # 4-bit experts against float32 ones
+
+    error = relative_to_transformers(model, str(tmp_path / "mx"), str(tmp_path / "mx.ktb"), mxfp4_experts,
+                                     cpu_scheme="mxfp4", dense_scheme="f32")
+    assert error < 0.3  # 4-bit experts against float32 ones
