@@ -101,6 +101,50 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
 
 
 _group16, _group32, _group64 = _group_intrinsic(16), _group_intrinsic(32), _group_intrinsic(64)
+
+
+def _signed_bytes_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
+    """An intrinsic ``bytes_dot(acc, codes, cbase, xq, xbase, s)``: lane by lane, acc += s * sum of
+    (codes[cbase + k] + 128) * xq[xbase + k] for k < nbytes, where the codes are int8 weights:
+    flipping their sign bit makes them the unsigned bytes vpdpbusd wants, and the 128 * sum(xq)
+    this adds is taken back through the activations' sums."""
+    from llvmlite import ir
+
+    lanes = nbytes // 4
+    i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+    bytes_t, words_t, floats_t = ir.VectorType(i8, nbytes), ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+    name = {16: "llvm.x86.avx512.vpdpbusd.128", 32: "llvm.x86.avx512.vpdpbusd.256",
+            64: "llvm.x86.avx512.vpdpbusd.512"}[nbytes]
+
+    @intrinsic
+    def bytes_dot(typingctx, acc, codes, cbase, xq, xbase, s):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            acc_v, codes_v, cbase_v, xq_v, xbase_v, s_v = args
+            acc_a = context.make_array(signature.args[0])(context, builder, acc_v)
+            codes_a = context.make_array(signature.args[1])(context, builder, codes_v)
+            xq_a = context.make_array(signature.args[3])(context, builder, xq_v)
+
+            def load(array, index):  # type: ignore[no-untyped-def]
+                pointer = builder.bitcast(builder.gep(array.data, [index]), bytes_t.as_pointer())
+                return builder.load(pointer, align=1)
+
+            unsigned = builder.xor(load(codes_a, cbase_v), ir.Constant(bytes_t, [0x80] * nbytes))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
+            dot = builder.call(fn, [ir.Constant(words_t, [0] * lanes), builder.bitcast(unsigned, words_t),
+                                    builder.bitcast(load(xq_a, xbase_v), words_t)])
+            scale = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s_v, ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, scale, ir.Constant(words_t, [0] * lanes))
+            acc_p = builder.bitcast(acc_a.data, floats_t.as_pointer())
+            total = builder.fadd(builder.load(acc_p, align=4), builder.fmul(builder.sitofp(dot, floats_t), scale))
+            builder.store(total, acc_p, align=4)
+            return context.get_dummy_value()
+
+        return types.void(acc, codes, cbase, xq, xbase, s), codegen
+
+    return bytes_dot
+
+
+_signed_bytes32 = _signed_bytes_intrinsic(32)
 # e2m1 code -> twice its value, plus 12 so that it is unsigned (vpdpbusd multiplies unsigned
 # bytes by signed ones); the 12 is taken back through the activations' sums.
 E2M1_TWICE_PLUS_12 = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
@@ -169,6 +213,36 @@ def _matvec_blocks_vnni(raw, e2m1, f16, e8m0, xq, dx, xsum, out):  # pragma: no 
                     _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
                 shift += d * xsum[b]
             out[r] = acc.sum() - offset * shift
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _matvec_q8_0_vnni(raw, f16, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # ggml Q8_0: 34-byte blocks, float16 d then 32 int8 q; a value is d q. With u = q + 128
+    # (sign bit flipped), row r = sum_b d_b dx_b (u . xq)_b - 128 d_b xsum_b.
+    rows = raw.shape[0]
+    blocks = raw.shape[1] // 34
+    flat = raw.reshape(-1)
+    row_bytes = raw.shape[1]
+    for chunk in prange((rows + 63) // 64):
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            base = r * row_bytes
+            shift = np.float32(0.0)
+            for b in range(blocks):
+                at = base + b * 34
+                d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+                _signed_bytes32(acc, flat, at + 2, xq, b * 32, d * dx[b])
+                shift += d * xsum[b]
+            out[r] = acc.sum() - np.float32(128.0) * shift
+
+
+def matvec_q8_0(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``W @ x`` for q8_0 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI, the
+    activations quantized to int8 per block of 32 as llama.cpp's q8_0 dot product does."""
+    xq, dx, xsum = quantize_activations(x, 32)
+    _matvec_q8_0_vnni(raw, f16, xq, dx, xsum, out)
+    return out
 
 
 def matvec_q4_0(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
