@@ -84,9 +84,9 @@ class ExpertSet:
                 bundle.tensors[name + "gate_up"].scheme,
                 tensor_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
                 tensor_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
-        # Every CPU expert in one scheme that has a multi-expert kernel (int8; int4 on a VNNI
-        # CPU) and uncompressed: one token takes a fused path that runs all its experts
-        # in two parallel regions instead of two per expert.
+        # Every CPU expert in one scheme that has a multi-expert kernel (int8; on a VNNI CPU
+        # int8, q8_0, q4_0, mxfp4 and int4) and uncompressed: one token takes a fused path that
+        # runs all its experts in two parallel regions instead of two per expert.
         self._fused = None
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         schemes = {ex.scheme for ex in self.cpu.values()}
@@ -94,7 +94,7 @@ class ExpertSet:
             (scheme,) = schemes
             from . import vnni
 
-            if scheme == "int8" or (vnni.HAVE_VNNI and scheme in vnni.FUSED_GROUPS):
+            if scheme == "int8" or (vnni.HAVE_VNNI and scheme in vnni.FUSED):
                 gu = np.full(self.num_experts, -1, dtype=np.int64)
                 dn = np.full(self.num_experts, -1, dtype=np.int64)
                 for e in self.cpu:

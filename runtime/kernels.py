@@ -317,12 +317,13 @@ def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, do
                   hidden: int, inter: int, x: np.ndarray, weights: np.ndarray, *, activation: str = "silu",
                   gate_up_bias: np.ndarray | None = None, down_bias: np.ndarray | None = None,
                   limit: float | None = None, alpha: float | None = None) -> np.ndarray:
-    """One token through k experts of one layer stored in ``scheme`` (int8, or int4 on a VNNI
-    CPU), weighted by ``weights`` and summed: two parallel regions for the whole layer
-    (gate/up of every expert, then down) instead of two per expert. Biases are [k, ...]."""
+    """One token through k experts of one layer stored in ``scheme`` (int8; on a VNNI CPU every
+    scheme of ``vnni.FUSED``), weighted by ``weights`` and summed: two parallel regions for the
+    whole layer (gate/up of every expert, then down) instead of two per expert. Biases are
+    [k, ...]."""
     k = gate_up_offsets.shape[0]
     xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
-    if scheme == "int8":
+    if scheme == "int8" and not vnni.HAVE_VNNI:
         codes, scales = file.view(np.int8), file.view(np.float32)
 
         def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:

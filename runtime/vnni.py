@@ -285,19 +285,83 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
             out[e, r] = acc.sum() + minimum
 
 
-# Schemes with a multi-expert kernel. q4_0 and mxfp4 were no faster so: with rows of 24-64 blocks
-# (Qwen3-30B-A3B's experts) the per-row work, not the number of parallel regions, bounds them.
+@njit(cache=True, nogil=True, inline="always")
+def _block_row(kind, flat, f32, f16, e8m0, base, cols, row_bytes, xq, xbase, dx, xsum, gbase, acc):  # pragma: no cover - compiled
+    # One row of a byte-coded matrix at byte ``base`` times the activations xq[xbase:] (int8,
+    # quantized per 32 values: dx[gbase + b], xsum[gbase + b]). kind 0: int8 (cols int8, then a
+    # float32 row scale), 1: q8_0, 2: q4_0, 3: mxfp4 (ggml blocks). Returns the dot product.
+    acc[:] = 0
+    shift = np.float32(0.0)
+    blocks = cols // 32
+    if kind == 0:
+        for b in range(blocks):
+            _signed_bytes32(acc, flat, base + b * 32, xq, xbase + b * 32, dx[gbase + b])
+            shift += xsum[gbase + b]
+        return f32[(base + cols) // 4] * (acc.sum() - np.float32(128.0) * shift)
+    if kind == 1:
+        for b in range(blocks):
+            at = base + b * 34
+            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+            _signed_bytes32(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
+            shift += d * xsum[gbase + b]
+        return acc.sum() - np.float32(128.0) * shift
+    if kind == 2:
+        for b in range(blocks):
+            at = base + b * 18
+            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+            _group16(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
+            shift += d * xsum[gbase + b]
+        return acc.sum() - np.float32(8.0) * shift
+    for b in range(blocks):
+        at = base + b * 17
+        d = np.float32(0.5) * e8m0[flat[at]]
+        _e2m1_group16(acc, flat, at + 1, xq, xbase + b * 32, d * dx[gbase + b])
+        shift += d * xsum[gbase + b]
+    return acc.sum() - np.float32(12.0) * shift
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _block_rows_many(flat, f32, kind, f16, e8m0, offsets, row_bytes, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # out[e, r] = row r of the matrix at byte offsets[e] of flat . the activations xq[e]; one
+    # parallel region for the same matrix of every selected expert of a layer, 64 rows a work
+    # item over all of them, so both threads finish together.
+    k, rows = out.shape
+    cols = xq.shape[1]
+    chunks = (rows + 63) // 64
+    groups = cols // 32
+    for item in prange(k * chunks):
+        e = item // chunks
+        chunk = item - e * chunks
+        acc = np.zeros(16, np.float32)
+        xe = xq[e]
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            out[e, r] = _block_row(kind, flat, f32, f16, e8m0, offsets[e] + r * row_bytes, cols, row_bytes,
+                                   xe, 0, dx[e], xsum[e], 0, acc)
+
+
+# Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
 FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
+BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3}
+FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS)
 
 
 def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
-    """[k, rows]: the int4 matrix at byte ``offsets[e]`` of ``file`` (the bundle mapped as uint8,
-    of even length) times x[e], for the k selected experts of a layer at once."""
-    group = FUSED_GROUPS[scheme]
+    """[k, rows]: the matrix stored in ``scheme`` at byte ``offsets[e]`` of ``file`` (the bundle
+    mapped as uint8, of a length that is a multiple of 4) times x[e], for the k selected experts
+    of a layer at once."""
     k, cols = x.shape
-    xq, dx, xsum = quantize_activations(x.reshape(-1), group)  # groups never straddle two rows
     out = np.empty((k, rows), dtype=np.float32)
-    _rows_many(file, file.view(np.uint16), group, offsets, get_scheme(scheme).matrix_bytes(1, cols),
+    row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
+    if scheme in BLOCK_KINDS:
+        from .kernels import _E8M0, _F16_TO_F32
+
+        xq, dx, xsum = quantize_activations(x.reshape(-1), 32)
+        _block_rows_many(file, file.view(np.float32), BLOCK_KINDS[scheme], _F16_TO_F32, _E8M0, offsets, row_bytes,
+                         xq.reshape(k, cols), dx.reshape(k, -1), xsum.reshape(k, -1), out)
+        return out
+    group = FUSED_GROUPS[scheme]
+    xq, dx, xsum = quantize_activations(x.reshape(-1), group)  # groups never straddle two rows
+    _rows_many(file, file.view(np.uint16), group, offsets, row_bytes,
                xq.reshape(k, cols), dx.reshape(k, -1), xsum.reshape(k, -1), out)
     return out
 
