@@ -367,6 +367,10 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
     elif scheme == "f16":
         _matvec_f16(raw.view(np.uint16).reshape(rows, cols), x, _F16_TO_F32, out)
     elif scheme == "int8":
+        if vnni.HAVE_VNNI and raw.flags.c_contiguous and raw.dtype == np.uint8 and cols % 32 == 0:
+            # vpdpbusd on int8-quantized activations (per 32 values): 31 against 24 GB/s for a
+            # 151936 x 2048 lm_head here, 45 against 36 in cache for a 2048 x 768 expert matrix.
+            return vnni.matvec_blocks(raw, "int8", x, out)
         codes = raw[:, :cols].view(np.int8)
         scales = int8_row_scales(raw, cols) if scales is None else scales
         # One row at a time while x stays in L1 (it then runs at the read bandwidth here);

@@ -366,6 +366,19 @@ def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: 
     return out
 
 
+def matvec_blocks(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``W @ x`` for one matrix of ``BLOCK_KINDS`` stored as C-contiguous rows ``raw`` through the
+    multi-expert kernel (one expert, at offset 0)."""
+    flat = raw.reshape(-1)
+    xq, dx, xsum = quantize_activations(x, 32)
+    from .kernels import _E8M0, _F16_TO_F32
+
+    _block_rows_many(flat, flat.view(np.float32), BLOCK_KINDS[scheme], _F16_TO_F32, _E8M0,
+                     np.zeros(1, dtype=np.int64), raw.shape[1], xq.reshape(1, -1), dx.reshape(1, -1),
+                     xsum.reshape(1, -1), out.reshape(1, -1))
+    return out
+
+
 def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(int8 values, float32 scale per group, float32 sum per group of the quantized values) of
     ``x``: each group's values over its largest magnitude times 127, rounded to nearest. The

@@ -64,10 +64,10 @@ def _check_against_cpu(path: str, layer: int, hidden: np.ndarray, schemes, biase
         assert on_device.device_bytes == _device_bytes([schemes(e) for e in on_device.gpu_experts], biases)
         want = on_cpu.forward(hidden)
         got = on_device.forward(hidden)
-        # 4-bit schemes and q8_0 on a VNNI CPU multiply int8-quantized activations (the device
+        # 4-bit schemes, q8_0 and int8 on a VNNI CPU multiply int8-quantized activations (the device
         # does not)
-        vnni_schemes = vnni.HAVE_VNNI and any(str(schemes(e)).startswith(("int4", "q4_0", "mxfp4", "q8_0"))
-                                              for e in range(mf.EXPERTS))
+        quantized_x = ("int4", "q4_0", "mxfp4", "q8_0", "int8")
+        vnni_schemes = vnni.HAVE_VNNI and any(str(schemes(e)).startswith(quantized_x) for e in range(mf.EXPERTS))
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-2 if vnni_schemes else 1e-5)
         on_device.close()
         on_cpu.close()

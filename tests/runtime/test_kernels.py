@@ -45,12 +45,13 @@ def test_matvec_matches_numpy(scheme, shape, seed):
     np.testing.assert_allclose(got, reference, rtol=tolerance, atol=tolerance * np.abs(reference).max())
 
 
-VNNI_SCHEMES = ("int4_g32", "int4_g64", "int4_g128", "q4_0", "mxfp4", "q8_0")
+VNNI_SCHEMES = ("int4_g32", "int4_g64", "int4_g128", "q4_0", "mxfp4", "q8_0", "int8")
 
 
 def one_token_tolerance(scheme: str) -> float:
-    """The kernels through VNNI (4-bit, and q8_0 rows up to 8192 values) multiply int8-quantized
-    activations (the tests below check that exactly); every other kernel is float32 throughout."""
+    """The kernels through VNNI (4-bit, int8, and q8_0 rows up to 8192 values) multiply
+    int8-quantized activations (the tests below check that exactly); every other kernel is
+    float32 throughout."""
     return 2e-2 if scheme in VNNI_SCHEMES and vnni.HAVE_VNNI else 1e-4
 
 
@@ -189,6 +190,24 @@ def test_block_vnni_matches_its_definition(scheme, shape):
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("shape", [(9, 256), (64, 2048), (3, 384)])
+def test_int8_vnni_matches_its_definition(shape):
+    """int8 through VNNI: each row's codes times the activations quantized per 32, summed with
+    the blocks' dx, times the row's scale, exactly."""
+    rows, cols = shape
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 2)
+    x = rng.standard_normal(cols).astype(np.float32) * rng.uniform(0.1, 10)
+    raw = quantize(w, "int8")
+    codes = raw[:, :cols].view(np.int8).astype(np.float64).reshape(rows, cols // 32, 32)
+    scale = raw[:, cols:].copy().view(np.float32)[:, 0].astype(np.float64)
+    xq, dx, _ = vnni.quantize_activations(x, 32)
+    want = scale * (dx * (codes * xq.reshape(cols // 32, 32)).sum(axis=2)).sum(axis=1)
+    got = matvec(raw, "int8", x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("shape", [(9, 256), (64, 2048), (3, 384)])
 def test_q8_0_vnni_matches_its_definition(shape):
     """q8_0 through VNNI: each block's int8 codes times the activations quantized per 32,
     scaled by d and dx, exactly (as llama.cpp's q8_0 x q8_0 dot product)."""
@@ -212,7 +231,7 @@ def test_int4_float_kernel_where_there_is_no_vnni():
     """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""
     env = dict(os.environ, KTC_NO_VNNI="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                           "-k", "(int4 or q4_0 or mxfp4 or q8_0) and not vnni and not without_jit"],
+                           "-k", "(int4 or q4_0 or mxfp4 or q8_0 or int8) and not vnni and not without_jit"],
                           capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
