@@ -91,6 +91,9 @@ def _experts_as_weights(transformers: Any, config: Any, model_config: ModelConfi
         return None
 
     have = built()
+    if have is None and model_config.num_experts:
+        return (f"transformers' config from this GGUF ({config.model_type}) has no experts; the weights have "
+                f"{model_config.num_experts} per MoE layer")
     if have is None or have == want or not model_config.expert_intermediate_size:
         return None
     for attr in ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"):
@@ -101,6 +104,17 @@ def _experts_as_weights(transformers: Any, config: Any, model_config: ModelConfi
                 return None
             setattr(config, attr, old)
     return f"transformers' config from this GGUF builds experts {have}, the weights are {want}"
+
+
+def _as_mixtral(transformers: Any, config: Any, model_config: ModelConfig) -> Any:
+    """llama.cpp writes Mixtral as the llama architecture with experts, which transformers'
+    GGUF mapping reads as a dense Llama: the same config as Mixtral's, with the experts."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+    fields.update(num_local_experts=model_config.num_experts, num_experts_per_tok=model_config.top_k,
+                  architectures=["MixtralForCausalLM"])
+    if model_config.expert_intermediate_size:
+        fields["intermediate_size"] = model_config.expert_intermediate_size
+    return transformers.MixtralConfig.from_dict(fields)
 
 
 def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFiles:
@@ -120,6 +134,8 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
     except Exception as exc:  # transformers raises ValueError/KeyError/... for what it cannot map
         return RunFiles(None, None, (), "gguf metadata",
                         f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")
+    if model_config is not None and model_config.num_experts and config.model_type in ("llama", "mistral"):
+        config = _as_mixtral(transformers, config, model_config)
     if model_config is not None:
         disagreement = _experts_as_weights(transformers, config, model_config)
         if disagreement:

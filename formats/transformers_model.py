@@ -114,7 +114,8 @@ def gguf_name_map(model: Any, architecture: str) -> dict[str, str]:
     """GGUF tensor name -> the model's parameter name, by transformers' GGUF name map."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    return get_gguf_hf_weights_map(model, gguf_processor(model, architecture))
+    # The GGUF architecture, not the model's type: llama.cpp writes Mixtral as "llama".
+    return get_gguf_hf_weights_map(model, gguf_processor(model, architecture), model_type=architecture)
 
 
 def gguf_processor(model: Any, architecture: str) -> Any:

@@ -247,6 +247,12 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | No
         writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         writer.add_value_length(cfg["v_head_dim"])
     tensors = gguf_tensors(st_folder)
+    if arch == "llama":  # llama.cpp's converter permutes Q and K rows for its rope (LlamaModel.permute)
+        heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        for name in [n for n in tensors if n.endswith(("attn_q.weight", "attn_k.weight"))]:
+            n_head = heads if name.endswith("attn_q.weight") else kv_heads
+            w = tensors[name]
+            tensors[name] = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     if fuse_gate_up:  # llama.cpp's ffn_gate_up_exps: [E, 2I, H], gate rows then up rows
         for gate_name in [n for n in tensors if n.endswith("ffn_gate_exps.weight")]:
             up_name = gate_name.replace("ffn_gate_exps", "ffn_up_exps")

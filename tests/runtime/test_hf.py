@@ -158,19 +158,18 @@ def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tm
         assert relative(single, model(ids[:, :1]).logits) < bound
 
 
-def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(tmp_path):
-    """A Qwen3-MoE GGUF (llama.cpp's tensor names and tokenizer metadata, written by the gguf
-    package) compiles into a bundle that carries a config and tokenizer derived from the GGUF's
-    metadata, and gives the same logits as the bundle of its safetensors twin."""
-    import transformers
-
-    base = mf.build_hf_model("qwen3_moe")
-    twin = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**base.config.to_dict(),
-                                                                         "vocab_size": 300})).eval()
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, tmp_path):
+    """A GGUF with llama.cpp's tensor names and tokenizer metadata (written by the gguf package;
+    Mixtral as llama.cpp writes it: the llama architecture with experts, Q and K rows permuted)
+    compiles into a bundle that carries a config and tokenizer derived from the GGUF's metadata,
+    and gives the same logits as the bundle of its safetensors twin."""
+    base = mf.build_hf_model(family)
+    twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 300})).eval()
     folder = str(tmp_path / "st")
     twin.save_pretrained(folder)
     mf.write_bpe_tokenizer(folder, 300)
-    gguf_path = mf.write_gguf(folder, str(tmp_path / "twin.gguf"), family="qwen3_moe")
+    gguf_path = mf.write_gguf(folder, str(tmp_path / "twin.gguf"), family=family)
     compile_bundle(gguf_path, str(tmp_path / "g.ktb"), cpu_scheme="f32", dense_scheme="f32")
     compile_bundle(folder, str(tmp_path / "s.ktb"), cpu_scheme="f32", dense_scheme="f32")
     ids = torch.randint(3, 290, (1, 32), generator=torch.Generator().manual_seed(0))
