@@ -1,0 +1,96 @@
+"""Decode beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
+shapes, converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
+MXFP4_MOE), then compiled by ktc *from those GGUF files* (their blocks pass through: both read the
+same experts; the non-expert matrices too where ktc has the type — Q4_0 files keep their
+``output.weight`` in Q6_K, which ktc stores as q4_0 until the K-quants land).
+
+Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -n N
+-p P -t T`` and ktc's whole-model decode (``ktc run``'s loop, greedy, the same prompt and
+generation lengths). Printed per case: medians of tokens/s for both, the median of the per-round
+ratios, and each as a fraction of its round's bandwidth. No best-of-N figures.
+
+Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and, for the converter,
+``pip install sentencepiece protobuf`` in this environment.
+
+    python benchmarks/vs_llamacpp.py [--rounds 5] [--shapes mixtral,qwen3] [--types Q8_0,Q4_0,MXFP4_MOE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import generate as gen  # noqa: E402  (the models, llama.cpp's side and the measurements)
+
+# llama.cpp file type -> (ktc expert scheme, ktc dense scheme): the GGUF's own types.
+TYPES = {"Q8_0": ("q8_0", "q8_0"), "Q4_0": ("q4_0", "q4_0"), "MXFP4_MOE": ("mxfp4", "q8_0")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shapes", default="mixtral,qwen3")
+    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=32, help="generated tokens")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
+    parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
+    args = parser.parse_args()
+    from ktc.compile import compile_bundle
+    from ktc.runtime.bandwidth import read_bandwidth
+
+    if not os.path.exists(os.path.join(args.llamacpp, "build", "bin", "llama-bench")):
+        print(f"llama.cpp's tools are not built in {args.llamacpp}: run ../shared/tools/build-llamacpp.sh")
+        return 1
+    os.makedirs(args.workdir, exist_ok=True)
+    cases = []
+    for shape in args.shapes.split(","):
+        checkpoint = gen.build_checkpoint(shape, os.path.join(args.workdir, shape))
+        for qtype in args.types.split(","):
+            gguf = gen.llama_gguf(args.llamacpp, checkpoint, shape, qtype, args.workdir)
+            bundle = os.path.join(args.workdir, f"{shape}-{qtype}-from-gguf.ktb")
+            if not os.path.exists(bundle):
+                print(f"compiling {os.path.basename(bundle)} from {os.path.basename(gguf)}...", flush=True)
+                expert_scheme, dense_scheme = TYPES[qtype]
+                compile_bundle(gguf, bundle, cpu_scheme=expert_scheme, dense_scheme=dense_scheme, max_tokens=4096)
+            cases.append(gen.Case(shape, qtype, bundle, gguf))
+    clock = gen.KernelClock()
+    clock.install()
+    prompt = [int(i) for i in np.random.default_rng(0).integers(3, 200, args.prompt)]
+    print(f"{args.rounds} rounds, {args.threads} threads, prompt {args.prompt} tokens, {args.new} generated",
+          flush=True)
+    bandwidths = []
+    for round_index in range(args.rounds):
+        bandwidth = read_bandwidth()
+        bandwidths.append(bandwidth)
+        for case in cases:
+            case.rows.append({"bandwidth": bandwidth,
+                              "ktc": gen.run_ktc(case, clock, prompt, args.new, args.threads),
+                              "llama": gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new, args.threads)})
+        print(f"round {round_index + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(f"\nmedians over {args.rounds} rounds (read bandwidth median {gen.median(bandwidths) / 1e9:.1f} GB/s):")
+    worst = float("inf")
+    for case in cases:
+        parts = {}
+        for side in ("ktc", "llama"):
+            rows = [r[side] for r in case.rows]
+            fraction = [r[side]["decode"] * r[side]["bytes_per_token"] / r["bandwidth"] for r in case.rows]
+            parts[side] = (gen.median([x["decode"] for x in rows]), gen.median(fraction), rows[0]["bytes_per_token"])
+        ratio = gen.median([r["ktc"]["decode"] / r["llama"]["decode"] for r in case.rows])
+        worst = min(worst, ratio)
+        print(f"{case.shape:<8} {case.scheme:<10} decode: ktc {parts['ktc'][0]:6.1f} tok/s "
+              f"({parts['ktc'][1] * 100:3.0f}% of the bandwidth, {parts['ktc'][2] / 1e6:.0f} MB/token), "
+              f"llama.cpp {parts['llama'][0]:6.1f} tok/s ({parts['llama'][1] * 100:3.0f}%, "
+              f"{parts['llama'][2] / 1e6:.0f} MB/token): ktc/llama.cpp {ratio:.2f}x")
+    print(f"\nworst case ktc/llama.cpp decode: {worst:.2f}x (target at least 1.0x: {'met' if worst >= 1 else 'NOT met'}; "
+          "goal 1.15x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
