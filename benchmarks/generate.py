@@ -222,7 +222,7 @@ class Case:
     rows: list[dict] = field(default_factory=list)
 
 
-def run_ktc(case: Case, clock: KernelClock, prompt: list[int], new: int, threads: int) -> dict:
+def run_ktc(case: Case, clock: KernelClock, prompt: list[int], new: int, threads: int | None) -> dict:
     from ktc.formats.bundle import open_bundle
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle

@@ -9,6 +9,10 @@ Interleaved rounds, each measuring the read bandwidth first, then every case: ``
 generation lengths). Printed per case: medians of tokens/s for both, the median of the per-round
 ratios, and each as a fraction of its round's bandwidth. No best-of-N figures.
 
+With ``--busy``, as many rounds again run beside one competing busy process (a Python loop): ktc
+with its default thread count (which leaves the core that process takes alone), llama.cpp with
+``-t`` as before; printed is how much of its idle speed each keeps.
+
 Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and, for the converter,
 ``pip install sentencepiece protobuf`` in this environment.
 
@@ -40,6 +44,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
     parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
+    parser.add_argument("--busy", action="store_true", help="also run rounds beside a competing busy process")
     args = parser.parse_args()
     from ktc.compile import compile_bundle
     from ktc.runtime.bandwidth import read_bandwidth
@@ -89,7 +94,43 @@ def main() -> int:
               f"{parts['llama'][2] / 1e6:.0f} MB/token): ktc/llama.cpp {ratio:.2f}x")
     print(f"\nworst case ktc/llama.cpp decode: {worst:.2f}x (target at least 1.0x: {'met' if worst >= 1 else 'NOT met'}; "
           "goal 1.15x)")
+    if args.busy:
+        busy_rounds(args, cases, clock, prompt)
     return 0
+
+
+def busy_rounds(args: argparse.Namespace, cases: list, clock: gen.KernelClock, prompt: list[int]) -> None:
+    """The same rounds beside one busy process; each tool's busy speed over its idle speed."""
+    import subprocess
+    import time
+
+    from ktc.runtime import cpu_load
+
+    rows: dict[int, list[dict]] = {id(case): [] for case in cases}
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1.0)
+        cpu_load._CACHE = None  # measured idle before: look again
+        for round_index in range(args.rounds):
+            for case in cases:
+                rows[id(case)].append({"ktc": gen.run_ktc(case, clock, prompt, args.new, None),
+                                       "llama": gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new,
+                                                              args.threads)})
+            print(f"busy round {round_index + 1}", flush=True)
+    finally:
+        hog.kill()
+        hog.wait()
+    print(f"\nbeside one busy process (ktc's default threads: {cpu_load.default_threads(os.cpu_count() or 1)} "
+          f"while it ran; llama.cpp -t {args.threads}), medians:")
+    for case in cases:
+        kept = {}
+        for side in ("ktc", "llama"):
+            busy = gen.median([r[side]["decode"] for r in rows[id(case)]])
+            idle = gen.median([r[side]["decode"] for r in case.rows])
+            kept[side] = (busy, busy / idle)
+        print(f"{case.shape:<8} {case.scheme:<10} ktc {kept['ktc'][0]:6.1f} tok/s ({kept['ktc'][1] * 100:3.0f}% of "
+              f"idle), llama.cpp {kept['llama'][0]:6.1f} tok/s ({kept['llama'][1] * 100:3.0f}% of idle): "
+              f"ktc degrades {'no worse' if kept['ktc'][1] >= kept['llama'][1] else 'more'}")
 
 
 if __name__ == "__main__":

@@ -24,13 +24,15 @@ def _expert_bytes(layer: MoELayer, expert: int) -> int:
 
 
 def set_threads(threads: int | None) -> int:
-    """Use ``threads`` Numba threads (all cores by default); more than the cores is clamped with
-    a warning rather than oversubscribing them."""
+    """Use ``threads`` Numba threads (by default all cores but those other processes keep busy:
+    ``cpu_load``); more than the cores is clamped with a warning rather than oversubscribing."""
     import numba
+
+    from .cpu_load import default_threads
 
     cores = os.cpu_count() or 1
     if threads is None:
-        threads = min(cores, numba.config.NUMBA_NUM_THREADS)
+        threads = min(default_threads(cores), numba.config.NUMBA_NUM_THREADS)
     if threads > min(cores, numba.config.NUMBA_NUM_THREADS):
         warnings.warn(f"{threads} threads asked for but this machine has {cores} cores; using {cores}",
                       stacklevel=2)

@@ -62,8 +62,8 @@ def diagnose() -> dict[str, Any]:
         layer = "not started"
     from .vnni import HAVE_VNNI
 
-    kernels = ("4-bit one-token kernels through AVX-512 VNNI" if HAVE_VNNI else
-               "float kernels for 4-bit schemes (no AVX-512 VNNI, another compile target, or KTC_NO_VNNI=1)")
+    kernels = ("one-token kernels of the 4-bit schemes, int8 and q8_0 through AVX-512 VNNI" if HAVE_VNNI else
+               "float kernels for every scheme (no AVX-512 VNNI, another compile target, or KTC_NO_VNNI=1)")
     warnings = []
     if not cpu["features"]["avx512"]:
         warnings.append("no AVX-512: CPU experts run on 256-bit vectors; expect about half the "
@@ -78,6 +78,13 @@ def diagnose() -> dict[str, Any]:
     if not cuda:
         warnings.append("no CUDA device: every expert runs on the CPU (plan with --vram 0, or for "
                         "the machine that will serve)")
+    from .cpu_load import other_processes_cores
+
+    busy = other_processes_cores()
+    if busy >= 0.5:
+        warnings.append(f"other processes keep {busy:.1f} cores busy: the kernels use the others "
+                        "(parallel regions wait for their slowest thread), and the bandwidth measured "
+                        "above is lower than the machine's; measure on an idle machine")
     from ktc.formats.hardware_profile import HardwareProfile
 
     profile = HardwareProfile(vram_bytes=max((d["memory_bytes"] for d in cuda), default=0), ram_bytes=ram or 1,
@@ -87,6 +94,7 @@ def diagnose() -> dict[str, Any]:
                      "torch": torch_version, "numba": numba.__version__},
         "cpu": cpu, "ram_bytes": ram, "cuda": cuda, "read_bandwidth_gbps": bandwidth / 1e9,
         "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
+        "other_processes_cores": busy,
         "kernels": {"vnni": HAVE_VNNI, "description": kernels},
         "warnings": warnings, "hardware_profile": profile.to_json(),
     }

@@ -238,6 +238,7 @@ class KtcModel:
     plan_device_bytes: dict[str, int] = field(default_factory=dict)
     experts: list[ExpertSet] = field(default_factory=list)
     cache: Any = None
+    threads: int = 0  # the kernels' CPU threads
 
     def __enter__(self) -> KtcModel:
         return self
@@ -455,7 +456,7 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None) -
                                             if k not in ("gpu_experts", "kv_cache", "workspace", "reserve")),
                           "experts": int(vram.get("gpu_experts", 0)), "kv_cache": int(vram.get("kv_cache", 0))}
     return KtcModel(model, tokenizer, bundle, device, dtype, max_tokens, int(workload.get("prefill_chunk") or 512),
-                    device_bytes, plan_bytes, experts, cache)
+                    device_bytes, plan_bytes, experts, cache, used)
 
 
 class _Loader:
