@@ -197,6 +197,8 @@ class ExpertSet:
             out = self.forward_torch(torch.from_numpy(hidden).to(self.device), torch.from_numpy(idx),
                                      torch.from_numpy(weights))
             return out.cpu().numpy()
+        if self._fused is not None and idx.shape[0] == 1:  # one token: straight to the fused kernel
+            return self._fused_token(hidden[0], idx[0].astype(np.int64, copy=False), weights[0])[None, :]
         cpu_work, _ = self._split(idx, weights)
         return self._accumulate(hidden.shape, self._run_cpu(hidden, cpu_work))
 

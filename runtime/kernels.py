@@ -322,8 +322,8 @@ def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, do
     whole layer (gate/up of every expert, then down) instead of two per expert. Biases are
     [k, ...]."""
     k = gate_up_offsets.shape[0]
-    xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
     if scheme == "int8" and not vnni.HAVE_VNNI:
+        xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
         codes, scales = file.view(np.int8), file.view(np.float32)
 
         def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
@@ -331,6 +331,8 @@ def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, do
             _int8_rows_many(codes, scales, offsets, v, out)
             return out
     else:
+        xs = np.ascontiguousarray(x, dtype=np.float32).reshape(1, hidden)  # quantized once for all k
+
         def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
             return vnni.rows_many(file, scheme, offsets, n, v)
     h = rows(gate_up_offsets, 2 * inter, xs)

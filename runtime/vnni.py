@@ -269,10 +269,12 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
     chunks = (rows + 63) // 64
     groups = cols // group
     half = group // 2
+    shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
     for item in prange(k * chunks):
         e = item // chunks
         chunk = item - e * chunks
-        xe = xq[e]
+        v = 0 if shared else e
+        xe = xq[v]
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
             acc[:] = 0
@@ -280,8 +282,8 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
             params = (base + cols // 2) // 2
             minimum = np.float32(0.0)
             for g in range(groups):
-                minimum += bf16_value(words[params + groups + g]) * xsum[e, g]
-                _group(half, acc, flat, base + g * half, xe, g * group, bf16_value(words[params + g]) * dx[e, g])
+                minimum += bf16_value(words[params + groups + g]) * xsum[v, g]
+                _group(half, acc, flat, base + g * half, xe, g * group, bf16_value(words[params + g]) * dx[v, g])
             out[e, r] = acc.sum() + minimum
 
 
@@ -329,14 +331,16 @@ def _block_rows_many(flat, f32, kind, f16, e8m0, offsets, row_bytes, xq, dx, xsu
     cols = xq.shape[1]
     chunks = (rows + 63) // 64
     groups = cols // 32
+    shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
     for item in prange(k * chunks):
         e = item // chunks
         chunk = item - e * chunks
         acc = np.zeros(16, np.float32)
-        xe = xq[e]
+        v = 0 if shared else e
+        xe = xq[v]
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
             out[e, r] = _block_row(kind, flat, f32, f16, e8m0, offsets[e] + r * row_bytes, cols, row_bytes,
-                                   xe, 0, dx[e], xsum[e], 0, acc)
+                                   xe, 0, dx[v], xsum[v], 0, acc)
 
 
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
@@ -348,8 +352,9 @@ FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS)
 def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
     """[k, rows]: the matrix stored in ``scheme`` at byte ``offsets[e]`` of ``file`` (the bundle
     mapped as uint8, of a length that is a multiple of 4) times x[e], for the k selected experts
-    of a layer at once."""
-    k, cols = x.shape
+    of a layer at once; ``x`` of one row is every expert's (quantized once)."""
+    vectors, cols = x.shape
+    k = offsets.shape[0]
     out = np.empty((k, rows), dtype=np.float32)
     row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
     if scheme in BLOCK_KINDS:
@@ -357,12 +362,12 @@ def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: 
 
         xq, dx, xsum = quantize_activations(x.reshape(-1), 32)
         _block_rows_many(file, file.view(np.float32), BLOCK_KINDS[scheme], _F16_TO_F32, _E8M0, offsets, row_bytes,
-                         xq.reshape(k, cols), dx.reshape(k, -1), xsum.reshape(k, -1), out)
+                         xq.reshape(vectors, cols), dx.reshape(vectors, -1), xsum.reshape(vectors, -1), out)
         return out
     group = FUSED_GROUPS[scheme]
     xq, dx, xsum = quantize_activations(x.reshape(-1), group)  # groups never straddle two rows
     _rows_many(file, file.view(np.uint16), group, offsets, row_bytes,
-               xq.reshape(k, cols), dx.reshape(k, -1), xsum.reshape(k, -1), out)
+               xq.reshape(vectors, cols), dx.reshape(vectors, -1), xsum.reshape(vectors, -1), out)
     return out
 
 
