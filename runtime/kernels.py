@@ -383,15 +383,15 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
         # at 151936 x 2048 here); the float kernel's four rows at a time are faster for longer
         # rows (27.7 against 19.8 GB/s at Mixtral's 4096 x 14336 down projection).
         if vnni.HAVE_VNNI and raw.flags.c_contiguous and cols <= 8192:
-            return vnni.matvec_q8_0(raw, x, _F16_TO_F32, out)
+            return vnni.matvec_blocks(raw, "q8_0", x, out)
         _matvec_q8_0(raw, x, _F16_TO_F32, out)
     elif scheme == "q4_0":
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_q4_0(raw, x, _F16_TO_F32, _E8M0, out)
+            return vnni.matvec_blocks(raw, "q4_0", x, out)
         _matvec_q4_0(raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)
     elif scheme == "mxfp4":
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_mxfp4(raw, x, _F16_TO_F32, _E8M0, out)
+            return vnni.matvec_blocks(raw, "mxfp4", x, out)
         _matvec_mxfp4(raw, x, _E8M0, out)
     elif scheme.startswith("int4_g"):
         group = int(scheme[len("int4_g"):])

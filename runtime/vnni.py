@@ -47,13 +47,12 @@ def _host_has_vnni() -> bool:
 HAVE_VNNI = _host_has_vnni()
 
 
-def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type: ignore[no-untyped-def]
-    """An intrinsic ``group(acc, codes, cbase, xq, xbase, s)``: with k < nbytes, lane by lane,
-    acc += s * sum of (codes[cbase + k] & 15) * xq[xbase + k] + (codes[cbase + k] >> 4) *
-    xq[xbase + nbytes + k] (four k per int32 lane, as vpdpbusd adds them). ``acc`` is a float32
-    array of at least nbytes / 4 lanes, summed once a row is done: no horizontal sum per group.
-    With ``table`` (16 unsigned bytes, nbytes 16 only) each 4-bit code c counts as table[c]
-    (one pshufb), which is how e2m1 codes become integers."""
+def _dot_intrinsic(nbytes: int, operands):  # type: ignore[no-untyped-def]
+    """An intrinsic ``f(acc, codes, cbase, xq, xbase, s)``: acc += s * the int32 sums vpdpbusd
+    makes of the (unsigned bytes, signed bytes) pairs that ``operands(builder, ir, load, codes,
+    cbase, xq, xbase)`` returns (``load(array, index)`` loads ``nbytes`` bytes). ``acc`` is a
+    float32 array of at least nbytes / 4 lanes, summed once a row is done: no horizontal sum per
+    group or block."""
     from llvmlite import ir
 
     lanes = nbytes // 4
@@ -63,7 +62,7 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
             64: "llvm.x86.avx512.vpdpbusd.512"}[nbytes]
 
     @intrinsic
-    def group(typingctx, acc, codes, cbase, xq, xbase, s):  # type: ignore[no-untyped-def]
+    def dot_into(typingctx, acc, codes, cbase, xq, xbase, s):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             acc_v, codes_v, cbase_v, xq_v, xbase_v, s_v = args
             acc_a = context.make_array(signature.args[0])(context, builder, acc_v)
@@ -74,20 +73,10 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
                 pointer = builder.bitcast(builder.gep(array.data, [index]), bytes_t.as_pointer())
                 return builder.load(pointer, align=1)
 
-            packed = load(codes_a, cbase_v)
-            low = builder.and_(packed, ir.Constant(bytes_t, [15] * nbytes))
-            high = builder.lshr(packed, ir.Constant(bytes_t, [4] * nbytes))
-            if table is not None:
-                shuffle = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(bytes_t, [bytes_t, bytes_t]), "llvm.x86.ssse3.pshuf.b.128")
-                lut = ir.Constant(bytes_t, list(table))
-                low, high = builder.call(shuffle, [lut, low]), builder.call(shuffle, [lut, high])
-            x_low = load(xq_a, xbase_v)
-            x_high = load(xq_a, builder.add(xbase_v, ir.Constant(xbase_v.type, nbytes)))
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
-            dot = builder.call(fn, [ir.Constant(words_t, [0] * lanes), builder.bitcast(low, words_t),
-                                    builder.bitcast(x_low, words_t)])
-            dot = builder.call(fn, [dot, builder.bitcast(high, words_t), builder.bitcast(x_high, words_t)])
+            dot = ir.Constant(words_t, [0] * lanes)
+            for unsigned, signed in operands(builder, ir, load, codes_a, cbase_v, xq_a, xbase_v):
+                dot = builder.call(fn, [dot, builder.bitcast(unsigned, words_t), builder.bitcast(signed, words_t)])
             scale = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s_v, ir.Constant(i32, 0))
             scale = builder.shuffle_vector(scale, scale, ir.Constant(words_t, [0] * lanes))
             acc_p = builder.bitcast(acc_a.data, floats_t.as_pointer())
@@ -97,51 +86,45 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
 
         return types.void(acc, codes, cbase, xq, xbase, s), codegen
 
-    return group
+    return dot_into
+
+
+def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type: ignore[no-untyped-def]
+    """``group(acc, codes, cbase, xq, xbase, s)``: with k < nbytes, lane by lane, acc += s * sum
+    of (codes[cbase + k] & 15) * xq[xbase + k] + (codes[cbase + k] >> 4) * xq[xbase + nbytes + k]
+    (four k per int32 lane, as vpdpbusd adds them). With ``table`` (16 unsigned bytes, nbytes 16
+    only) each 4-bit code c counts as table[c] (one pshufb), which is how e2m1 codes become
+    integers."""
+
+    def nibbles(builder, ir, load, codes, cbase, xq, xbase):  # type: ignore[no-untyped-def]
+        bytes_t = ir.VectorType(ir.IntType(8), nbytes)
+        packed = load(codes, cbase)
+        low = builder.and_(packed, ir.Constant(bytes_t, [15] * nbytes))
+        high = builder.lshr(packed, ir.Constant(bytes_t, [4] * nbytes))
+        if table is not None:
+            shuffle = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(bytes_t, [bytes_t, bytes_t]), "llvm.x86.ssse3.pshuf.b.128")
+            lut = ir.Constant(bytes_t, list(table))
+            low, high = builder.call(shuffle, [lut, low]), builder.call(shuffle, [lut, high])
+        return ((low, load(xq, xbase)), (high, load(xq, builder.add(xbase, ir.Constant(xbase.type, nbytes)))))
+
+    return _dot_intrinsic(nbytes, nibbles)
 
 
 _group16, _group32, _group64 = _group_intrinsic(16), _group_intrinsic(32), _group_intrinsic(64)
 
 
 def _signed_bytes_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
-    """An intrinsic ``bytes_dot(acc, codes, cbase, xq, xbase, s)``: lane by lane, acc += s * sum of
+    """``bytes_dot(acc, codes, cbase, xq, xbase, s)``: lane by lane, acc += s * sum of
     (codes[cbase + k] + 128) * xq[xbase + k] for k < nbytes, where the codes are int8 weights:
     flipping their sign bit makes them the unsigned bytes vpdpbusd wants, and the 128 * sum(xq)
     this adds is taken back through the activations' sums."""
-    from llvmlite import ir
 
-    lanes = nbytes // 4
-    i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-    bytes_t, words_t, floats_t = ir.VectorType(i8, nbytes), ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
-    name = {16: "llvm.x86.avx512.vpdpbusd.128", 32: "llvm.x86.avx512.vpdpbusd.256",
-            64: "llvm.x86.avx512.vpdpbusd.512"}[nbytes]
+    def flipped(builder, ir, load, codes, cbase, xq, xbase):  # type: ignore[no-untyped-def]
+        sign = ir.Constant(ir.VectorType(ir.IntType(8), nbytes), [0x80] * nbytes)
+        return ((builder.xor(load(codes, cbase), sign), load(xq, xbase)),)
 
-    @intrinsic
-    def bytes_dot(typingctx, acc, codes, cbase, xq, xbase, s):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            acc_v, codes_v, cbase_v, xq_v, xbase_v, s_v = args
-            acc_a = context.make_array(signature.args[0])(context, builder, acc_v)
-            codes_a = context.make_array(signature.args[1])(context, builder, codes_v)
-            xq_a = context.make_array(signature.args[3])(context, builder, xq_v)
-
-            def load(array, index):  # type: ignore[no-untyped-def]
-                pointer = builder.bitcast(builder.gep(array.data, [index]), bytes_t.as_pointer())
-                return builder.load(pointer, align=1)
-
-            unsigned = builder.xor(load(codes_a, cbase_v), ir.Constant(bytes_t, [0x80] * nbytes))
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
-            dot = builder.call(fn, [ir.Constant(words_t, [0] * lanes), builder.bitcast(unsigned, words_t),
-                                    builder.bitcast(load(xq_a, xbase_v), words_t)])
-            scale = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s_v, ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(scale, scale, ir.Constant(words_t, [0] * lanes))
-            acc_p = builder.bitcast(acc_a.data, floats_t.as_pointer())
-            total = builder.fadd(builder.load(acc_p, align=4), builder.fmul(builder.sitofp(dot, floats_t), scale))
-            builder.store(total, acc_p, align=4)
-            return context.get_dummy_value()
-
-        return types.void(acc, codes, cbase, xq, xbase, s), codegen
-
-    return bytes_dot
+    return _dot_intrinsic(nbytes, flipped)
 
 
 _signed_bytes32 = _signed_bytes_intrinsic(32)
@@ -185,78 +168,16 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matvec_blocks_vnni(raw, e2m1, f16, e8m0, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # ggml blocks of 32 values, 16 bytes of codes each (value j low nibble, j + 16 high):
-    # q4_0 (e2m1 False): 18-byte blocks, float16 d first; a value is d (q - 8).
-    # mxfp4 (e2m1 True): 17-byte blocks, e8m0 exponent first; a value is 2^(e - 127) / 2
-    # (T[c] - 12) with T = E2M1_TWICE_PLUS_12. Either way d (u - offset) with u unsigned, so
-    # row r = sum_b d_b dx_b (u . xq)_b - offset d_b xsum_b.
-    rows = raw.shape[0]
-    size = 17 if e2m1 else 18
-    blocks = raw.shape[1] // size
+def _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # W @ x for one matrix of BLOCK_KINDS[kind] stored as C-contiguous rows raw, the
+    # activations quantized per 32 values (xq, dx, xsum).
+    rows, row_bytes = raw.shape
+    cols = xq.shape[0]
     flat = raw.reshape(-1)
-    row_bytes = raw.shape[1]
-    offset = np.float32(12.0) if e2m1 else np.float32(8.0)
     for chunk in prange((rows + 63) // 64):
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
-            base = r * row_bytes
-            shift = np.float32(0.0)
-            for b in range(blocks):
-                at = base + b * size
-                if e2m1:
-                    d = np.float32(0.5) * e8m0[flat[at]]
-                    _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
-                else:
-                    d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-                    _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
-                shift += d * xsum[b]
-            out[r] = acc.sum() - offset * shift
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matvec_q8_0_vnni(raw, f16, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # ggml Q8_0: 34-byte blocks, float16 d then 32 int8 q; a value is d q. With u = q + 128
-    # (sign bit flipped), row r = sum_b d_b dx_b (u . xq)_b - 128 d_b xsum_b.
-    rows = raw.shape[0]
-    blocks = raw.shape[1] // 34
-    flat = raw.reshape(-1)
-    row_bytes = raw.shape[1]
-    for chunk in prange((rows + 63) // 64):
-        acc = np.zeros(16, np.float32)
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
-            base = r * row_bytes
-            shift = np.float32(0.0)
-            for b in range(blocks):
-                at = base + b * 34
-                d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-                _signed_bytes32(acc, flat, at + 2, xq, b * 32, d * dx[b])
-                shift += d * xsum[b]
-            out[r] = acc.sum() - np.float32(128.0) * shift
-
-
-def matvec_q8_0(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``W @ x`` for q8_0 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI, the
-    activations quantized to int8 per block of 32 as llama.cpp's q8_0 dot product does."""
-    xq, dx, xsum = quantize_activations(x, 32)
-    _matvec_q8_0_vnni(raw, f16, xq, dx, xsum, out)
-    return out
-
-
-def matvec_q4_0(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``W @ x`` for q4_0 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
-    xq, dx, xsum = quantize_activations(x, 32)
-    _matvec_blocks_vnni(raw, False, f16, e8m0, xq, dx, xsum, out)
-    return out
-
-
-def matvec_mxfp4(raw: np.ndarray, x: np.ndarray, f16: np.ndarray, e8m0: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``W @ x`` for mxfp4 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
-    xq, dx, xsum = quantize_activations(x, 32)
-    _matvec_blocks_vnni(raw, True, f16, e8m0, xq, dx, xsum, out)
-    return out
+            out[r] = _block_row(kind, flat, f32, f16, e8m0, r * row_bytes, cols, row_bytes, xq, 0, dx, xsum, 0, acc)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -300,20 +221,17 @@ def _block_row(kind, flat, f32, f16, e8m0, base, cols, row_bytes, xq, xbase, dx,
             _signed_bytes32(acc, flat, base + b * 32, xq, xbase + b * 32, dx[gbase + b])
             shift += xsum[gbase + b]
         return f32[(base + cols) // 4] * (acc.sum() - np.float32(128.0) * shift)
-    if kind == 1:
+    if kind != 3:  # q8_0 (u = q + 128, sign bit flipped) or q4_0 (u = q + 8): float16 d first
+        size = 34 if kind == 1 else 18
         for b in range(blocks):
-            at = base + b * 34
+            at = base + b * size
             d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-            _signed_bytes32(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
+            if kind == 1:
+                _signed_bytes32(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
+            else:
+                _group16(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
             shift += d * xsum[gbase + b]
-        return acc.sum() - np.float32(128.0) * shift
-    if kind == 2:
-        for b in range(blocks):
-            at = base + b * 18
-            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-            _group16(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
-            shift += d * xsum[gbase + b]
-        return acc.sum() - np.float32(8.0) * shift
+        return acc.sum() - (np.float32(128.0) if kind == 1 else np.float32(8.0)) * shift
     for b in range(blocks):
         at = base + b * 17
         d = np.float32(0.5) * e8m0[flat[at]]
@@ -371,16 +289,18 @@ def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: 
     return out
 
 
+_NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks
+
+
 def matvec_blocks(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``W @ x`` for one matrix of ``BLOCK_KINDS`` stored as C-contiguous rows ``raw`` through the
-    multi-expert kernel (one expert, at offset 0)."""
-    flat = raw.reshape(-1)
-    xq, dx, xsum = quantize_activations(x, 32)
+    """``W @ x`` for one matrix of ``BLOCK_KINDS`` stored as C-contiguous uint8 rows ``raw``
+    with VNNI, the activations quantized to int8 per block of 32 as llama.cpp's dot products
+    do."""
     from .kernels import _E8M0, _F16_TO_F32
 
-    _block_rows_many(flat, flat.view(np.float32), BLOCK_KINDS[scheme], _F16_TO_F32, _E8M0,
-                     np.zeros(1, dtype=np.int64), raw.shape[1], xq.reshape(1, -1), dx.reshape(1, -1),
-                     xsum.reshape(1, -1), out.reshape(1, -1))
+    xq, dx, xsum = quantize_activations(x, 32)
+    f32 = raw.reshape(-1).view(np.float32) if scheme == "int8" else _NO_ROW_SCALES
+    _matvec_blocks_vnni(raw, BLOCK_KINDS[scheme], f32, _F16_TO_F32, _E8M0, xq, dx, xsum, out)
     return out
 
 
