@@ -221,17 +221,22 @@ def _block_row(kind, flat, f32, f16, e8m0, base, cols, row_bytes, xq, xbase, dx,
             _signed_bytes32(acc, flat, base + b * 32, xq, xbase + b * 32, dx[gbase + b])
             shift += xsum[gbase + b]
         return f32[(base + cols) // 4] * (acc.sum() - np.float32(128.0) * shift)
-    if kind != 3:  # q8_0 (u = q + 128, sign bit flipped) or q4_0 (u = q + 8): float16 d first
-        size = 34 if kind == 1 else 18
+    # q8_0 and q4_0 differ only in block size, dot and offset; one loop branching on kind
+    # inside ran 5-100% slower here (medians of 61 interleaved rounds at 14336 x 4096).
+    if kind == 1:
         for b in range(blocks):
-            at = base + b * size
+            at = base + b * 34
             d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-            if kind == 1:
-                _signed_bytes32(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
-            else:
-                _group16(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
+            _signed_bytes32(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
             shift += d * xsum[gbase + b]
-        return acc.sum() - (np.float32(128.0) if kind == 1 else np.float32(8.0)) * shift
+        return acc.sum() - np.float32(128.0) * shift
+    if kind == 2:
+        for b in range(blocks):
+            at = base + b * 18
+            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+            _group16(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
+            shift += d * xsum[gbase + b]
+        return acc.sum() - np.float32(8.0) * shift
     for b in range(blocks):
         at = base + b * 17
         d = np.float32(0.5) * e8m0[flat[at]]
