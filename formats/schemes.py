@@ -5,6 +5,7 @@ them out with the same function, so a plan's byte counts are the bundle's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Alignment of every tensor inside an expert, and of every expert's start (a page).
@@ -143,21 +144,12 @@ def non_expert_scheme(shape: tuple[int, ...], *, router: bool, dense_scheme: str
     if router or len(shape) <= 1:
         return "f32"
     scheme = get_scheme(dense_scheme)
-    cols = 1
-    for d in shape[1:]:
-        cols *= d
-    return scheme.name if scheme.fits(cols) else DENSE_FALLBACK
+    return scheme.name if scheme.fits(math.prod(shape[1:])) else DENSE_FALLBACK
 
 
 def non_expert_bytes(shape: tuple[int, ...], *, router: bool, dense_scheme: str) -> int:
     """Bytes a non-expert tensor occupies in a bundle (rounded up to the tensor alignment)."""
     scheme = get_scheme(non_expert_scheme(shape, router=router, dense_scheme=dense_scheme))
     if len(shape) <= 1 or (scheme.block_elems == 1 and not scheme.row_extra_bytes):
-        numel = 1
-        for d in shape:
-            numel *= d
-        return dense_tensor_bytes(numel, scheme)
-    cols = 1
-    for d in shape[1:]:
-        cols *= d
-    return align(scheme.matrix_bytes(shape[0], cols), TENSOR_ALIGN)
+        return dense_tensor_bytes(math.prod(shape), scheme)
+    return align(scheme.matrix_bytes(shape[0], math.prod(shape[1:])), TENSOR_ALIGN)

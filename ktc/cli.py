@@ -548,10 +548,11 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
     # The prompt is checked against the KV capacity before the model is loaded: a request that
     # cannot run allocates nothing.
     with open_bundle(bundle) as opened:
-        ids = encode_prompt(load_tokenizer(opened), prompt or "", chat=chat)
+        tokenizer = load_tokenizer(opened)
+        ids = encode_prompt(tokenizer, prompt or "", chat=chat)
         check_capacity(len(ids), max_new_tokens, kv_capacity(opened), bundle)
     loaded_at = time.perf_counter()
-    with from_bundle(bundle, device=target, threads=threads) as model:
+    with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer) as model:
         load_seconds = time.perf_counter() - loaded_at
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
@@ -716,7 +717,8 @@ def _demo_generate(bundle_path: str, prompt: str, echo: Callable[[str], None] | 
         ids = encode_prompt(model, prompt)
         if announce is not None:
             announce()
-            echo(prompt) if echo else None
+            if echo is not None:
+                echo(prompt)
         out = generate(model, ids, max_new_tokens=48, sampling=Sampling(seed=0), on_text=echo)
     return {"prompt": prompt, "prompt_tokens": out.prompt_tokens, "generated_tokens": out.generated_tokens,
             "text": out.text, "prefill_tokens_per_s": out.prefill_tokens_per_s,

@@ -18,7 +18,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ktc.errors import KtcError
 from ktc.formats.checkpoint import Checkpoint
 from ktc.formats.transformers_model import (
     config_from_dict, hf_name_map, import_transformers, is_experts_module, meta_model,
@@ -59,9 +58,7 @@ def derive_layout(ckpt: Checkpoint) -> DerivedLayout | None:
         transformers = import_transformers()
         config = config_from_dict(transformers, ckpt.raw_config, ckpt.path)
         model = meta_model(transformers, config, path=ckpt.path)
-    except KtcError:
-        return None
-    except Exception:  # a config that transformers' class rejects: the tables decide
+    except Exception:  # not installed, an unknown type, a config its class rejects: the tables decide
         return None
     experts = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
     if not experts:
@@ -246,7 +243,7 @@ def _table(info: dict[str, Any], layer: int) -> LayoutTable:
             raise _NotDerivable("expert names do not share a template")
         middle = lambda name: name[len(head): len(name) - len(tail)]  # noqa: E731
         experts = PerExpertNames(gate=middle(gate), up=middle(up), down=middle(down),
-                                 template=head.replace("{expert}", "{expert}") + "{proj}" + tail)
+                                 template=head + "{proj}" + tail)
     shared = ()
     if info["shared"] is not None:
         gate, up, down, sigmoid = info["shared"]

@@ -198,7 +198,7 @@ class ExpertSet:
                                      torch.from_numpy(weights))
             return out.cpu().numpy()
         if self._fused is not None and idx.shape[0] == 1:  # one token: straight to the fused kernel
-            return self._fused_token(hidden[0], idx[0].astype(np.int64, copy=False), weights[0])[None, :]
+            return self._decode_token(hidden[0], idx[0].astype(np.int64, copy=False), weights[0])[None, :]
         cpu_work, _ = self._split(idx, weights)
         return self._accumulate(hidden.shape, self._run_cpu(hidden, cpu_work))
 
@@ -212,7 +212,7 @@ class ExpertSet:
         if self._fused is not None and not self._device_index and idx_np.shape[0] == 1:
             # One token, every expert on the CPU (a decode step): straight to the fused kernel.
             host = hidden.detach().to("cpu", torch.float32).numpy()
-            y = self._fused_token(host[0], idx_np[0], weights_np[0])
+            y = self._decode_token(host[0], idx_np[0], weights_np[0])
             return torch.from_numpy(y[None, :]).to(hidden.device, hidden.dtype)
         cpu_work, dev_work = self._split(idx_np, weights_np)
         host = None
@@ -238,10 +238,14 @@ class ExpertSet:
                 np.add.at(out, tokens, y)
         return out
 
+    def _decode_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """One token whose experts all run on the CPU (a decode step): counted, then fused."""
+        self.counts[experts] += 1
+        return self._fused_token(x, experts, weights)
+
     def _fused_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """One token through ``experts`` (CPU experts, all in the fused scheme), weighted."""
         scheme, file, gu, dn = self._fused  # type: ignore[misc]
-        self.counts[experts] += 1
         biases = self._fused_biases
         return experts_token(file, scheme, gu[experts], dn[experts], self.hidden_size, self.intermediate_size,
                              x, np.ascontiguousarray(weights, dtype=np.float32), activation=self.activation,
@@ -252,7 +256,6 @@ class ExpertSet:
     def _run_cpu(self, hidden: np.ndarray, work: Work) -> list[tuple[np.ndarray, np.ndarray]]:
         if self._fused is not None and len(hidden) == 1 and work:
             experts = np.array([e for e, _, _ in work], dtype=np.int64)
-            self.counts[experts] -= 1  # _split counted them already
             y = self._fused_token(hidden[0], experts, np.array([w[0] for _, _, w in work], dtype=np.float32))
             return [(np.zeros(1, dtype=np.int64), y[None, :])]
         results = []

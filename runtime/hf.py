@@ -101,14 +101,11 @@ def _source_keys(model: Any, bundle: Bundle) -> dict[str, str]:
     return out
 
 
-def _gguf_row_order(bundle: Bundle, tensor: str, model: Any) -> np.ndarray | None:
+def _gguf_row_order(bundle: Bundle, tensor: str, processor: Any) -> np.ndarray | None:
     """Rows of a GGUF tensor reordered the way transformers' GGUF loader reorders them (llama.cpp
     permutes llama-style Q and K rows for its rope): the permutation, or None when the rows stay.
-    Found by passing row numbers through transformers' own tensor processor."""
-    if bundle.manifest["provenance"]["source_format"] != "gguf":
-        return None
+    Found by passing row numbers through transformers' own tensor ``processor``."""
     t = bundle.tensors[tensor]
-    processor = gguf_processor(model, bundle.manifest["model"]["architecture"])
     rows = np.arange(t.shape[0], dtype=np.float64)
     probe = rows.reshape(-1, 1) if len(t.shape) > 1 else rows
     result = processor.process(weights=probe, name=t.source or t.name)
@@ -395,24 +392,26 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
         return load_tokenizer(bundle)
 
 
-def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None) -> KtcModel:
+def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
+                tokenizer: Any = None) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
     plan's device experts and the KV cache (the plan's ``max_tokens``) on the GPU. ``threads``
-    sets the CPU threads of ktc's kernels and torch (default: all cores).
+    sets the CPU threads of ktc's kernels and torch (default: all cores). ``tokenizer``: the
+    bundle's tokenizer when the caller loaded it already (``load_tokenizer``).
     """
     transformers = require_transformers()
     dev = _check_device(device)
     bundle = open_bundle(path)
     try:
-        return _load(transformers, bundle, dev, threads)
+        return _load(transformers, bundle, dev, threads, tokenizer)
     except BaseException:
         bundle.close()
         raise
 
 
-def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None) -> KtcModel:
+def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any) -> KtcModel:
     import torch
 
     from .bench import set_threads
@@ -420,7 +419,8 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None) -
     run = _require_runnable(bundle)
     used = set_threads(threads)
     torch.set_num_threads(used)
-    tokenizer = load_tokenizer(bundle, transformers)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(bundle, transformers)
     config = config_from_dict(transformers, run["config"], bundle.path)
     vocab = int(config.get_text_config(decoder=True).vocab_size)
     if len(tokenizer) > vocab:
@@ -473,6 +473,10 @@ class _Loader:
         self.dtype = dtype
         self.device_bytes = 0
         self.keys = _source_keys(model, bundle)
+        # transformers' GGUF tensor processor (None for other sources) and its row orders.
+        self._processor = (gguf_processor(model, bundle.manifest["model"]["architecture"])
+                           if bundle.manifest["provenance"]["source_format"] == "gguf" else None)
+        self._orders: dict[str, np.ndarray | None] = {}
         strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
         loose = set(getattr(model, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
         self.fp32_modules = strict | loose
@@ -590,10 +594,17 @@ class _Loader:
                               hint="the bundle was compiled from a checkpoint that does not match its config")
         return tensor
 
+    def _row_order(self, tensor: str) -> np.ndarray | None:
+        if self._processor is None:
+            return None
+        if tensor not in self._orders:
+            self._orders[tensor] = _gguf_row_order(self.bundle, tensor, self._processor)
+        return self._orders[tensor]
+
     def _raw(self, tensor: str) -> np.ndarray:
         """The stored rows of a tensor, zero-copy unless a GGUF row reordering applies."""
         raw = self.bundle.tensor(tensor)
-        order = _gguf_row_order(self.bundle, tensor, self.model)
+        order = self._row_order(tensor)
         return raw if order is None else np.ascontiguousarray(raw[order])
 
     def _values(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -603,7 +614,7 @@ class _Loader:
             raise BundleError(f"tensor '{tensor}' has shape {list(t.shape)}; the model's '{key}' is {list(shape)}",
                               path=self.bundle.path)
         values = tensor_float32(self.bundle, tensor)
-        order = _gguf_row_order(self.bundle, tensor, self.model)
+        order = self._row_order(tensor)
         if order is not None:
             values = values[order]
         return values.reshape(shape)

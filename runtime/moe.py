@@ -12,6 +12,7 @@ from ktc.formats.bundle import Bundle
 from .experts import ExpertSet, tensor_float32
 from .kernels import matmul_t
 
+
 class MoELayer:
     """The routed experts (and shared experts) of one MoE layer of an opened bundle, with the
     model's own routing: for hosts that run the rest of the model themselves, without
