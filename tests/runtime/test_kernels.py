@@ -157,7 +157,7 @@ def test_kernels_without_jit():
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("scheme", ["q4_0", "mxfp4"])
-@pytest.mark.parametrize("shape", [(9, 256), (64, 1024), (3, 384)])
+@pytest.mark.parametrize("shape", [(9, 256), (64, 1024), (3, 384), (5, 352), (2, 96)])
 def test_block_vnni_matches_its_definition(scheme, shape):
     """q4_0 and mxfp4 through VNNI compute each block's integer codes (q - 8; twice the e2m1
     value) times the activations quantized per 32, scaled by the block's scale (d; half the
@@ -224,6 +224,33 @@ def test_q8_0_vnni_matches_its_definition(shape):
     want = (scale * dx * (codes * xq.reshape(blocks, 32)).sum(axis=2)).sum(axis=1)
     got = matvec(raw, "q8_0", x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", sorted(vnni.FUSED))
+@pytest.mark.parametrize("cols", [384, 352, 1024])
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_experts_equal_one_by_one(scheme, cols, shared):
+    """The multi-expert kernel (the same matrix of k experts of a layer, placed anywhere in the
+    file) gives each expert's rows as the one-matrix kernel does, with one activation vector for
+    all (gate/up of one token) or one each (down); column counts with and without a tail past
+    the last whole four blocks."""
+    group = vnni.FUSED_GROUPS.get(scheme, 32)
+    if cols % group:
+        pytest.skip("row not whole groups")
+    rng = np.random.default_rng(cols)
+    rows, k = 70, 3  # more rows than one 64-row work item
+    mats = [quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, scheme) for _ in range(k)]
+    stride = (mats[0].nbytes + 4 * 37) // 4 * 4  # unused bytes between the experts; 4-aligned as in a bundle
+    file = np.zeros(k * stride + 4, dtype=np.uint8)
+    offsets = np.array([e * stride + 4 for e in range(k)][::-1], dtype=np.int64)
+    for e, raw in enumerate(mats):
+        file[offsets[e]:offsets[e] + raw.nbytes] = raw.reshape(-1)
+    x = rng.standard_normal((1 if shared else k, cols)).astype(np.float32)
+    got = vnni.rows_many(file, scheme, offsets, rows, x)
+    for e, raw in enumerate(mats):
+        want = matvec(raw, scheme, x[0 if shared else e])
+        np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
