@@ -135,24 +135,35 @@ _e2m1_group16 = _group_intrinsic(16, E2M1_TWICE_PLUS_12)
 
 
 
-def _quad_intrinsic(kind: int):  # type: ignore[no-untyped-def]
-    """``quad(acc, flat, at, xq, xbase, dx, xsum, b, e8m0)``: the four ggml blocks of 32 4-bit
-    codes at byte ``at`` of ``flat`` (kind 2: q4_0, fp16 scale then 16 bytes; kind 3: mxfp4,
-    e8m0 scale then 16 bytes) times the activations xq[xbase:xbase + 128], laid out as
-    ``quad_layout`` does (the four blocks' first halves, then their second halves), added to the
-    16 lanes of ``acc``: lane l gets scale_j * (dx[b + j] * dot_l - offset / 4 * xsum[b + j]) for
-    its block j = l // 4, so the codes' unsigned offset (8; 12 for e2m1, see E2M1_TWICE_PLUS_12)
-    is taken back in the lanes and nothing is summed per block.
+# Per kind of BLOCK_KINDS: bytes of a block, of its scale (before its codes), blocks a step of
+# the row loop, and the offset that makes the codes unsigned for vpdpbusd.
+_ROW_STEP = {0: (32, 0, 2, 128.0), 1: (34, 2, 2, 128.0), 2: (18, 2, 4, 8.0), 3: (17, 1, 4, 12.0)}
+# Each step asks for the weights this many bytes ahead (into L2, not L1). Rows of 14336 columns
+# read 14-20 GB/s without, 29-35 with (q8_0 and q4_0; 4096 columns 24-33 either way; medians of
+# 11 interleaved rounds); 2048 and 8192 bytes ahead, or into L1, did less.
+_PREFETCH_BYTES = 4096
 
-    Four blocks in one 512-bit product: the per-block loop (128-bit products, a scalar scale,
-    its offset and a float table for the fp16 scale) read 23 GB/s where this reads 37 at
-    14336 x 4096 (medians of 21 interleaved rounds). fp16 scales are converted by the CPU (F16C)."""
+
+def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
+    """``row(flat, at, steps, xq, dx, xsum, e8m0) -> float32``: the dot product of the ``steps`` * n
+    blocks of BLOCK_KINDS ``kind`` at byte ``at`` of ``flat`` with the int8 activations xq (block
+    j's scale dx[j], sum xsum[j]; e8m0: kernels._E8M0), n blocks a step in one
+    512-bit product: int8 and q8_0 two blocks of 32 codes (their sign bits flipped), q4_0 and
+    mxfp4 four blocks of 32 4-bit codes (activations in ``quad_layout``: the four blocks' first
+    16 values, then their last 16, as their low and high nibbles lie). Each lane l adds
+    scale_j * (dx[j] * dot_l - offset * xsum[j] / lanes) for its block j, so the codes'
+    offset is taken back in the lanes; int8's row scale is the caller's.
+
+    The loop is LLVM's own, its accumulator a register: as Numba loops over an intrinsic that
+    adds to an array, each step waited for the last one's store (at 14336 columns 18 GB/s where
+    4096 columns read 27-29), and the per-block version (128-bit products, a scalar scale and
+    offset, fp16 scales from a float table) read q4_0 at 23 GB/s. fp16 scales are converted by
+    the CPU (F16C)."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-    stride = {2: 18, 3: 17}[kind]
-    scale_bytes = stride - 16
-    offset = {2: 8.0, 3: 12.0}[kind]
+    size, scale_bytes, per_step, offset = _ROW_STEP[kind]
+    per_block = 16 // per_step  # lanes of one block
 
     def vector(t, n):  # type: ignore[no-untyped-def]
         return ir.VectorType(t, n)
@@ -161,64 +172,95 @@ def _quad_intrinsic(kind: int):  # type: ignore[no-untyped-def]
         return ir.Constant(vector(i32, len(indices)), list(indices))
 
     @intrinsic
-    def quad(typingctx, acc, flat, at, xq, xbase, dx, xsum, b, e8m0):  # type: ignore[no-untyped-def]
+    def row(typingctx, flat, at, steps, xq, dx, xsum, e8m0):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            acc_a, flat_a, xq_a, dx_a, xsum_a, e8m0_a = (
-                context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 1, 3, 5, 6, 8))
-            at_v, xbase_v, b_v = args[2], args[4], args[7]
+            flat_a, xq_a, dx_a, xsum_a, e8m0_a = (
+                context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 3, 4, 5, 6))
+            at_v, steps_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
+            index_t = at_v.type
 
             def load(array, index, t, align=1):  # type: ignore[no-untyped-def]
                 return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=align)
 
             def plus(value, k):  # type: ignore[no-untyped-def]
-                return builder.add(value, ir.Constant(value.type, k))
+                return builder.add(value, ir.Constant(index_t, k))
 
-            parts = [load(flat_a, plus(at_v, j * stride + scale_bytes), vector(i8, 16)) for j in range(4)]
-            packed = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], mask(range(32))),
-                                            builder.shuffle_vector(parts[2], parts[3], mask(range(32))), mask(range(64)))
-            low = builder.and_(packed, ir.Constant(vector(i8, 64), [15] * 64))
-            high = builder.lshr(packed, ir.Constant(vector(i8, 64), [4] * 64))
-            if kind == 3:  # e2m1 codes -> integers, one table look-up per byte
-                shuffle = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(vector(i8, 64), [vector(i8, 64)] * 2), "llvm.x86.avx512.pshuf.b.512")
-                table = ir.Constant(vector(i8, 64), list(E2M1_TWICE_PLUS_12) * 4)
-                low, high = builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])
-            words = vector(i32, 16)
+            def step_of(value, i, k):  # type: ignore[no-untyped-def]
+                return builder.add(value, builder.mul(i, ir.Constant(index_t, k)))
+
+            def per_lane(values):  # type: ignore[no-untyped-def]
+                return builder.shuffle_vector(values, values, mask([lane // per_block for lane in range(16)]))
+
+            bytes64, words, lanes = vector(i8, 64), vector(i32, 16), vector(f32, 16)
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
-            dot = ir.Constant(words, [0] * 16)
-            for codes, xbase_k in ((low, xbase_v), (high, plus(xbase_v, 64))):
-                xs = builder.bitcast(load(xq_a, xbase_k, vector(i8, 64)), words)
-                dot = builder.call(dpbusd, [dot, builder.bitcast(codes, words), xs])
-            if kind == 3:  # e8m0: a power of two, from the table; the e2m1 integers are twice the value
-                scales = ir.Constant(vector(f32, 4), ir.Undefined)
-                for j in range(4):
-                    exponent = builder.zext(load(flat_a, plus(at_v, j * stride), i8), i32)
-                    value = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
-                    scales = builder.insert_element(scales, value, ir.Constant(i32, j))
-            else:
-                halves = ir.Constant(vector(i16, 4), ir.Undefined)
-                for j in range(4):
-                    halves = builder.insert_element(halves, load(flat_a, plus(at_v, j * stride), i16), ir.Constant(i32, j))
-                scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 4)), vector(f32, 4))
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+            acc_p = cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16))
+            with cgutils.for_range(builder, steps_v) as loop:
+                at_i = step_of(at_v, loop.index, size * per_step)
+                x_i = builder.mul(loop.index, ir.Constant(index_t, 32 * per_step))
+                b_i = builder.mul(loop.index, ir.Constant(index_t, per_step))
+                if per_step == 2:  # 32 signed codes a block, made unsigned
+                    if kind == 0:
+                        codes = load(flat_a, at_i, bytes64)
+                    else:
+                        codes = builder.shuffle_vector(load(flat_a, plus(at_i, scale_bytes), vector(i8, 32)),
+                                                       load(flat_a, plus(at_i, size + scale_bytes), vector(i8, 32)),
+                                                       mask(range(64)))
+                    pairs = [(builder.xor(codes, ir.Constant(bytes64, [0x80] * 64)), x_i)]
+                else:  # 16 bytes of nibbles a block
+                    parts = [load(flat_a, plus(at_i, j * size + scale_bytes), vector(i8, 16)) for j in range(4)]
+                    packed = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], mask(range(32))),
+                                                    builder.shuffle_vector(parts[2], parts[3], mask(range(32))),
+                                                    mask(range(64)))
+                    low = builder.and_(packed, ir.Constant(bytes64, [15] * 64))
+                    high = builder.lshr(packed, ir.Constant(bytes64, [4] * 64))
+                    if kind == 3:  # e2m1 codes -> integers, one table look-up per byte
+                        shuffle = cgutils.get_or_insert_function(
+                            builder.module, ir.FunctionType(bytes64, [bytes64] * 2), "llvm.x86.avx512.pshuf.b.512")
+                        table = ir.Constant(bytes64, list(E2M1_TWICE_PLUS_12) * 4)
+                        low, high = builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])
+                    pairs = [(low, x_i), (high, plus(x_i, 64))]
+                for line in range(0, size * per_step, 64):  # see _PREFETCH_BYTES
+                    builder.call(prefetch, [builder.gep(flat_a.data, [plus(at_i, _PREFETCH_BYTES + line)]),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+                dot = ir.Constant(words, [0] * 16)
+                for codes, x_at in pairs:
+                    dot = builder.call(dpbusd, [dot, builder.bitcast(codes, words),
+                                                builder.bitcast(load(xq_a, x_at, bytes64), words)])
+                shift = builder.fmul(per_lane(load(xsum_a, b_i, vector(f32, per_step), 4)),
+                                     ir.Constant(lanes, [offset / per_block] * 16))
+                term = builder.fsub(builder.fmul(builder.sitofp(dot, lanes),
+                                                 per_lane(load(dx_a, b_i, vector(f32, per_step), 4))), shift)
+                if kind == 3:  # e8m0: a power of two, from the table; the e2m1 integers are twice the value
+                    scales = ir.Constant(vector(f32, 4), ir.Undefined)
+                    for j in range(4):
+                        exponent = builder.zext(load(flat_a, plus(at_i, j * size), i8), i32)
+                        value = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
+                        scales = builder.insert_element(scales, value, ir.Constant(i32, j))
+                    term = builder.fmul(per_lane(scales), term)
+                elif kind != 0:  # fp16 scales
+                    halves = ir.Constant(vector(i16, per_step), ir.Undefined)
+                    for j in range(per_step):
+                        halves = builder.insert_element(halves, load(flat_a, plus(at_i, j * size), i16),
+                                                        ir.Constant(i32, j))
+                    scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), per_step)),
+                                           vector(f32, per_step))
+                    term = builder.fmul(per_lane(scales), term)
+                builder.store(builder.fadd(builder.load(acc_p), term), acc_p)
+            acc = builder.load(acc_p)
+            for width in (8, 4, 2, 1):  # the lanes' sum: halves added until one is left
+                acc = builder.fadd(builder.shuffle_vector(acc, acc, mask(range(width))),
+                                   builder.shuffle_vector(acc, acc, mask(range(width, 2 * width))))
+            return builder.extract_element(acc, ir.Constant(i32, 0))
 
-            def per_lane(four):  # type: ignore[no-untyped-def]
-                return builder.shuffle_vector(four, four, mask([lane // 4 for lane in range(16)]))
+        return types.float32(flat, at, steps, xq, dx, xsum, e8m0), codegen
 
-            lanes = vector(f32, 16)
-            dx_l = per_lane(load(dx_a, b_v, vector(f32, 4), 4))
-            shift = builder.fmul(per_lane(load(xsum_a, b_v, vector(f32, 4), 4)), ir.Constant(lanes, [offset / 4] * 16))
-            term = builder.fmul(per_lane(scales), builder.fsub(builder.fmul(builder.sitofp(dot, lanes), dx_l), shift))
-            acc_p = builder.bitcast(acc_a.data, lanes.as_pointer())
-            builder.store(builder.fadd(builder.load(acc_p, align=4), term), acc_p, align=4)
-            return context.get_dummy_value()
-
-        return types.void(acc, flat, at, xq, xbase, dx, xsum, b, e8m0), codegen
-
-    return quad
+    return row
 
 
-_q4_0_quad, _mxfp4_quad = _quad_intrinsic(2), _quad_intrinsic(3)
+_int8_row, _q8_0_row, _q4_0_row, _mxfp4_row = (_row_intrinsic(kind) for kind in range(4))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -257,12 +299,10 @@ def _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq, dx, xsum, out):  # pragma
     # W @ x for one matrix of BLOCK_KINDS[kind] stored as C-contiguous rows raw, the
     # activations quantized per 32 values (xq, dx, xsum).
     rows, row_bytes = raw.shape
-    cols = xq.shape[0]
     flat = raw.reshape(-1)
     for chunk in prange((rows + 63) // 64):
-        acc = np.zeros(16, np.float32)
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            out[r] = _block_row(kind, flat, f32, f16, e8m0, r * row_bytes, cols, row_bytes, xq, 0, dx, xsum, 0, acc)
+        _block_rows(kind, flat, f32, f16, e8m0, 0, row_bytes, chunk * 64, min(rows, chunk * 64 + 64),
+                    xq, dx, xsum, out)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -294,47 +334,55 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _block_row(kind, flat, f32, f16, e8m0, base, cols, row_bytes, xq, xbase, dx, xsum, gbase, acc):  # pragma: no cover - compiled
-    # One row of a byte-coded matrix at byte ``base`` times the activations xq[xbase:] (int8,
-    # quantized per 32 values: dx[gbase + b], xsum[gbase + b]). kind 0: int8 (cols int8, then a
-    # float32 row scale), 1: q8_0, 2: q4_0, 3: mxfp4 (ggml blocks). Returns the dot product.
+def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, acc):  # pragma: no cover - compiled
+    # The row of ``blocks`` blocks of BLOCK_KINDS[kind] at byte ``base`` times the activations
+    # (int8 xq, quantized per 32 values: dx[b], xsum[b]). kind 0: int8 (the row's codes, then a
+    # float32 row scale: not applied here), 1: q8_0, 2: q4_0, 3: mxfp4 (ggml blocks).
+    # Whole steps of the row in LLVM's loop (_row_intrinsic), then the blocks past the last
+    # whole step one by one (their activations in order). The kinds keep separate tail loops:
+    # one loop branching on the kind inside ran 5-100% slower (medians of 61 interleaved rounds).
     acc[:] = 0
     shift = np.float32(0.0)
-    blocks = cols // 32
     if kind == 0:
-        for b in range(blocks):
-            _signed_bytes32(acc, flat, base + b * 32, xq, xbase + b * 32, dx[gbase + b])
-            shift += xsum[gbase + b]
-        return f32[(base + cols) // 4] * (acc.sum() - np.float32(128.0) * shift)
-    # q8_0 and q4_0 differ only in block size, dot and offset; one loop branching on kind
-    # inside ran 5-100% slower here (medians of 61 interleaved rounds at 14336 x 4096).
+        total = _int8_row(flat, base, blocks // 2, xq, dx, xsum, e8m0)
+        for b in range(blocks // 2 * 2, blocks):
+            _signed_bytes32(acc, flat, base + b * 32, xq, b * 32, dx[b])
+            shift += xsum[b]
+        return total + acc.sum() - np.float32(128.0) * shift
     if kind == 1:
-        for b in range(blocks):
+        total = _q8_0_row(flat, base, blocks // 2, xq, dx, xsum, e8m0)
+        for b in range(blocks // 2 * 2, blocks):
             at = base + b * 34
             d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-            _signed_bytes32(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
-            shift += d * xsum[gbase + b]
-        return acc.sum() - np.float32(128.0) * shift
-    # q4_0 and mxfp4: four blocks at a time (the activations in quad_layout), then the blocks
-    # past the last whole four (their activations in order) one by one.
-    quads = blocks // 4
+            _signed_bytes32(acc, flat, at + 2, xq, b * 32, d * dx[b])
+            shift += d * xsum[b]
+        return total + acc.sum() - np.float32(128.0) * shift
     if kind == 2:
-        for q in range(quads):
-            _q4_0_quad(acc, flat, base + q * 72, xq, xbase + q * 128, dx, xsum, gbase + q * 4, e8m0)
-        for b in range(quads * 4, blocks):
+        total = _q4_0_row(flat, base, blocks // 4, xq, dx, xsum, e8m0)
+        for b in range(blocks // 4 * 4, blocks):
             at = base + b * 18
             d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-            _group16(acc, flat, at + 2, xq, xbase + b * 32, d * dx[gbase + b])
-            shift += d * xsum[gbase + b]
-        return acc.sum() - np.float32(8.0) * shift
-    for q in range(quads):
-        _mxfp4_quad(acc, flat, base + q * 68, xq, xbase + q * 128, dx, xsum, gbase + q * 4, e8m0)
-    for b in range(quads * 4, blocks):
+            _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
+            shift += d * xsum[b]
+        return total + acc.sum() - np.float32(8.0) * shift
+    total = _mxfp4_row(flat, base, blocks // 4, xq, dx, xsum, e8m0)
+    for b in range(blocks // 4 * 4, blocks):
         at = base + b * 17
         d = np.float32(0.5) * e8m0[flat[at]]
-        _e2m1_group16(acc, flat, at + 1, xq, xbase + b * 32, d * dx[gbase + b])
-        shift += d * xsum[gbase + b]
-    return acc.sum() - np.float32(12.0) * shift
+        _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
+        shift += d * xsum[b]
+    return total + acc.sum() - np.float32(12.0) * shift
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _block_rows(kind, flat, f32, f16, e8m0, base, row_bytes, r0, r1, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # out[r] for rows r0..r1 of the matrix of BLOCK_KINDS[kind] at byte ``base`` of flat.
+    cols = xq.shape[0]
+    acc = np.zeros(16, np.float32)
+    for r in range(r0, r1):
+        out[r] = _block_row(kind, flat, f16, e8m0, base + r * row_bytes, cols // 32, xq, dx, xsum, acc)
+        if kind == 0:
+            out[r] *= f32[(base + r * row_bytes + cols) // 4]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -345,17 +393,13 @@ def _block_rows_many(flat, f32, kind, f16, e8m0, offsets, row_bytes, xq, dx, xsu
     k, rows = out.shape
     cols = xq.shape[1]
     chunks = (rows + 63) // 64
-    groups = cols // 32
     shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
     for item in prange(k * chunks):
         e = item // chunks
         chunk = item - e * chunks
-        acc = np.zeros(16, np.float32)
         v = 0 if shared else e
-        xe = xq[v]
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            out[e, r] = _block_row(kind, flat, f32, f16, e8m0, offsets[e] + r * row_bytes, cols, row_bytes,
-                                   xe, 0, dx[v], xsum[v], 0, acc)
+        _block_rows(kind, flat, f32, f16, e8m0, offsets[e], row_bytes, chunk * 64, min(rows, chunk * 64 + 64),
+                    xq[v], dx[v], xsum[v], out[e])
 
 
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
