@@ -84,9 +84,10 @@ def compile_case(checkpoint: str, scheme: str, out: str) -> str:
     return out
 
 
-def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str) -> str | None:
-    """The checkpoint converted by llama.cpp's converter (bf16) and quantized to ``qtype``."""
-    out = os.path.join(workdir, f"{shape}-{qtype}.gguf")
+def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str, pure: bool = False) -> str:
+    """The checkpoint converted by llama.cpp's converter (bf16) and quantized to ``qtype``; with
+    ``pure`` every matrix in that type (``llama-quantize --pure``: no Q6_K output matrix)."""
+    out = os.path.join(workdir, f"{shape}-{qtype}{'-pure' if pure else ''}.gguf")
     if os.path.exists(out):
         return out
     base = os.path.join(workdir, f"{shape}-bf16.gguf")
@@ -108,7 +109,7 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
         subprocess.run([sys.executable, tool, os.path.join(llama, "src"), folder, base, "--outtype", "bf16"],
                        check=True, capture_output=True)
     quantize = os.path.join(llama, "build", "bin", "llama-quantize")
-    subprocess.run([quantize, base, out, qtype], check=True, capture_output=True)
+    subprocess.run([quantize, *(["--pure"] if pure else []), base, out, qtype], check=True, capture_output=True)
     return out
 
 

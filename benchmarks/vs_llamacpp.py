@@ -1,8 +1,9 @@
 """Decode beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
 shapes, converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
 MXFP4_MOE), then compiled by ktc *from those GGUF files* (their blocks pass through: both read the
-same experts; the non-expert matrices too where ktc has the type — Q4_0 files keep their
-``output.weight`` in Q6_K, which ktc stores as q4_0 until the K-quants land).
+same bytes). Q8_0 and Q4_0 are quantized with ``--pure``: by default llama-quantize keeps a Q4_0
+file's ``output.weight`` in Q6_K, which ktc would store as q4_0 (two thirds of the bytes) until
+the K-quants land. MXFP4_MOE files hold MXFP4 experts and Q8_0 matrices, both ktc's types.
 
 Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -n N
 -p P -t T`` and ktc's whole-model decode (``ktc run``'s loop, greedy, the same prompt and
@@ -30,8 +31,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import generate as gen  # noqa: E402  (the models, llama.cpp's side and the measurements)
 
-# llama.cpp file type -> (ktc expert scheme, ktc dense scheme): the GGUF's own types.
-TYPES = {"Q8_0": ("q8_0", "q8_0"), "Q4_0": ("q4_0", "q4_0"), "MXFP4_MOE": ("mxfp4", "q8_0")}
+# llama.cpp file type -> (ktc expert scheme, ktc dense scheme, every matrix in the file type):
+# the GGUF's own types.
+TYPES = {"Q8_0": ("q8_0", "q8_0", True), "Q4_0": ("q4_0", "q4_0", True), "MXFP4_MOE": ("mxfp4", "q8_0", False)}
 
 
 def main() -> int:
@@ -57,11 +59,11 @@ def main() -> int:
     for shape in args.shapes.split(","):
         checkpoint = gen.build_checkpoint(shape, os.path.join(args.workdir, shape))
         for qtype in args.types.split(","):
-            gguf = gen.llama_gguf(args.llamacpp, checkpoint, shape, qtype, args.workdir)
-            bundle = os.path.join(args.workdir, f"{shape}-{qtype}-from-gguf.ktb")
+            expert_scheme, dense_scheme, pure = TYPES[qtype]
+            gguf = gen.llama_gguf(args.llamacpp, checkpoint, shape, qtype, args.workdir, pure)
+            bundle = os.path.join(args.workdir, os.path.basename(gguf)[:-len(".gguf")] + "-from-gguf.ktb")
             if not os.path.exists(bundle):
                 print(f"compiling {os.path.basename(bundle)} from {os.path.basename(gguf)}...", flush=True)
-                expert_scheme, dense_scheme = TYPES[qtype]
                 compile_bundle(gguf, bundle, cpu_scheme=expert_scheme, dense_scheme=dense_scheme, max_tokens=4096)
             cases.append(gen.Case(shape, qtype, bundle, gguf))
     clock = gen.KernelClock()
