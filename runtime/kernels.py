@@ -10,6 +10,7 @@ thread while torch runs the GPU experts.
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import numpy as np
@@ -549,10 +550,11 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     return (torch.from_numpy(x).to(torch.bfloat16) @ w.T).float().numpy()
 
 
-def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False) -> np.ndarray:
+def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False, serial: bool = False) -> np.ndarray:
     """The values [rows, cols] of a matrix stored as ``raw`` rows in ``scheme``, decoded in
-    parallel: float32, or with ``bf16`` their bf16 bit patterns (uint16, rounded to nearest
-    even). The same values as ``ktc.formats.quantize.dequantize``."""
+    parallel (with ``serial`` on the calling thread alone): float32, or with ``bf16`` their bf16
+    bit patterns (uint16, rounded to nearest even). The same values as
+    ``ktc.formats.quantize.dequantize``."""
     rows = raw.shape[0]
     if scheme == "bf16":
         bits = raw.view(np.uint16).reshape(rows, cols)
@@ -564,19 +566,30 @@ def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False) -> np.nd
     raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8).reshape(rows, -1)
     out32 = np.empty((rows, cols) if not bf16 else (0, cols), dtype=np.float32)
     out16 = np.empty((rows, cols) if bf16 else (0, cols), dtype=np.uint16)
-    if scheme == "int8":
-        _decode_int8(raw, cols, bf16, out32, out16)
-    elif scheme == "q8_0":
-        _decode_q8_0(raw, cols, _F16_TO_F32, bf16, out32, out16)
-    elif scheme == "q4_0":
-        _decode_q4_0(raw, cols, _F16_TO_F32, bf16, out32, out16)
-    elif scheme == "mxfp4":
-        _decode_mxfp4(raw, cols, _FP4, _E8M0, bf16, out32, out16)
-    elif scheme.startswith("int4_g"):
-        _decode_int4(raw, cols, int(scheme[len("int4_g"):]), bf16, out32, out16)
-    else:
+    kernel = (_SERIAL_DECODERS if serial else _DECODERS).get(scheme if not scheme.startswith("int4_g") else "int4")
+    if kernel is None:
         raise ValueError(f"no decoder for scheme {scheme!r}")
+    if scheme == "int8":
+        kernel(raw, cols, bf16, out32, out16)
+    elif scheme in ("q8_0", "q4_0"):
+        kernel(raw, cols, _F16_TO_F32, bf16, out32, out16)
+    elif scheme == "mxfp4":
+        kernel(raw, cols, _FP4, _E8M0, bf16, out32, out16)
+    else:
+        kernel(raw, cols, int(scheme[len("int4_g"):]), bf16, out32, out16)
     return out16 if bf16 else out32
+
+
+def _one_thread(kernel):  # type: ignore[no-untyped-def]
+    """A twin of a parallel decoder that runs on the calling thread (its prange a range), cached
+    under a name of its own (Numba's cache tells functions apart by name, not by flags). For a
+    decode step's one embedding row: a parallel region there woke the kernels' threads (0.6 ms),
+    and gguf's numpy decoding, among the step's streaming weights, took about 0.2 ms."""
+    py = getattr(kernel, "py_func", kernel)  # the function itself with NUMBA_DISABLE_JIT=1
+    twin = types.FunctionType(py.__code__, py.__globals__, py.__name__ + "_one_thread", py.__defaults__,
+                              py.__closure__)
+    twin.__qualname__ = py.__qualname__ + "_one_thread"
+    return njit(cache=True, nogil=True, fastmath=True)(twin)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -640,5 +653,9 @@ def _decode_int4(raw, cols, group, bf16, out32, out16):  # pragma: no cover - co
                 _put(bf16, out32, out16, r, g * group + k, np.float32(c & 15) * d + m)
                 _put(bf16, out32, out16, r, g * group + half + k, np.float32(c >> 4) * d + m)
 
+
+_DECODERS = {"int8": _decode_int8, "q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "mxfp4": _decode_mxfp4,
+             "int4": _decode_int4}
+_SERIAL_DECODERS = {scheme: _one_thread(kernel) for scheme, kernel in _DECODERS.items()}
 
 from . import vnni  # noqa: E402  (the VNNI kernels, used above; they build on formats only)

@@ -15,14 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ktc.formats.quantize import dequantize
 
 from .device import matmul
 from . import kernels
 from .kernels import decode, int8_row_scales, linear
 
 
-SMALL_LOOKUP = 64  # rows up to which an embedding lookup decodes in numpy
+SMALL_LOOKUP = 64  # rows up to which an embedding lookup decodes on the calling thread
 
 
 def _plain_view(raw: np.ndarray, scheme: str, cols: int) -> torch.Tensor | None:
@@ -122,11 +121,9 @@ class BundleEmbedding(torch.nn.Module):
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Float32 rows [len(ids), embedding_dim]."""
         picked = np.ascontiguousarray(self.raw[ids])
-        if len(ids) > SMALL_LOOKUP:
-            return decode(picked, self.scheme, self.embedding_dim)
-        # A decode step looks up one row: numpy, not a parallel region (waking the kernels'
-        # threads right after torch's took 0.6 ms per token here, decoding the row 5 us).
-        return dequantize(picked.view(np.uint8).reshape(len(ids), -1), self.scheme, self.embedding_dim)
+        # A decode step looks up one row: on this thread, not in a parallel region (waking the
+        # kernels' threads right after torch's took 0.6 ms per token here).
+        return decode(picked, self.scheme, self.embedding_dim, serial=len(ids) <= SMALL_LOOKUP)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.detach().to("cpu", torch.int64).reshape(-1).numpy()

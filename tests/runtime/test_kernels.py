@@ -141,6 +141,8 @@ def test_decode_matches_dequantize(scheme, shape):
     raw = quantize(w, scheme)
     want = dequantize(raw, scheme, cols)
     np.testing.assert_allclose(decode(stored(raw, scheme, cols), scheme, cols), want, rtol=1e-6, atol=0)
+    # the one-thread twins (an embedding row of a decode step)
+    np.testing.assert_allclose(decode(stored(raw, scheme, cols), scheme, cols, serial=True), want, rtol=1e-6, atol=0)
     bits = decode(stored(raw, scheme, cols), scheme, cols, bf16=True)
     np.testing.assert_array_equal(bits, f32_to_bf16_bits(decode(stored(raw, scheme, cols), scheme, cols)))
 
