@@ -84,17 +84,20 @@ class ExpertSet:
                 bundle.tensors[name + "gate_up"].scheme,
                 tensor_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
                 tensor_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
-        # Every CPU expert in one scheme that has a multi-expert kernel (int8; on a VNNI CPU
-        # int8, q8_0, q4_0, mxfp4 and int4) and uncompressed: one token takes a fused path that
-        # runs all its experts in two parallel regions instead of two per expert.
+        # Every CPU expert in a scheme that has a multi-expert kernel (int8; on a VNNI CPU any
+        # mix of int8, q8_0, q4_0, mxfp4 and int4) and uncompressed: one token takes a fused path
+        # that runs all its experts in two parallel regions (two more per int4 group size mixed
+        # in) instead of two per expert.
         self._fused = None
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         schemes = {ex.scheme for ex in self.cpu.values()}
-        if len(schemes) == 1:
-            (scheme,) = schemes
+        if schemes:
             from . import vnni
 
-            if scheme == "int8" or (vnni.HAVE_VNNI and scheme in vnni.FUSED):
+            if schemes == {"int8"} or (vnni.HAVE_VNNI and schemes <= vnni.FUSED):
+                # one scheme: its name; mixed: each expert's, looked up per token
+                scheme = next(iter(schemes)) if len(schemes) == 1 else np.array(
+                    [self.cpu[e].scheme if e in self.cpu else "" for e in range(self.num_experts)], dtype=object)
                 gu = np.full(self.num_experts, -1, dtype=np.int64)
                 dn = np.full(self.num_experts, -1, dtype=np.int64)
                 for e in self.cpu:
@@ -244,9 +247,11 @@ class ExpertSet:
         return self._fused_token(x, experts, weights)
 
     def _fused_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """One token through ``experts`` (CPU experts, all in the fused scheme), weighted."""
+        """One token through ``experts`` (CPU experts, all in fused schemes), weighted."""
         scheme, file, gu, dn = self._fused  # type: ignore[misc]
         biases = self._fused_biases
+        if not isinstance(scheme, str):
+            scheme = scheme[experts].tolist()
         return experts_token(file, scheme, gu[experts], dn[experts], self.hidden_size, self.intermediate_size,
                              x, np.ascontiguousarray(weights, dtype=np.float32), activation=self.activation,
                              limit=self.swiglu_limit, alpha=self.swiglu_alpha,

@@ -314,14 +314,14 @@ def _int8_rows_many(codes, scales, offsets, x, out):  # pragma: no cover - compi
         out[e, r] = acc * scales[(base + cols) // 4]
 
 
-def experts_token(file: np.ndarray, scheme: str, gate_up_offsets: np.ndarray, down_offsets: np.ndarray,
+def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np.ndarray, down_offsets: np.ndarray,
                   hidden: int, inter: int, x: np.ndarray, weights: np.ndarray, *, activation: str = "silu",
                   gate_up_bias: np.ndarray | None = None, down_bias: np.ndarray | None = None,
                   limit: float | None = None, alpha: float | None = None) -> np.ndarray:
     """One token through k experts of one layer stored in ``scheme`` (int8; on a VNNI CPU every
-    scheme of ``vnni.FUSED``), weighted by ``weights`` and summed: two parallel regions for the
-    whole layer (gate/up of every expert, then down) instead of two per expert. Biases are
-    [k, ...]."""
+    scheme of ``vnni.FUSED``, or a list of one each), weighted by ``weights`` and summed: two
+    parallel regions for the whole layer (gate/up of every expert, then down) instead of two per
+    expert. Biases are [k, ...]."""
     k = gate_up_offsets.shape[0]
     if scheme == "int8" and not vnni.HAVE_VNNI:
         xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))

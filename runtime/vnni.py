@@ -14,7 +14,9 @@ JIT is on; otherwise ``kernels.py``'s float kernels run. ``KTC_NO_VNNI=1`` force
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 
 import numpy as np
 from numba import config, njit, prange, types
@@ -386,20 +388,22 @@ def _block_rows(kind, flat, f32, f16, e8m0, base, row_bytes, r0, r1, xq, dx, xsu
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _block_rows_many(flat, f32, kind, f16, e8m0, offsets, row_bytes, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # out[e, r] = row r of the matrix at byte offsets[e] of flat . the activations xq[e]; one
-    # parallel region for the same matrix of every selected expert of a layer, 64 rows a work
-    # item over all of them, so both threads finish together.
+def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_quads, dx, xsum, out):  # pragma: no cover - compiled
+    # out[e, r] = row r of the matrix of BLOCK_KINDS kinds[e] (row_bytes[e] bytes a row) at byte
+    # offsets[e] of flat . the activations xq[e] (q4_0 and mxfp4: xq_quads[e], in quad_layout);
+    # one parallel region for the same matrix of every selected expert of a layer, whatever
+    # their kinds, 64 rows a work item over all of them, so both threads finish together.
     k, rows = out.shape
-    cols = xq.shape[1]
     chunks = (rows + 63) // 64
     shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
     for item in prange(k * chunks):
         e = item // chunks
         chunk = item - e * chunks
         v = 0 if shared else e
-        _block_rows(kind, flat, f32, f16, e8m0, offsets[e], row_bytes, chunk * 64, min(rows, chunk * 64 + 64),
-                    xq[v], dx[v], xsum[v], out[e])
+        kind = kinds[e]
+        xe = xq_quads[v] if kind >= 2 else xq[v]
+        _block_rows(kind, flat, f32, f16, e8m0, offsets[e], row_bytes[e], chunk * 64, min(rows, chunk * 64 + 64),
+                    xe, dx[v], xsum[v], out[e])
 
 
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
@@ -409,26 +413,54 @@ QUAD_KINDS = ("q4_0", "mxfp4")  # their activations in quad_layout
 FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS)
 
 
-def rows_many(file: np.ndarray, scheme: str, offsets: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
-    """[k, rows]: the matrix stored in ``scheme`` at byte ``offsets[e]`` of ``file`` (the bundle
-    mapped as uint8, of a length that is a multiple of 4) times x[e], for the k selected experts
-    of a layer at once; ``x`` of one row is every expert's (quantized once)."""
+def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray, rows: int,
+              x: np.ndarray) -> np.ndarray:
+    """[k, rows]: the matrix stored at byte ``offsets[e]`` of ``file`` (the bundle mapped as
+    uint8, of a length that is a multiple of 4) times x[e], for the k selected experts of a layer
+    at once; ``x`` of one row is every expert's (quantized once). ``scheme``: one of ``FUSED``
+    for all k, or one each: the block kinds, mixed, share one parallel region; each int4 group
+    size takes one of its own."""
     vectors, cols = x.shape
     k = offsets.shape[0]
+    schemes = [scheme] * k if isinstance(scheme, str) else list(scheme)
+    parts: dict[str, list[int]] = {}
+    for e, name in enumerate(schemes):
+        parts.setdefault("blocks" if name in BLOCK_KINDS else name, []).append(e)
     out = np.empty((k, rows), dtype=np.float32)
-    row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
-    if scheme in BLOCK_KINDS:
-        from .kernels import _E8M0, _F16_TO_F32
+    for part, members in parts.items():
+        whole = len(members) == k
+        picked = np.asarray(members, dtype=np.int64)
+        offs = offsets if whole else offsets[picked]
+        xs = x if whole or vectors == 1 else x[picked]
+        n = xs.shape[0]
+        dest = out if whole else np.empty((len(members), rows), dtype=np.float32)
+        if part == "blocks":
+            from .kernels import _E8M0, _F16_TO_F32
 
-        xq, dx, xsum = quantize_activations(x.reshape(-1), 32, cols if scheme in QUAD_KINDS else 0)
-        _block_rows_many(file, file.view(np.float32), BLOCK_KINDS[scheme], _F16_TO_F32, _E8M0, offsets, row_bytes,
-                         xq.reshape(vectors, cols), dx.reshape(vectors, -1), xsum.reshape(vectors, -1), out)
-        return out
-    group = FUSED_GROUPS[scheme]
-    xq, dx, xsum = quantize_activations(x.reshape(-1), group)  # groups never straddle two rows
-    _rows_many(file, file.view(np.uint16), group, offsets, row_bytes,
-               xq.reshape(vectors, cols), dx.reshape(vectors, -1), xsum.reshape(vectors, -1), out)
+            kinds = np.array([BLOCK_KINDS[schemes[e]] for e in members], dtype=np.int64)
+            row_bytes = np.array([_row_bytes(schemes[e], cols) for e in members], dtype=np.int64)
+            # int8/q8_0 read the activations in order, q4_0/mxfp4 in quad_layout; the scales
+            # and sums are the same.
+            natural = quantize_activations(xs.reshape(-1), 32) if (kinds < 2).any() else None
+            quads = quantize_activations(xs.reshape(-1), 32, cols) if (kinds >= 2).any() else None
+            xq, dx, xsum = natural if natural is not None else quads  # type: ignore[misc]
+            xq_quads = quads[0] if quads is not None else xq
+            _block_rows_many(file, file.view(np.float32), kinds, _F16_TO_F32, _E8M0, offs, row_bytes,
+                             xq.reshape(n, cols), xq_quads.reshape(n, cols), dx.reshape(n, -1), xsum.reshape(n, -1),
+                             dest)
+        else:
+            group = FUSED_GROUPS[part]
+            xq, dx, xsum = quantize_activations(xs.reshape(-1), group)  # groups never straddle two rows
+            _rows_many(file, file.view(np.uint16), group, offs, _row_bytes(part, cols),
+                       xq.reshape(n, cols), dx.reshape(n, -1), xsum.reshape(n, -1), dest)
+        if not whole:
+            out[picked] = dest
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _row_bytes(scheme: str, cols: int) -> int:
+    return get_scheme(scheme).matrix_bytes(1, cols)
 
 
 _NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks

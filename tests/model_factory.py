@@ -357,3 +357,18 @@ def write_char_tokenizer(folder: str, vocab_size: int) -> str:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return folder
+
+
+def compile_with_placement(src: str, tmp_path, where) -> str:  # type: ignore[no-untyped-def]
+    """A bundle whose expert ``e`` of every layer is placed at ``where(e)`` ("gpu:int8",
+    "cpu:q4_0", ...): a plan's placement rewritten."""
+    from ktc.api import plan
+    from ktc.compile import compile_bundle
+
+    data = plan(src, vram="1GiB", reserve=0).to_json()
+    for layer, row in data["placement"].items():
+        data["placement"][layer] = [where(e) for e in range(len(row))]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    path = str(tmp_path / "m.ktb")
+    compile_bundle(src, path, plan_path=str(tmp_path / "plan.json"), dense_scheme="f32")
+    return path

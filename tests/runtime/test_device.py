@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -41,19 +40,6 @@ def _device_bytes(schemes: list[str], biases: bool = False) -> int:
     return sum(expert_footprint(shape, s).data_bytes for s in schemes)
 
 
-def _compile_with_placement(src: str, tmp_path, where) -> str:
-    """A bundle whose expert ``e`` of every layer is placed at ``where(e)`` ("gpu:int8", ...)."""
-    from ktc.api import plan
-
-    data = plan(src, vram="1GiB", reserve=0).to_json()
-    for layer, row in data["placement"].items():
-        data["placement"][layer] = [where(e) for e in range(len(row))]
-    (tmp_path / "plan.json").write_text(json.dumps(data))
-    path = str(tmp_path / "m.ktb")
-    compile_bundle(src, path, plan_path=str(tmp_path / "plan.json"), dense_scheme="f32")
-    return path
-
-
 def _check_against_cpu(path: str, layer: int, hidden: np.ndarray, schemes, biases: bool = False) -> None:
     with open_bundle(path) as bundle:
         on_device = MoELayer(bundle, layer, device="cpu")
@@ -79,7 +65,7 @@ def test_device_experts_stay_at_their_scheme(scheme, tiny_models, tmp_path):
     def schemes(e):
         return scheme if e % 3 == 0 else None
 
-    path = _compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
+    path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
                                    lambda e: f"gpu:{scheme}" if schemes(e) else f"cpu:{scheme}")
     hidden = np.random.default_rng(3).standard_normal((6, mf.HIDDEN)).astype(np.float32)
     for layer in (0, 2):
@@ -94,7 +80,7 @@ def test_mixed_device_schemes_in_one_layer(tiny_models, tmp_path):
     def schemes(e):
         return gpu_schemes[(e // 2) % 4] if e % 2 == 0 else None
 
-    path = _compile_with_placement(tiny_models["gpt_oss"]["safetensors"], tmp_path,
+    path = mf.compile_with_placement(tiny_models["gpt_oss"]["safetensors"], tmp_path,
                                    lambda e: f"gpu:{schemes(e)}" if schemes(e) else "cpu:int8")
     hidden = np.random.default_rng(4).standard_normal((9, mf.HIDDEN)).astype(np.float32)
     _check_against_cpu(path, 1, hidden, schemes, biases=True)
@@ -108,7 +94,7 @@ def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
     src = tiny_models["qwen3_moe"]["safetensors"]
     hidden = np.random.default_rng(5).standard_normal((6, mf.HIDDEN)).astype(np.float32)
     for where in (lambda e: "cpu:int8", lambda e: "gpu:int4_g32" if e % 2 else "cpu:int8"):
-        path = _compile_with_placement(src, tmp_path, where)
+        path = mf.compile_with_placement(src, tmp_path, where)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         with open_bundle(path) as bundle:

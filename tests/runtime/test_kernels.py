@@ -255,6 +255,30 @@ def test_fused_experts_equal_one_by_one(scheme, cols, shared):
         np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("cols", [384, 352])
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_experts_of_mixed_schemes(cols, shared):
+    """Experts of one layer in different schemes (a plan's hot experts in int8, the rest in
+    4 bits) through one multi-expert call: each expert's rows as its one-matrix kernel gives."""
+    schemes = ["q4_0", "int8", "mxfp4", "int4_g32", "q8_0", "q4_0", "int4_g32"]
+    rng = np.random.default_rng(cols)
+    rows = 70
+    mats = [quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, s) for s in schemes]
+    offsets, at = [], 8
+    for raw in mats:
+        offsets.append(at)
+        at += (raw.nbytes + 4 * 13) // 4 * 4
+    file = np.zeros(at + 4, dtype=np.uint8)
+    for off, raw in zip(offsets, mats):
+        file[off:off + raw.nbytes] = raw.reshape(-1)
+    x = rng.standard_normal((1 if shared else len(schemes), cols)).astype(np.float32)
+    got = vnni.rows_many(file, schemes, np.array(offsets, dtype=np.int64), rows, x)
+    for e, (scheme, raw) in enumerate(zip(schemes, mats)):
+        want = matvec(raw, scheme, x[0 if shared else e])
+        np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=scheme)
+
+
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
 def test_int4_float_kernel_where_there_is_no_vnni():
     """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""

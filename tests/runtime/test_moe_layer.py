@@ -133,3 +133,29 @@ def test_one_token_fused_path(family, scheme, hf_models, tiny_models, tmp_path):
             tolerance = TOLERANCE[scheme]
             assert relative_error(fused, block_output(hf_models[family], layer, h)) < tolerance
         moe.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
+    """A layer whose CPU experts a plan put in different schemes (hot ones in int8, the rest in
+    4 bits) takes the fused path too, with what running them one by one gives."""
+    from ktc.runtime import vnni
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("mixed schemes in the fused path need AVX-512 VNNI")
+    schemes = ["int8", "q4_0", "mxfp4", "q8_0", "int4_g32"]
+    path = mf.compile_with_placement(tiny_models[family]["safetensors"], tmp_path,
+                                     lambda e: f"cpu:{schemes[e % len(schemes)]}")
+    rng = np.random.default_rng(6)
+    with open_bundle(path) as bundle:
+        moe = MoELayer(bundle, mf.FAMILIES[family].moe_layers[-1])
+        assert moe.experts._fused is not None
+        assert len({ex.scheme for ex in moe.experts.cpu.values()}) == len(schemes)
+        for _ in range(3):
+            h = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
+            fused = moe.forward(h)
+            saved, moe.experts._fused = moe.experts._fused, None
+            plain = moe.forward(h)
+            moe.experts._fused = saved
+            np.testing.assert_allclose(fused, plain, rtol=1e-2, atol=1e-2 * np.abs(plain).max())
+        moe.close()
