@@ -49,7 +49,7 @@ VNNI_SCHEMES = ("int4_g32", "int4_g64", "int4_g128", "q4_0", "mxfp4", "q8_0", "i
 
 
 def one_token_tolerance(scheme: str) -> float:
-    """The kernels through VNNI (4-bit, int8, and q8_0 rows up to 8192 values) multiply
+    """The kernels through VNNI (4-bit, int8 and q8_0) multiply
     int8-quantized activations (the tests below check that exactly); every other kernel is
     float32 throughout."""
     return 2e-2 if scheme in VNNI_SCHEMES and vnni.HAVE_VNNI else 1e-4
