@@ -211,11 +211,22 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                                                        load(flat_a, plus(at_i, size + scale_bytes), vector(i8, 32)),
                                                        mask(range(64)))
                     pairs = [(builder.xor(codes, ir.Constant(bytes64, [0x80] * 64)), x_i)]
-                else:  # 16 bytes of nibbles a block
+                elif kind == 2:
+                    # q4_0: the four blocks' 72 bytes in two 64-byte loads, their 16 bytes of
+                    # nibbles each picked by one permute (3-10% faster than four 16-byte loads
+                    # and inserts; slower for mxfp4's 17-byte blocks, 22-26 against 26-28 GB/s)
+                    head = load(flat_a, at_i, bytes64)
+                    tail_from = 4 * size - 64
+                    tail = load(flat_a, plus(at_i, tail_from), bytes64)
+                    picks = [j * size + scale_bytes + t for j in range(4) for t in range(16)]
+                    packed = builder.shuffle_vector(head, tail, mask([p if p < 64 else 64 + p - tail_from
+                                                                      for p in picks]))
+                else:  # mxfp4: 16 bytes of nibbles a block
                     parts = [load(flat_a, plus(at_i, j * size + scale_bytes), vector(i8, 16)) for j in range(4)]
                     packed = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], mask(range(32))),
                                                     builder.shuffle_vector(parts[2], parts[3], mask(range(32))),
                                                     mask(range(64)))
+                if per_step == 4:
                     low = builder.and_(packed, ir.Constant(bytes64, [15] * 64))
                     high = builder.lshr(packed, ir.Constant(bytes64, [4] * 64))
                     if kind == 3:  # e2m1 codes -> integers, one table look-up per byte
@@ -243,10 +254,15 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                         scales = builder.insert_element(scales, value, ir.Constant(i32, j))
                     term = builder.fmul(per_lane(scales), term)
                 elif kind != 0:  # fp16 scales
-                    halves = ir.Constant(vector(i16, per_step), ir.Undefined)
-                    for j in range(per_step):
-                        halves = builder.insert_element(halves, load(flat_a, plus(at_i, j * size), i16),
-                                                        ir.Constant(i32, j))
+                    if kind == 2:  # from the first load
+                        halves = builder.shuffle_vector(builder.bitcast(head, vector(i16, 32)),
+                                                        ir.Constant(vector(i16, 32), ir.Undefined),
+                                                        mask([j * size // 2 for j in range(4)]))
+                    else:
+                        halves = ir.Constant(vector(i16, per_step), ir.Undefined)
+                        for j in range(per_step):
+                            halves = builder.insert_element(halves, load(flat_a, plus(at_i, j * size), i16),
+                                                            ir.Constant(i32, j))
                     scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), per_step)),
                                            vector(f32, per_step))
                     term = builder.fmul(per_lane(scales), term)
