@@ -531,16 +531,29 @@ def quad_layout(j, row):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _quantize_groups(x, group, row, xq, dx, sums):  # pragma: no cover - compiled
+    # Multiplied by the inverse scale, as llama.cpp's q8 activations are, and each group's two
+    # halves written where quad_layout puts them (found once a group): a value at a time, with a
+    # division and quad_layout's, 53 thousand values a Mixtral decode step took 0.3 ms.
     scale_of_max = np.float32(127)
     for g in range(dx.shape[0]):
+        start = g * group
         amax = np.float32(0.0)
-        for j in range(g * group, g * group + group):
+        for j in range(start, start + group):
             amax = max(amax, abs(x[j]))
         d = amax / scale_of_max if amax > 0 else np.float32(1.0)
+        inverse = np.float32(1.0) / d
+        first, second = start, start + 16  # where the group's first 16 values go, and the rest
+        if row:
+            first = quad_layout(start, row)
+            second = quad_layout(start + 16, row)
         total = 0
-        for j in range(g * group, g * group + group):
-            q = np.int8(np.rint(x[j] / d))
-            xq[quad_layout(j, row) if row else j] = q
+        for t in range(16):
+            q = np.int8(np.rint(x[start + t] * inverse))
+            xq[first + t] = q
+            total += np.int32(q)
+        for t in range(16, group):
+            q = np.int8(np.rint(x[start + t] * inverse))
+            xq[second + t - 16] = q
             total += np.int32(q)
         dx[g] = d
         sums[g] = np.float32(total) * d
