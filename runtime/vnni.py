@@ -438,27 +438,20 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     size takes one of its own."""
     vectors, cols = x.shape
     k = offsets.shape[0]
-    schemes = [scheme] * k if isinstance(scheme, str) else list(scheme)
-    parts: dict[str, list[int]] = {}
-    for e, name in enumerate(schemes):
-        parts.setdefault("blocks" if name in BLOCK_KINDS else name, []).append(e)
     out = np.empty((k, rows), dtype=np.float32)
-    for part, members in parts.items():
-        whole = len(members) == k
-        picked = np.asarray(members, dtype=np.int64)
+    for part, picked, kinds, row_bytes in _parts((scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols):
+        whole = picked is None
         offs = offsets if whole else offsets[picked]
         xs = x if whole or vectors == 1 else x[picked]
         n = xs.shape[0]
-        dest = out if whole else np.empty((len(members), rows), dtype=np.float32)
+        dest = out if whole else np.empty((len(picked), rows), dtype=np.float32)
         if part == "blocks":
             from .kernels import _E8M0, _F16_TO_F32
 
-            kinds = np.array([BLOCK_KINDS[schemes[e]] for e in members], dtype=np.int64)
-            row_bytes = np.array([_row_bytes(schemes[e], cols) for e in members], dtype=np.int64)
             # int8/q8_0 read the activations in order, q4_0/mxfp4 in quad_layout; the scales
             # and sums are the same.
-            natural = quantize_activations(xs.reshape(-1), 32) if (kinds < 2).any() else None
-            quads = quantize_activations(xs.reshape(-1), 32, cols) if (kinds >= 2).any() else None
+            natural = quantize_activations(xs.reshape(-1), 32) if kinds.min() < 2 else None
+            quads = quantize_activations(xs.reshape(-1), 32, cols) if kinds.max() >= 2 else None
             xq, dx, xsum = natural if natural is not None else quads  # type: ignore[misc]
             xq_quads = quads[0] if quads is not None else xq
             _block_rows_many(file, file.view(np.float32), kinds, _F16_TO_F32, _E8M0, offs, row_bytes,
@@ -467,16 +460,26 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
         else:
             group = FUSED_GROUPS[part]
             xq, dx, xsum = quantize_activations(xs.reshape(-1), group)  # groups never straddle two rows
-            _rows_many(file, file.view(np.uint16), group, offs, _row_bytes(part, cols),
+            _rows_many(file, file.view(np.uint16), group, offs, int(row_bytes[0]),
                        xq.reshape(n, cols), dx.reshape(n, -1), xsum.reshape(n, -1), dest)
         if not whole:
             out[picked] = dest
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _row_bytes(scheme: str, cols: int) -> int:
-    return get_scheme(scheme).matrix_bytes(1, cols)
+@functools.lru_cache(maxsize=4096)
+def _parts(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray, np.ndarray], ...]:
+    """The selected experts' schemes split into the calls rows_many makes: the block kinds
+    together, each int4 scheme apart; per call the experts (None: all of them), their kinds and
+    row sizes. Kept per selection: built per call, this Python cost about 0.1 ms a call among the
+    decode step's streaming weights."""
+    members: dict[str, list[int]] = {}
+    for e, name in enumerate(schemes):
+        members.setdefault("blocks" if name in BLOCK_KINDS else name, []).append(e)
+    return tuple((part, None if len(picked) == len(schemes) else np.asarray(picked, dtype=np.int64),
+                  np.array([BLOCK_KINDS.get(schemes[e], -1) for e in picked], dtype=np.int64),
+                  np.array([get_scheme(schemes[e]).matrix_bytes(1, cols) for e in picked], dtype=np.int64))
+                 for part, picked in members.items())
 
 
 _NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks
