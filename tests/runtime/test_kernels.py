@@ -279,6 +279,38 @@ def test_fused_experts_of_mixed_schemes(cols, shared):
         np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=scheme)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32"])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_experts_token_equals_experts_one_by_one(scheme, activation):
+    """One token through k experts of a layer at once (the fused decode path: int8's float
+    kernel, or VNNI for every scheme; also run with NUMBA_DISABLE_JIT=1 by
+    test_kernels_without_jit) equals the weighted sum of each expert's own forward."""
+    from ktc.runtime.kernels import experts_token
+
+    if scheme != "int8" and not vnni.HAVE_VNNI:
+        pytest.skip("the fused path of this scheme needs AVX-512 VNNI")
+    rng = np.random.default_rng(11)
+    hidden, inter, k = 256, 128, 3
+    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, scheme),
+                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, scheme)) for _ in range(k)]
+    file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
+    file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
+    sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    gate_up_offsets, down_offsets = starts, starts + np.array([gu.nbytes for gu, _ in experts])
+    x = rng.standard_normal(hidden).astype(np.float32)
+    weights = rng.uniform(0.1, 1, k).astype(np.float32)
+    biases = ((rng.standard_normal((k, 2 * inter)).astype(np.float32), rng.standard_normal((k, hidden)).astype(np.float32))
+              if activation != "silu" else (None, None))
+    got = experts_token(file, scheme, gate_up_offsets, down_offsets, hidden, inter, x, weights, activation=activation,
+                        gate_up_bias=biases[0], down_bias=biases[1])
+    want = sum(weights[e] * expert_forward(gu, dn, scheme, x, activation=activation,
+                                           gate_up_bias=None if biases[0] is None else biases[0][e],
+                                           down_bias=None if biases[1] is None else biases[1][e])
+               for e, (gu, dn) in enumerate(experts))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
 def test_int4_float_kernel_where_there_is_no_vnni():
     """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""
