@@ -118,18 +118,24 @@ def test_one_token_fused_path(family, scheme, hf_models, tiny_models, tmp_path):
     with open_bundle(str(path)) as bundle:
         layer = mf.FAMILIES[family].moe_layers[-1]
         moe = MoELayer(bundle, layer)
-        assert moe.experts._fused is not None
-        for _ in range(3):
-            h = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
-            fused = moe.forward(h)
-            saved, moe.experts._fused = moe.experts._fused, None
-            plain = moe.forward(h)
-            moe.experts._fused = saved
-            # Per 32 values the fused kernels quantize activations as the one-token kernels do
-            np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5 * np.abs(plain).max())
-            tolerance = TOLERANCE[scheme]
-            assert relative_error(fused, block_output(hf_models[family], layer, h)) < tolerance
+        for h, fused in fused_against_plain(moe, rng):
+            assert relative_error(fused, block_output(hf_models[family], layer, h)) < TOLERANCE[scheme]
         moe.close()
+
+
+def fused_against_plain(moe: MoELayer, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+    """Three tokens through the layer's fused one-token path, each checked against the experts
+    run one by one (per 32 values the fused kernels quantize activations as the one-token
+    kernels do: equal to 1e-5); yields (token, fused output)."""
+    assert moe.experts._fused is not None
+    for _ in range(3):
+        h = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
+        fused = moe.forward(h)
+        saved, moe.experts._fused = moe.experts._fused, None
+        plain = moe.forward(h)
+        moe.experts._fused = saved
+        np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5 * np.abs(plain).max())
+        yield h, fused
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -146,13 +152,6 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
     rng = np.random.default_rng(6)
     with open_bundle(path) as bundle:
         moe = MoELayer(bundle, mf.FAMILIES[family].moe_layers[-1])
-        assert moe.experts._fused is not None
         assert len({ex.scheme for ex in moe.experts.cpu.values()}) == len(schemes)
-        for _ in range(3):
-            h = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
-            fused = moe.forward(h)
-            saved, moe.experts._fused = moe.experts._fused, None
-            plain = moe.forward(h)
-            moe.experts._fused = saved
-            np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5 * np.abs(plain).max())
+        assert len(list(fused_against_plain(moe, rng))) == 3
         moe.close()
