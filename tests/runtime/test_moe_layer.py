@@ -155,3 +155,21 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
         assert len({ex.scheme for ex in moe.experts.cpu.values()}) == len(schemes)
         assert len(list(fused_against_plain(moe, rng))) == 3
         moe.close()
+
+
+def test_one_token_routing_equals_the_batched_routing():
+    """A decode step's softmax top-k (compiled) picks what the batched numpy routing picks,
+    ties to the lower index as a stable sort does, with the same weights."""
+    from ktc.runtime.moe import _softmax_top_k
+
+    rng = np.random.default_rng(8)
+    for logits in (rng.standard_normal(128).astype(np.float32),
+                   np.repeat(rng.standard_normal(16).astype(np.float32), 8)):  # ties
+        for k, normalize in ((8, True), (2, False), (1, True)):
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            want_idx = np.argsort(-probs, kind="stable")[:k]
+            want = probs[want_idx] / (probs[want_idx].sum() if normalize else 1)
+            idx, weights = _softmax_top_k(logits, k, normalize)
+            np.testing.assert_array_equal(idx, want_idx)
+            np.testing.assert_allclose(weights, want, rtol=1e-6)
