@@ -439,22 +439,22 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     vectors, cols = x.shape
     k = offsets.shape[0]
     out = np.empty((k, rows), dtype=np.float32)
-    for part, picked, kinds, row_bytes in _parts((scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols):
+    for part, picked, kinds, row_bytes, in_order, in_quads in _parts(
+            (scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols):
         whole = picked is None
         offs = offsets if whole else offsets[picked]
         xs = x if whole or vectors == 1 else x[picked]
         n = xs.shape[0]
         dest = out if whole else np.empty((len(picked), rows), dtype=np.float32)
         if part == "blocks":
-            from .kernels import _E8M0, _F16_TO_F32
-
             # int8/q8_0 read the activations in order, q4_0/mxfp4 in quad_layout; the scales
             # and sums are the same.
-            natural = quantize_activations(xs.reshape(-1), 32) if kinds.min() < 2 else None
-            quads = quantize_activations(xs.reshape(-1), 32, cols) if kinds.max() >= 2 else None
+            natural = quantize_activations(xs.reshape(-1), 32) if in_order else None
+            quads = quantize_activations(xs.reshape(-1), 32, cols) if in_quads else None
             xq, dx, xsum = natural if natural is not None else quads  # type: ignore[misc]
             xq_quads = quads[0] if quads is not None else xq
-            _block_rows_many(file, file.view(np.float32), kinds, _F16_TO_F32, _E8M0, offs, row_bytes,
+            f16, e8m0 = _tables()
+            _block_rows_many(file, file.view(np.float32), kinds, f16, e8m0, offs, row_bytes,
                              xq.reshape(n, cols), xq_quads.reshape(n, cols), dx.reshape(n, -1), xsum.reshape(n, -1),
                              dest)
         else:
@@ -468,18 +468,31 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
 
 
 @functools.lru_cache(maxsize=4096)
-def _parts(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray, np.ndarray], ...]:
+def _parts(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray, np.ndarray,
+                                                              bool, bool], ...]:
     """The selected experts' schemes split into the calls rows_many makes: the block kinds
-    together, each int4 scheme apart; per call the experts (None: all of them), their kinds and
-    row sizes. Kept per selection: built per call, this Python cost about 0.1 ms a call among the
-    decode step's streaming weights."""
+    together, each int4 scheme apart; per call the experts (None: all of them), their kinds, row
+    sizes, and whether some read the activations in order (int8, q8_0) and some in quad_layout
+    (q4_0, mxfp4). Kept per selection: a decode step's Python runs among streaming weights that
+    evict it from the caches, where each of these steps costs microseconds."""
     members: dict[str, list[int]] = {}
     for e, name in enumerate(schemes):
         members.setdefault("blocks" if name in BLOCK_KINDS else name, []).append(e)
-    return tuple((part, None if len(picked) == len(schemes) else np.asarray(picked, dtype=np.int64),
-                  np.array([BLOCK_KINDS.get(schemes[e], -1) for e in picked], dtype=np.int64),
-                  np.array([get_scheme(schemes[e]).matrix_bytes(1, cols) for e in picked], dtype=np.int64))
-                 for part, picked in members.items())
+    parts = []
+    for part, picked in members.items():
+        kinds = np.array([BLOCK_KINDS.get(schemes[e], -1) for e in picked], dtype=np.int64)
+        parts.append((part, None if len(picked) == len(schemes) else np.asarray(picked, dtype=np.int64), kinds,
+                      np.array([get_scheme(schemes[e]).matrix_bytes(1, cols) for e in picked], dtype=np.int64),
+                      bool((kinds == 0).any() or (kinds == 1).any()), bool((kinds >= 2).any())))
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _tables() -> tuple[np.ndarray, np.ndarray]:
+    """kernels' fp16 and e8m0 value tables (kernels imports this module: looked up once)."""
+    from .kernels import _E8M0, _F16_TO_F32
+
+    return _F16_TO_F32, _E8M0
 
 
 _NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks
@@ -489,11 +502,10 @@ def matvec_blocks(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray) 
     """``W @ x`` for one matrix of ``BLOCK_KINDS`` stored as C-contiguous uint8 rows ``raw``
     with VNNI, the activations quantized to int8 per block of 32 as llama.cpp's dot products
     do."""
-    from .kernels import _E8M0, _F16_TO_F32
-
     xq, dx, xsum = quantize_activations(x, 32, x.shape[0] if scheme in QUAD_KINDS else 0)
     f32 = raw.reshape(-1).view(np.float32) if scheme == "int8" else _NO_ROW_SCALES
-    _matvec_blocks_vnni(raw, BLOCK_KINDS[scheme], f32, _F16_TO_F32, _E8M0, xq, dx, xsum, out)
+    f16, e8m0 = _tables()
+    _matvec_blocks_vnni(raw, BLOCK_KINDS[scheme], f32, f16, e8m0, xq, dx, xsum, out)
     return out
 
 
