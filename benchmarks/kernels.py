@@ -37,14 +37,17 @@ def median(values: list[float]) -> float:
 
 
 class StepClock:
-    """Times the parts of a MoE layer's one-token forward separately by wrapping the functions
-    that do them: routing (the layer's router), the activations' quantization, the compiled
-    multi-expert kernels, the activation function between gate/up and down, the weighted sum of
-    the experts' outputs; the rest is the layer's own checks and calls."""
+    """Times the parts of a MoE layer's one-token forward separately: routing (the layer's
+    router, wrapped), and inside the compiled one-token call of the block schemes its cycle
+    stamps (``vnni.STAMPS``): the activations' quantization, the two multi-expert kernels, the
+    activation function between them, the weighted sum of the experts' outputs. Where that call
+    does not run (no VNNI, int4) the Python functions doing those parts are wrapped instead. The
+    rest is the layer's own checks and calls."""
 
     def __init__(self, layer) -> None:  # type: ignore[no-untyped-def]
         from ktc.runtime import kernels, vnni
 
+        self.vnni = vnni
         self.seconds: dict[str, float] = {}
         self.patched = [(vnni, "quantize_activations", "quantize"), (vnni, "_block_rows_many", "kernels"),
                         (vnni, "_rows_many", "kernels"), (kernels, "_act", "activation"),
@@ -52,6 +55,13 @@ class StepClock:
         self.saved = [getattr(owner, name) for owner, name, _ in self.patched]
         for (owner, name, part), fn in zip(self.patched, self.saved):
             setattr(owner, name, self._wrap(fn, part))
+        self.per_cycle = 0.0
+        if vnni.HAVE_VNNI:
+            vnni.STAMPS = np.zeros(7, dtype=np.int64)
+            vnni.cycles()  # compiled or loaded outside the calibration
+            started, first = time.perf_counter(), vnni.cycles()
+            time.sleep(0.2)
+            self.per_cycle = (time.perf_counter() - started) / (vnni.cycles() - first)
 
     def _wrap(self, fn, part):  # type: ignore[no-untyped-def]
         def timed_call(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -64,7 +74,14 @@ class StepClock:
 
     def measure(self, layer, h) -> dict[str, float]:  # type: ignore[no-untyped-def]
         self.seconds = {}
+        stamps = self.vnni.STAMPS
+        if stamps is not None:
+            stamps[:] = 0
         total = timed(lambda: layer.forward(h))
+        if stamps is not None and stamps[0]:
+            s = (stamps - stamps[0]) * self.per_cycle
+            self.seconds |= {"quantize": s[1] + s[4] - s[3], "kernels": s[2] - s[1] + s[5] - s[4],
+                             "activation": s[3] - s[2], "combine": s[6] - s[5]}
         parts = {part: self.seconds.get(part, 0.0) for part in ("routing", "quantize", "kernels", "activation",
                                                                 "combine")}
         return parts | {"total": total, "rest": total - sum(parts.values())}
@@ -72,6 +89,7 @@ class StepClock:
     def uninstall(self) -> None:
         for (owner, name, _), fn in zip(self.patched, self.saved):
             setattr(owner, name, fn)
+        self.vnni.STAMPS = None
 
 
 def main() -> int:

@@ -323,6 +323,13 @@ def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np
     parallel regions for the whole layer (gate/up of every expert, then down) instead of two per
     expert. Biases are [k, ...]."""
     k = gate_up_offsets.shape[0]
+    if vnni.HAVE_VNNI:
+        schemes = (scheme,) * k if isinstance(scheme, str) else tuple(scheme)
+        if all(name in vnni.BLOCK_KINDS for name in schemes):  # one compiled call
+            return vnni.experts_token_blocks(file, schemes, gate_up_offsets, down_offsets, hidden, inter, x,
+                                             weights, activation == "swiglu_clamped",
+                                             7.0 if limit is None else limit, 1.702 if alpha is None else alpha,
+                                             gate_up_bias, down_bias)
     if scheme == "int8" and not vnni.HAVE_VNNI:
         xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
         codes, scales = file.view(np.int8), file.view(np.float32)

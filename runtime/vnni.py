@@ -281,6 +281,26 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
 _int8_row, _q8_0_row, _q4_0_row, _mxfp4_row = (_row_intrinsic(kind) for kind in range(4))
 
 
+@intrinsic
+def _cycles(typingctx):  # type: ignore[no-untyped-def]
+    """The CPU's cycle counter (``rdtsc``): stamps inside compiled code, read by the MoE layer
+    benchmark (``STAMPS``)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@njit(cache=True, nogil=True)
+def cycles():  # pragma: no cover - compiled
+    """The cycle counter, from Python (to scale ``STAMPS`` to seconds)."""
+    return _cycles()
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _group(half, acc, flat, cbase, xq, xbase, s):  # pragma: no cover - compiled
     if half == 64:
@@ -493,6 +513,97 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
     from .kernels import _E8M0, _F16_TO_F32
 
     return _F16_TO_F32, _E8M0
+
+
+def experts_token_blocks(file: np.ndarray, schemes: tuple[str, ...], gate_up_offsets: np.ndarray,
+                         down_offsets: np.ndarray, hidden: int, inter: int, x: np.ndarray, weights: np.ndarray,
+                         clamped: bool, limit: float, alpha: float, gate_up_bias: np.ndarray | None,
+                         down_bias: np.ndarray | None) -> np.ndarray:
+    """``kernels.experts_token`` for experts all of ``BLOCK_KINDS`` (``schemes``: one each) in one
+    compiled call: the activations' quantization, both multi-expert kernels, the activation
+    between them and the weighted sum, without the Python between them."""
+    (part, _, kinds, gu_rows, in_order, in_quads), = _parts(schemes, hidden)
+    dn_rows = _parts(schemes, inter)[0][3]
+    f16, e8m0 = _tables()
+    none = _NO_ROW_SCALES.reshape(1, 1)
+    return _experts_token_blocks(file, file.view(np.float32), f16, e8m0, kinds, gate_up_offsets, gu_rows, down_offsets,
+                                 dn_rows, np.ascontiguousarray(x, dtype=np.float32), weights, inter, in_order,
+                                 in_quads, clamped, np.float32(limit), np.float32(alpha),
+                                 none if gate_up_bias is None else gate_up_bias, gate_up_bias is not None,
+                                 none if down_bias is None else down_bias, down_bias is not None,
+                                 _NO_STAMPS if STAMPS is None else STAMPS)
+
+
+# Set to an int64 array of 7 (benchmarks/kernels.py does) to have each compiled one-token call
+# stamp the cycle counter at its start, after quantizing x, after the gate/up kernel, after the
+# activation, after quantizing it, after the down kernel and at its end.
+STAMPS: np.ndarray | None = None
+_NO_STAMPS = np.zeros(0, dtype=np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _quantized_both(x, n, cols, in_order, in_quads):  # pragma: no cover - compiled
+    # n vectors of cols values quantized per 32: in order and/or in quad_layout (the same
+    # scales and sums), as [n, cols] arrays; the one not needed is the other.
+    groups = n * cols // 32
+    dx = np.empty(groups, np.float32)
+    sums = np.empty(groups, np.float32)
+    ordered = np.empty(n * cols, np.int8)
+    quads = np.empty(n * cols, np.int8) if in_order and in_quads else ordered
+    if in_order:
+        _quantize_groups(x, 32, 0, ordered, dx, sums)
+    if in_quads:
+        _quantize_groups(x, 32, cols, quads, dx, sums)
+    return (ordered.reshape(n, cols), quads.reshape(n, cols), dx.reshape(n, cols // 32),
+            sums.reshape(n, cols // 32))
+
+
+@njit(cache=True, nogil=True)
+def _experts_token_blocks(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, x, weights, inter,
+                          in_order, in_quads, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias,
+                          has_dn_bias, stamps):  # pragma: no cover - compiled
+    k = kinds.shape[0]
+    hidden = x.shape[0]
+    timed = stamps.shape[0] == 7
+    if timed:
+        stamps[0] = _cycles()
+    xq, xq_quads, dx, sums = _quantized_both(x, 1, hidden, in_order, in_quads)
+    if timed:
+        stamps[1] = _cycles()
+    h = np.empty((k, 2 * inter), np.float32)
+    _block_rows_many(file, f32, kinds, f16, e8m0, gu_offsets, gu_rows, xq, xq_quads, dx, sums, h)
+    if timed:
+        stamps[2] = _cycles()
+    a = np.empty(k * inter, np.float32)
+    one = np.float32(1.0)
+    for e in range(k):
+        for j in range(inter):
+            gate, up = h[e, j], h[e, inter + j]
+            if has_gu_bias:
+                gate += gu_bias[e, j]
+                up += gu_bias[e, inter + j]
+            if clamped:  # gpt-oss's clamped SwiGLU
+                gate = min(gate, limit)
+                up = min(max(up, -limit), limit)
+                a[e * inter + j] = (up + one) * (gate / (one + np.exp(-alpha * gate)))
+            else:
+                a[e * inter + j] = gate / (one + np.exp(-gate)) * up
+    if timed:
+        stamps[3] = _cycles()
+    aq, aq_quads, adx, asums = _quantized_both(a, k, inter, in_order, in_quads)
+    if timed:
+        stamps[4] = _cycles()
+    y = np.empty((k, hidden), np.float32)
+    _block_rows_many(file, f32, kinds, f16, e8m0, dn_offsets, dn_rows, aq, aq_quads, adx, asums, y)
+    if timed:
+        stamps[5] = _cycles()
+    out = np.zeros(hidden, np.float32)
+    for e in range(k):
+        for j in range(hidden):
+            out[j] += weights[e] * (y[e, j] + dn_bias[e, j] if has_dn_bias else y[e, j])
+    if timed:
+        stamps[6] = _cycles()
+    return out
 
 
 _NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks
