@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 from .device import matmul
 from . import kernels
 from .kernels import decode, int8_row_scales, linear

@@ -1,17 +1,18 @@
-"""4-bit experts through the CPU's integer dot-product instruction (AVX-512 VNNI ``vpdpbusd``).
+"""Expert products through the CPU's integer dot-product instruction (AVX-512 VNNI ``vpdpbusd``).
 
 Numba has no vector types and no way to ask for one instruction, and its integer arithmetic is
-widened to int64, so the float kernels spend most of their time unpacking nibbles. Here small
-LLVM functions, built with ``numba.extending.intrinsic``, multiply a group's 4-bit codes by the
-activations quantized to int8 and add the sums to a float accumulator; the rest of each kernel is
-ordinary Numba. Activations are quantized per group of the weights (32 for ggml's blocks), with
-one float32 scale each, as llama.cpp does for its q8 activations (about 0.5% relative error, far
-below 4-bit weights' own). Kernels: int4 (codes then scale/minimum pairs, one row's group in one
-load), q4_0 and mxfp4 (ggml blocks; mxfp4's e2m1 codes become integers with one ``pshufb``), and
-int4 for all the selected experts of a layer at once. Used when the CPU has AVX-512 VNNI and the
-JIT is on; otherwise ``kernels.py``'s float kernels run. ``KTC_NO_VNNI=1`` forces those.
+widened to int64, so the float kernels spend most of their time unpacking nibbles. Here LLVM
+code, built with ``numba.extending.intrinsic``, multiplies codes by the activations quantized to
+int8; the rest of each kernel is ordinary Numba. Activations are quantized per group of the
+weights (32 for ggml's blocks), with one float32 scale each, as llama.cpp does for its q8
+activations (about 0.5% relative error, far below 4-bit weights' own). Kernels: a whole row of
+int8, q8_0, q4_0 or mxfp4 as one LLVM loop (``_row_intrinsic``: two or four blocks a 512-bit
+step, mxfp4's e2m1 codes made integers with one ``pshufb``); int4 (codes then scale/minimum
+pairs) a group at a time; each for one matrix, for the same matrix of all the selected experts
+of a layer at once (``rows_many``, schemes mixed), and for one token through a layer's experts
+in one call (``experts_token_blocks``). Used when the CPU has AVX-512 VNNI and the JIT is on;
+otherwise ``kernels.py``'s float kernels run. ``KTC_NO_VNNI=1`` forces those.
 """
-
 from __future__ import annotations
 
 import functools
