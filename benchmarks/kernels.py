@@ -37,9 +37,9 @@ def median(values: list[float]) -> float:
 
 
 class StepClock:
-    """Times the parts of a MoE layer's one-token forward separately: routing (the layer's
-    router, wrapped), and inside the compiled one-token call of the block schemes its cycle
-    stamps (``vnni.STAMPS``): the activations' quantization, the two multi-expert kernels, the
+    """Times the parts of a MoE layer's one-token forward separately, from the cycle stamps of
+    the layer's compiled one-token call (block schemes, ``vnni.STAMPS``): routing (the router's
+    product and top-k), the activations' quantization, the two multi-expert kernels, the
     activation function between them, the weighted sum of the experts' outputs. Where that call
     does not run (no VNNI, int4) the Python functions doing those parts are wrapped instead. The
     rest is the layer's own checks and calls."""
@@ -57,7 +57,7 @@ class StepClock:
             setattr(owner, name, self._wrap(fn, part))
         self.per_cycle = 0.0
         if vnni.HAVE_VNNI:
-            vnni.STAMPS = np.zeros(7, dtype=np.int64)
+            vnni.STAMPS = np.zeros(9, dtype=np.int64)
             vnni.cycles()  # compiled or loaded outside the calibration
             started, first = time.perf_counter(), vnni.cycles()
             time.sleep(0.2)
@@ -82,6 +82,8 @@ class StepClock:
             s = (stamps - stamps[0]) * self.per_cycle
             self.seconds |= {"quantize": s[1] + s[4] - s[3], "kernels": s[2] - s[1] + s[5] - s[4],
                              "activation": s[3] - s[2], "combine": s[6] - s[5]}
+            if stamps[7]:  # the layer's own one-call path: its routing inside it
+                self.seconds["routing"] = s[8] - s[7]
         parts = {part: self.seconds.get(part, 0.0) for part in ("routing", "quantize", "kernels", "activation",
                                                                 "combine")}
         return parts | {"total": total, "rest": total - sum(parts.values())}

@@ -535,9 +535,10 @@ def experts_token_blocks(file: np.ndarray, schemes: tuple[str, ...], gate_up_off
                                  _NO_STAMPS if STAMPS is None else STAMPS)
 
 
-# Set to an int64 array of 7 (benchmarks/kernels.py does) to have each compiled one-token call
+# Set to an int64 array of 9 (benchmarks/kernels.py does) to have each compiled one-token call
 # stamp the cycle counter at its start, after quantizing x, after the gate/up kernel, after the
-# activation, after quantizing it, after the down kernel and at its end.
+# activation, after quantizing it, after the down kernel and at its end; the MoE layer's call
+# (``moe._moe_token``) stamps its routing's start and end too (7 and 8).
 STAMPS: np.ndarray | None = None
 _NO_STAMPS = np.zeros(0, dtype=np.int64)
 
@@ -565,7 +566,7 @@ def _experts_token_blocks(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_o
                           has_dn_bias, stamps):  # pragma: no cover - compiled
     k = kinds.shape[0]
     hidden = x.shape[0]
-    timed = stamps.shape[0] == 7
+    timed = stamps.shape[0] >= 7
     if timed:
         stamps[0] = _cycles()
     xq, xq_quads, dx, sums = _quantized_both(x, 1, hidden, in_order, in_quads)

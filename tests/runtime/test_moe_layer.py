@@ -95,6 +95,11 @@ def test_bad_hidden_states(tiny_models, tmp_path):
         bad[1, 3] = np.nan
         with pytest.raises(KtcError, match="NaN"):
             moe.forward(bad)
+        with pytest.raises(KtcError, match="NaN"):  # one token: the one-call decode path
+            moe.forward(bad[1:])
+        bad[1, 3] = np.inf
+        with pytest.raises(KtcError, match="Inf"):
+            moe.forward(bad[1:])
         moe.close()
 
 
