@@ -615,11 +615,19 @@ def matvec_blocks(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray) 
     """``W @ x`` for one matrix of ``BLOCK_KINDS`` stored as C-contiguous uint8 rows ``raw``
     with VNNI, the activations quantized to int8 per block of 32 as llama.cpp's dot products
     do."""
-    xq, dx, xsum = quantize_activations(x, 32, x.shape[0] if scheme in QUAD_KINDS else 0)
     f32 = raw.reshape(-1).view(np.float32) if scheme == "int8" else _NO_ROW_SCALES
     f16, e8m0 = _tables()
-    _matvec_blocks_vnni(raw, BLOCK_KINDS[scheme], f32, f16, e8m0, xq, dx, xsum, out)
+    _matvec_token(raw, BLOCK_KINDS[scheme], f32, f16, e8m0, np.ascontiguousarray(x, dtype=np.float32), out)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _matvec_token(raw, kind, f32, f16, e8m0, x, out):  # pragma: no cover - compiled
+    # The activations quantized (in quad_layout for q4_0 and mxfp4), then the kernel: one call
+    # from Python instead of two (a decode step makes several per layer, each among streaming
+    # weights that leave the Python around it slow).
+    xq, xq_quads, dx, sums = _quantized_both(x, 1, x.shape[0], kind < 2, kind >= 2)
+    _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq_quads[0] if kind >= 2 else xq[0], dx[0], sums[0], out)
 
 
 def quantize_activations(x: np.ndarray, group: int, row: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
