@@ -90,6 +90,7 @@ class ExpertSet:
         # in) instead of two per expert.
         self._fused = None
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
+        self._one_call: tuple | None = None  # type: ignore[type-arg]
         schemes = {ex.scheme for ex in self.cpu.values()}
         if schemes:
             from . import vnni
@@ -243,8 +244,50 @@ class ExpertSet:
 
     def _decode_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """One token whose experts all run on the CPU (a decode step): counted, then fused."""
+        tables = self.one_call_tables()
+        if tables is not None:
+            from . import vnni
+
+            return vnni.chosen_experts_token(*tables, np.ascontiguousarray(experts, dtype=np.int64),
+                                             np.ascontiguousarray(weights, dtype=np.float32),
+                                             np.ascontiguousarray(x, dtype=np.float32), vnni.stamps())
         self.counts[experts] += 1
         return self._fused_token(x, experts, weights)
+
+    def one_call_tables(self) -> tuple | None:  # type: ignore[type-arg]
+        """The per-expert tables (and counts) of ``vnni.chosen_experts_token`` for this layer, or
+        None where one token does not take that path: every expert on the CPU in the fused path,
+        in block schemes, on a VNNI CPU. Built once per fused setup."""
+        from . import vnni
+
+        fused = self._fused
+        if fused is None or self._device_index or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
+            return None
+        cached = self._one_call
+        if cached is not None and cached[0] is fused:
+            return cached[1]
+        scheme, file, gate_up, down = fused
+        names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
+        tables = None
+        if all(name in vnni.BLOCK_KINDS for name in names):
+            from ktc.formats.schemes import get_scheme
+
+            f16, e8m0 = vnni._tables()
+            biases = self._fused_biases
+            none = np.zeros((1, 1), dtype=np.float32)
+            tables = (file, file.view(np.float32), f16, e8m0,
+                      np.array([vnni.BLOCK_KINDS[name] for name in names], dtype=np.int64), gate_up,
+                      np.array([get_scheme(name).matrix_bytes(1, self.hidden_size) for name in names], dtype=np.int64),
+                      down,
+                      np.array([get_scheme(name).matrix_bytes(1, self.intermediate_size) for name in names],
+                               dtype=np.int64),
+                      self.intermediate_size, self.activation == "swiglu_clamped",
+                      np.float32(7.0 if self.swiglu_limit is None else self.swiglu_limit),
+                      np.float32(1.702 if self.swiglu_alpha is None else self.swiglu_alpha),
+                      biases[0] if biases else none, biases is not None, biases[1] if biases else none,
+                      biases is not None, self.counts)
+        self._one_call = (fused, tables)
+        return tables
 
     def _fused_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """One token through ``experts`` (CPU experts, all in fused schemes), weighted."""

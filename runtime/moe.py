@@ -107,7 +107,7 @@ class MoELayer:
                            f"{self.hidden_size}]")
         args = self._one_call() if hidden.shape[0] == 1 else None
         if args is not None:  # a decode step through block-scheme experts: one compiled call
-            out = _moe_token(self.router, *args, hidden[0], _NO_STAMPS if vnni.STAMPS is None else vnni.STAMPS)
+            out = _moe_token(self.router, *args, hidden[0], vnni.stamps())
             if out.shape[0] == 0:
                 raise KtcError("hidden states contain NaN or Inf")
             out = out[None, :]
@@ -127,54 +127,28 @@ class MoELayer:
 
     def _one_call(self) -> tuple | None:  # type: ignore[type-arg]
         """The arguments (but the router, the token and the stamps) of ``_moe_token`` for this
-        layer, or None where one token does not take it: softmax routing, every expert on the
-        CPU in the fused path, in block schemes, on a VNNI CPU. Built once per fused setup."""
-        experts = self.experts
-        fused = experts._fused
-        if fused is None or experts._device_index or self.info["gating"] == "sigmoid" or not vnni.HAVE_VNNI:
+        layer, or None where one token does not take it: softmax routing, and the experts' one
+        call (``ExpertSet.one_call_tables``)."""
+        if self.info["gating"] == "sigmoid":
             return None
-        cached = getattr(self, "_one_call_args", None)
-        if cached is not None and cached[0] is fused:
-            return cached[1]
-        scheme, file, gate_up, down = fused
-        names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
-        args = None
-        if len(experts.cpu) == self.num_experts and all(name in vnni.BLOCK_KINDS for name in names):
-            from ktc.formats.schemes import get_scheme
-
-            f16, e8m0 = vnni._tables()
-            biases = experts._fused_biases
-            none = np.zeros((1, 1), dtype=np.float32)
-            info = self.info
-            args = (self.router_bias if self.router_bias is not None else none[0], self.router_bias is not None,
-                    self.top_k, bool(info["norm_topk_prob"]), np.float32(info["routed_scaling_factor"]),
-                    experts.counts, file, file.view(np.float32), f16, e8m0,
-                    np.array([vnni.BLOCK_KINDS[name] for name in names], dtype=np.int64), gate_up,
-                    np.array([get_scheme(name).matrix_bytes(1, self.hidden_size) for name in names], dtype=np.int64),
-                    down,
-                    np.array([get_scheme(name).matrix_bytes(1, experts.intermediate_size) for name in names],
-                             dtype=np.int64),
-                    experts.intermediate_size, experts.activation == "swiglu_clamped",
-                    np.float32(7.0 if experts.swiglu_limit is None else experts.swiglu_limit),
-                    np.float32(1.702 if experts.swiglu_alpha is None else experts.swiglu_alpha),
-                    biases[0] if biases else none, biases is not None, biases[1] if biases else none,
-                    biases is not None)
-        self._one_call_args = (fused, args)
-        return args
+        tables = self.experts.one_call_tables()
+        if tables is None:
+            return None
+        none = np.zeros(1, dtype=np.float32)
+        return (self.router_bias if self.router_bias is not None else none, self.router_bias is not None,
+                self.top_k, bool(self.info["norm_topk_prob"]), np.float32(self.info["routed_scaling_factor"]),
+                *tables)
 
     def close(self) -> None:
         self.experts.close()
 
 
-_NO_STAMPS = np.zeros(0, dtype=np.int64)
-
-
 @njit(cache=True, nogil=True)
-def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, counts, file, f32, f16, e8m0, kinds,
+def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file, f32, f16, e8m0, kinds,
                gu_offsets, gu_rows, dn_offsets, dn_rows, inter, clamped, limit, alpha, gu_bias, has_gu_bias,
-               dn_bias, has_dn_bias, x, stamps):  # pragma: no cover - compiled
-    # One token through the layer: its router (softmax, top k), then vnni's one-call path over
-    # the chosen experts. Empty when x is not finite. Stamps 7 and 8 (vnni.STAMPS) bracket the
+               dn_bias, has_dn_bias, counts, x, stamps):  # pragma: no cover - compiled
+    # One token through the layer: its router (softmax, top k), then vnni's one call over the
+    # chosen experts. Empty when x is not finite. Stamps 7 and 8 (vnni.STAMPS) bracket the
     # routing.
     for j in range(x.shape[0]):
         if not np.isfinite(x[j]):
@@ -190,16 +164,9 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, coun
     weights *= scaling
     if timed:
         stamps[8] = vnni._cycles()
-    chosen = kinds[idx]
-    in_order, in_quads = False, False
-    for e in range(k):
-        counts[idx[e]] += 1
-        in_order |= chosen[e] < 2
-        in_quads |= chosen[e] >= 2
-    return vnni._experts_token_blocks(file, f32, f16, e8m0, chosen, gu_offsets[idx], gu_rows[idx], dn_offsets[idx],
-                                      dn_rows[idx], x, weights, inter, in_order, in_quads, clamped, limit, alpha,
-                                      gu_bias[idx] if has_gu_bias else gu_bias, has_gu_bias,
-                                      dn_bias[idx] if has_dn_bias else dn_bias, has_dn_bias, stamps)
+    return vnni.chosen_experts_token(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, inter,
+                                     clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
+                                     idx, weights, x, stamps)
 
 
 @njit(cache=True, nogil=True)

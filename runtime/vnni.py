@@ -532,7 +532,7 @@ def experts_token_blocks(file: np.ndarray, schemes: tuple[str, ...], gate_up_off
                                  in_quads, clamped, np.float32(limit), np.float32(alpha),
                                  none if gate_up_bias is None else gate_up_bias, gate_up_bias is not None,
                                  none if down_bias is None else down_bias, down_bias is not None,
-                                 _NO_STAMPS if STAMPS is None else STAMPS)
+                                 stamps())
 
 
 # Set to an int64 array of 9 (benchmarks/kernels.py does) to have each compiled one-token call
@@ -541,6 +541,31 @@ def experts_token_blocks(file: np.ndarray, schemes: tuple[str, ...], gate_up_off
 # (``moe._moe_token``) stamps its routing's start and end too (7 and 8).
 STAMPS: np.ndarray | None = None
 _NO_STAMPS = np.zeros(0, dtype=np.int64)
+
+
+def stamps() -> np.ndarray:
+    """``STAMPS``, or an empty array (no stamps) when it is not set."""
+    return _NO_STAMPS if STAMPS is None else STAMPS
+
+
+@njit(cache=True, nogil=True)
+def chosen_experts_token(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, inter, clamped,
+                         limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, idx, weights, x,
+                         stamps):  # pragma: no cover - compiled
+    """One token through the layer's experts ``idx`` (weighted by ``weights``; per-expert tables
+    for the whole layer, as ``experts.ExpertSet.one_call_tables`` builds them): counted, then
+    ``_experts_token_blocks`` over them."""
+    k = idx.shape[0]
+    chosen = kinds[idx]
+    in_order, in_quads = False, False
+    for e in range(k):
+        counts[idx[e]] += 1
+        in_order |= chosen[e] < 2
+        in_quads |= chosen[e] >= 2
+    return _experts_token_blocks(file, f32, f16, e8m0, chosen, gu_offsets[idx], gu_rows[idx], dn_offsets[idx],
+                                 dn_rows[idx], x, weights, inter, in_order, in_quads, clamped, limit, alpha,
+                                 gu_bias[idx] if has_gu_bias else gu_bias, has_gu_bias,
+                                 dn_bias[idx] if has_dn_bias else dn_bias, has_dn_bias, stamps)
 
 
 @njit(cache=True, nogil=True)
