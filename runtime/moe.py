@@ -134,10 +134,13 @@ class MoELayer:
         tables = self.experts.one_call_tables()
         if tables is None:
             return None
-        none = np.zeros(1, dtype=np.float32)
-        return (self.router_bias if self.router_bias is not None else none, self.router_bias is not None,
-                self.top_k, bool(self.info["norm_topk_prob"]), np.float32(self.info["routed_scaling_factor"]),
-                *tables)
+        cached = getattr(self, "_one_call_args", None)
+        if cached is None or cached[0] is not tables:  # built once per tables
+            bias = self.router_bias if self.router_bias is not None else np.zeros(1, dtype=np.float32)
+            cached = (tables, (bias, self.router_bias is not None, self.top_k, bool(self.info["norm_topk_prob"]),
+                               np.float32(self.info["routed_scaling_factor"]), *tables))
+            self._one_call_args = cached
+        return cached[1]
 
     def close(self) -> None:
         self.experts.close()
