@@ -446,7 +446,6 @@ def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_qua
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
 FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
 BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3}
-QUAD_KINDS = ("q4_0", "mxfp4")  # their activations in quad_layout
 FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS)
 
 
