@@ -378,39 +378,39 @@ def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, acc):  # pragm
     # (int8 xq, quantized per 32 values: dx[b], xsum[b]). kind 0: int8 (the row's codes, then a
     # float32 row scale: not applied here), 1: q8_0, 2: q4_0, 3: mxfp4 (ggml blocks).
     # Whole steps of the row in LLVM's loop (_row_intrinsic), then the blocks past the last
-    # whole step one by one (their activations in order). The kinds keep separate tail loops:
-    # one loop branching on the kind inside ran 5-100% slower (medians of 61 interleaved rounds).
+    # whole step one by one (their activations in order): at most three, in rows that are not
+    # whole steps (gpt-oss's 2880 values), so one loop serves every kind.
+    if kind == 0:
+        total, step = _int8_row(flat, base, blocks // 2, xq, dx, xsum, e8m0), 2
+    elif kind == 1:
+        total, step = _q8_0_row(flat, base, blocks // 2, xq, dx, xsum, e8m0), 2
+    elif kind == 2:
+        total, step = _q4_0_row(flat, base, blocks // 4, xq, dx, xsum, e8m0), 4
+    else:
+        total, step = _mxfp4_row(flat, base, blocks // 4, xq, dx, xsum, e8m0), 4
+    if blocks % step == 0:
+        return total
     acc[:] = 0
     shift = np.float32(0.0)
-    if kind == 0:
-        total = _int8_row(flat, base, blocks // 2, xq, dx, xsum, e8m0)
-        for b in range(blocks // 2 * 2, blocks):
-            _signed_bytes32(acc, flat, base + b * 32, xq, b * 32, dx[b])
+    size = (32, 34, 18, 17)[kind]
+    for b in range(blocks // step * step, blocks):
+        at = base + b * size
+        if kind == 0:  # the row scale is the caller's
+            _signed_bytes32(acc, flat, at, xq, b * 32, dx[b])
             shift += xsum[b]
-        return total + acc.sum() - np.float32(128.0) * shift
-    if kind == 1:
-        total = _q8_0_row(flat, base, blocks // 2, xq, dx, xsum, e8m0)
-        for b in range(blocks // 2 * 2, blocks):
-            at = base + b * 34
+            continue
+        if kind == 3:
+            d = np.float32(0.5) * e8m0[flat[at]]
+        else:
             d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+        if kind == 1:
             _signed_bytes32(acc, flat, at + 2, xq, b * 32, d * dx[b])
-            shift += d * xsum[b]
-        return total + acc.sum() - np.float32(128.0) * shift
-    if kind == 2:
-        total = _q4_0_row(flat, base, blocks // 4, xq, dx, xsum, e8m0)
-        for b in range(blocks // 4 * 4, blocks):
-            at = base + b * 18
-            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+        elif kind == 2:
             _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
-            shift += d * xsum[b]
-        return total + acc.sum() - np.float32(8.0) * shift
-    total = _mxfp4_row(flat, base, blocks // 4, xq, dx, xsum, e8m0)
-    for b in range(blocks // 4 * 4, blocks):
-        at = base + b * 17
-        d = np.float32(0.5) * e8m0[flat[at]]
-        _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
+        else:
+            _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
         shift += d * xsum[b]
-    return total + acc.sum() - np.float32(12.0) * shift
+    return total + acc.sum() - np.float32((128.0, 128.0, 8.0, 12.0)[kind]) * shift
 
 
 @njit(cache=True, nogil=True, inline="always")
