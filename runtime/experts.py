@@ -19,6 +19,7 @@ from ktc.errors import KtcError
 from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 
+from . import vnni
 from .device import matmul, upload
 from .kernels import expert_forward, expert_forward_batch, experts_token
 
@@ -93,8 +94,6 @@ class ExpertSet:
         self._one_call: tuple | None = None  # type: ignore[type-arg]
         schemes = {ex.scheme for ex in self.cpu.values()}
         if schemes:
-            from . import vnni
-
             if schemes == {"int8"} or (vnni.HAVE_VNNI and schemes <= vnni.FUSED):
                 # one scheme: its name; mixed: each expert's, looked up per token
                 scheme = next(iter(schemes)) if len(schemes) == 1 else np.array(
@@ -246,8 +245,6 @@ class ExpertSet:
         """One token whose experts all run on the CPU (a decode step): counted, then fused."""
         tables = self.one_call_tables()
         if tables is not None:
-            from . import vnni
-
             return vnni.chosen_experts_token(*tables, np.ascontiguousarray(experts, dtype=np.int64),
                                              np.ascontiguousarray(weights, dtype=np.float32),
                                              np.ascontiguousarray(x, dtype=np.float32), vnni.stamps())
@@ -258,8 +255,6 @@ class ExpertSet:
         """The per-expert tables (and counts) of ``vnni.chosen_experts_token`` for this layer, or
         None where one token does not take that path: every expert on the CPU in the fused path,
         in block schemes, on a VNNI CPU. Built once per fused setup."""
-        from . import vnni
-
         fused = self._fused
         if fused is None or self._device_index or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
             return None
@@ -270,17 +265,12 @@ class ExpertSet:
         names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
         tables = None
         if all(name in vnni.BLOCK_KINDS for name in names):
-            from ktc.formats.schemes import get_scheme
-
+            (_, _, kinds, gate_up_rows, _, _), = vnni.split_schemes(tuple(names), self.hidden_size)
+            down_rows = vnni.split_schemes(tuple(names), self.intermediate_size)[0][3]
             f16, e8m0 = vnni._tables()
             biases = self._fused_biases
             none = np.zeros((1, 1), dtype=np.float32)
-            tables = (file, file.view(np.float32), f16, e8m0,
-                      np.array([vnni.BLOCK_KINDS[name] for name in names], dtype=np.int64), gate_up,
-                      np.array([get_scheme(name).matrix_bytes(1, self.hidden_size) for name in names], dtype=np.int64),
-                      down,
-                      np.array([get_scheme(name).matrix_bytes(1, self.intermediate_size) for name in names],
-                               dtype=np.int64),
+            tables = (file, file.view(np.float32), f16, e8m0, kinds, gate_up, gate_up_rows, down, down_rows,
                       self.intermediate_size, self.activation == "swiglu_clamped",
                       np.float32(7.0 if self.swiglu_limit is None else self.swiglu_limit),
                       np.float32(1.702 if self.swiglu_alpha is None else self.swiglu_alpha),

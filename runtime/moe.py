@@ -42,6 +42,7 @@ class MoELayer:
         if info["shared_experts"]:
             self.shared = tuple(tensor_float32(bundle, prefix + f"shared_experts.{p}") for p in ("gate", "up", "down"))
         self.shared_gate = tensor_float32(bundle, prefix + "shared_expert_gate") if info["shared_expert_gate"] else None
+        self._one_call_args: tuple | None = None  # type: ignore[type-arg]  # (experts' tables, arguments)
 
     @property
     def counts(self) -> np.ndarray:
@@ -134,7 +135,7 @@ class MoELayer:
         tables = self.experts.one_call_tables()
         if tables is None:
             return None
-        cached = getattr(self, "_one_call_args", None)
+        cached = self._one_call_args
         if cached is None or cached[0] is not tables:  # built once per tables
             bias = self.router_bias if self.router_bias is not None else np.zeros(1, dtype=np.float32)
             cached = (tables, (bias, self.router_bias is not None, self.top_k, bool(self.info["norm_topk_prob"]),

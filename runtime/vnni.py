@@ -459,7 +459,7 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     vectors, cols = x.shape
     k = offsets.shape[0]
     out = np.empty((k, rows), dtype=np.float32)
-    for part, picked, kinds, row_bytes, in_order, in_quads in _parts(
+    for part, picked, kinds, row_bytes, in_order, in_quads in split_schemes(
             (scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols):
         whole = picked is None
         offs = offsets if whole else offsets[picked]
@@ -488,7 +488,7 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
 
 
 @functools.lru_cache(maxsize=4096)
-def _parts(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray, np.ndarray,
+def split_schemes(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray, np.ndarray,
                                                               bool, bool], ...]:
     """The selected experts' schemes split into the calls rows_many makes: the block kinds
     together, each int4 scheme apart; per call the experts (None: all of them), their kinds, row
@@ -522,8 +522,8 @@ def experts_token_blocks(file: np.ndarray, schemes: tuple[str, ...], gate_up_off
     """``kernels.experts_token`` for experts all of ``BLOCK_KINDS`` (``schemes``: one each) in one
     compiled call: the activations' quantization, both multi-expert kernels, the activation
     between them and the weighted sum, without the Python between them."""
-    (part, _, kinds, gu_rows, in_order, in_quads), = _parts(schemes, hidden)
-    dn_rows = _parts(schemes, inter)[0][3]
+    (_, _, kinds, gu_rows, in_order, in_quads), = split_schemes(schemes, hidden)
+    dn_rows = split_schemes(schemes, inter)[0][3]
     f16, e8m0 = _tables()
     none = _NO_ROW_SCALES.reshape(1, 1)
     return _experts_token_blocks(file, file.view(np.float32), f16, e8m0, kinds, gate_up_offsets, gu_rows, down_offsets,
