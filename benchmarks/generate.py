@@ -118,11 +118,13 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
 
 
 class KernelClock:
-    """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the GEMMs and
-    decoders of the batched paths, the embedding row decode) and in torch's attention,
-    accumulated by wrapping those functions where the runtime looks them up. ktc's own Python
-    around them (dispatching experts, the activation between gate/up and down) is not kernel
-    time: it counts as framework, with transformers' code."""
+    """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the compiled
+    one-token expert calls, which include the activations' quantization and the activation
+    function, the GEMMs and decoders of the batched paths, the embedding row decode) and in
+    torch's attention, accumulated by wrapping those functions where the runtime looks them up.
+    ktc's own Python around them (dispatching experts, the activation between gate/up and down
+    where it is not compiled) is not kernel time: it counts as framework, with transformers'
+    code."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -172,7 +174,8 @@ class KernelClock:
 
         for name in ("matvec", "_int8_rows_many", "_int8_gemm", "_bf16_gemm", "matmul_t", "decode"):
             setattr(kernels, name, self.wrap(getattr(kernels, name)))
-        vnni.rows_many = self.wrap(vnni.rows_many)
+        for name in ("rows_many", "experts_token_blocks", "chosen_experts_token"):
+            setattr(vnni, name, self.wrap(getattr(vnni, name)))
         BundleEmbedding.rows = self.wrap(BundleEmbedding.rows)
         ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = self.wrap(sdpa_attention_forward)
 
