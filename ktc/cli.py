@@ -4,33 +4,59 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import wraps
 from typing import Any
 
 import click
 
 from ktc import __version__
-from ktc.errors import KtcError
+from ktc.errors import KtcError, Terminated
 from ktc.formats.schemes import SCHEMES
 
 EXIT_USER_ERROR = 2
 
 
 def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Print a ``KtcError`` in a line or two and exit non-zero; let bugs show their traceback."""
+    """Print a ``KtcError`` in a line or two and exit non-zero; let bugs show their traceback.
+
+    SIGTERM (``timeout``, ``kill``, docker) is handled like Ctrl-C: it raises where the command
+    is, what it was writing is removed, and the exit status is 128 + 15 as a shell expects."""
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except KtcError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(EXIT_USER_ERROR)
+        with _sigterm_raises():
+            try:
+                return func(*args, **kwargs)
+            except KtcError as exc:
+                click.echo(f"error: {exc}", err=True)
+                sys.exit(EXIT_USER_ERROR)
+            except Terminated as exc:
+                click.echo("error: stopped by SIGTERM; nothing half-written was left behind", err=True)
+                sys.exit(128 + exc.signum)
 
     return wrapper
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

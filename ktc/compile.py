@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from ktc.errors import ConfigError, FormatError, KtcError
 from ktc.formats.bundle import FORMAT_MAJOR, FORMAT_MINOR
 from ktc.formats.schemes import get_scheme
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
-from ktc.passes.emit import Emit, EmitResult
+from ktc.passes.emit import Emit, EmitResult, remove_stale_temporaries
 from ktc.passes.layout import ChooseSchemes, LayOut, RunFile
 from ktc.passes.planner import PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
 
@@ -152,6 +153,9 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
 
     if jobs < 1:
         raise ConfigError("--jobs must be at least 1")
+    for path, size in remove_stale_temporaries(os.path.dirname(os.path.abspath(out))):
+        logging.getLogger("ktc").warning("removed %s (%.1f MiB on disk), left by a compile that was killed",
+                                         path, size / 2**20)
     for name in (cpu_scheme, gpu_scheme, dense_scheme):
         try:
             get_scheme(name)

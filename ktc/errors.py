@@ -58,3 +58,13 @@ class PassError(KtcError):
 
 class InternalError(Exception):
     """A bug in ktc: an invariant that should always hold did not."""
+
+
+class Terminated(BaseException):
+    """The process was asked to stop (SIGTERM); raised where it was, like ``KeyboardInterrupt``,
+    so that what is being written is removed on the way out. Not an ``Exception``: code that
+    handles errors must not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by signal {signum}")

@@ -12,6 +12,9 @@ import errno
 import hashlib
 import os
 import queue
+import re
+import signal
+import sys
 import tempfile
 import threading
 from collections import deque
@@ -265,15 +268,15 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
         raise KtcError("the output folder is not writable", path=folder)
     region = align(HEADER_SIZE + _skeleton_length(manifest_base, layout, compress), PAGE)
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(out_path)}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=temporary_prefix(out_path), suffix=".tmp")
     except OSError as exc:
         raise _os_error(exc, folder) from None
     try:
         # mkstemp makes the file private (0600); a bundle gets the permissions any new file gets.
         os.fchmod(fd, 0o666 & ~_umask())
-        # Sizing the file first lets the filesystem allocate it in large extents: appending
-        # writes were 10x slower than writes into a pre-sized file here. Compressed bundles are
-        # cut to their real size at the end.
+        # Sizing the file first made the writes 10x faster than appending here. ftruncate
+        # leaves it sparse: a killed compile's file holds only what was written. Compressed
+        # bundles are cut to their real size at the end.
         os.ftruncate(fd, region + sum(b.length for b in layout.blocks))
         with os.fdopen(fd, "r+b") as f:
             result = _write(f, tmp, layout, manifest_base, region, jobs, compress, report_error, progress)
@@ -298,6 +301,48 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
         pass
     result.path = out_path
     return result
+
+
+# A temporary bundle is ``.NAME.ktc-PID-XXXXXXXX.tmp`` beside the output: the writer's pid
+# lets a later compile tell a stale file (writer gone: killed, power lost) from one being written.
+_TEMPORARY = re.compile(r"^\..+\.ktc-(\d+)-[A-Za-z0-9_]+\.tmp$")
+
+
+def temporary_prefix(out_path: str) -> str:
+    return f".{os.path.basename(out_path)}.ktc-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str) -> list[tuple[str, int]]:
+    """Remove the temporary bundles in ``folder`` whose writer process is gone; returns
+    (path, bytes) of each one removed. A file whose pid is alive is kept, even when the pid
+    was reused by another program: keeping a stale file is the safe mistake."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = _TEMPORARY.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            size = os.stat(path).st_blocks * 512
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append((path, size))
+    return removed
 
 
 def _umask() -> int:
@@ -422,15 +467,34 @@ def _expert_results(experts: list[BlockJob], jobs: int, compress: bool, report_e
         return pool.submit(_build_and_write, experts[i], report_error, direct[0], direct[1][i])
 
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as pool:
-        pending: deque = deque(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
-        following = len(pending)
-        while pending:
-            result = pending.popleft().result()
-            if following < len(experts):
-                pending.append(submit(pool, following))
-                following += 1
-            yield result
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
+                             initargs=(os.getpid(),)) as pool:
+        pending: deque = deque()
+        try:
+            pending.extend(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
+            following = len(pending)
+            while pending:
+                result = pending.popleft().result()
+                if following < len(experts):
+                    pending.append(submit(pool, following))
+                    following += 1
+                yield result
+        except BaseException:
+            # A failure, SIGTERM or Ctrl-C: stop the workers now instead of letting them finish
+            # the experts in flight into a file that is about to be removed.
+            if pending:
+                _stop_workers(pool)
+            raise
+
+
+def _stop_workers(pool: Any) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 _worker_files: dict[str, int] = {}  # a worker's descriptor of the file it writes experts into
@@ -448,12 +512,34 @@ def _build_and_write(block: BlockJob, report_error: bool, path: str, offset: int
     return digest.hexdigest(), length, error
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
+    _die_with_parent(parent)
     # Each worker is one of ``jobs`` processes: one Numba thread each keeps them from
     # oversubscribing the cores.
     import numba
 
     numba.set_num_threads(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel send this worker SIGKILL the moment its parent dies (Linux's
+    ``PR_SET_PDEATHSIG``): a parent killed by SIGKILL (the OOM killer, a CI timeout) cannot tell
+    its workers, and they would go on writing into a file nobody will rename. The signal follows
+    the parent's thread that started the worker: the pool starts its workers from the thread that
+    submits, which is the thread that writes the bundle. Elsewhere the workers finish their
+    current expert and then fail on the closed pool."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)
 
 
 class Emit(Pass):

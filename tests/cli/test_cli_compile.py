@@ -5,10 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 KTC = [sys.executable, "-m", "ktc.cli"]
 
@@ -90,3 +93,87 @@ def test_stop_after_and_dump_after(tmp_path, demo_model):
     assert "stopped after the layout pass" in proc.stdout and not out.exists()
     dumped = json.loads(proc.stderr[proc.stderr.index("{"):])
     assert dumped["after"] == "layout" and dumped["layout"]["blocks"] > 0
+
+
+def _process_group(pgid: int) -> list[int]:
+    """Live processes of a process group (a compile started in its own session keeps its
+    workers and multiprocessing's resource tracker in its group, even once they are orphans)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2:].split()[:3]
+        if int(group) == pgid and state != "Z":
+            members.append(int(entry))
+    return members
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(tmp_path, demo_model, signum):
+    out = tmp_path / "out.ktb"
+    command = KTC + ["compile", demo_model, "-o", str(out), "--jobs", "2"]
+    rng = random.Random(signum)
+    killed_while_writing = 0
+    first_seen = []  # (bytes on disk, size) of each temporary file when it appeared
+    for _ in range(5):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        mine = f".ktc-{proc.pid}-"
+        deadline = time.time() + 120
+        while not (names := [n for n in _temp_files(tmp_path) if mine in n]) and proc.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        try:
+            st = os.stat(tmp_path / names[0])
+            first_seen.append((st.st_blocks * 512, st.st_size))
+        except (IndexError, FileNotFoundError):
+            pass
+        time.sleep(rng.uniform(0.0, 0.6))  # writing the experts takes about a second here
+        killed_while_writing += proc.poll() is None
+        proc.send_signal(signum)
+        # communicate() returns only once every holder of the pipes is gone: workers that
+        # outlived the parent would hang it (the `ktc compile | tee` hang).
+        _, err = proc.communicate(timeout=30)
+        gone_by = time.time() + 1.0
+        while _process_group(proc.pid) and time.time() < gone_by:
+            time.sleep(0.05)
+        assert _process_group(proc.pid) == [], "a worker or the resource tracker outlived the compile"
+        if proc.returncode == 0:
+            out.unlink()  # finished before the signal: start again
+            continue
+        assert not out.exists()
+        assert "Traceback" not in err.decode()
+        if signum == signal.SIGTERM:
+            assert proc.returncode == 128 + signal.SIGTERM and b"stopped by SIGTERM" in err
+            assert _temp_files(tmp_path) == []
+    assert killed_while_writing >= 3
+    # Pre-sized but sparse: a killed compile's file holds only what was written.
+    assert any(on_disk < size // 2 for on_disk, size in first_seen), first_seen
+    if signum == signal.SIGKILL:
+        stale = _temp_files(tmp_path)
+        assert stale, "SIGKILL cannot be handled: the temporary file stays until the next compile"
+        done = subprocess.run(command, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert _temp_files(tmp_path) == [] and "left by a compile that was killed" in done.stderr
+        assert subprocess.run(KTC + ["verify", str(out)], capture_output=True).returncode == 0
+
+
+def test_only_temporaries_whose_writer_is_gone_are_removed(tmp_path):
+    from ktc.passes.emit import remove_stale_temporaries, temporary_prefix
+
+    assert temporary_prefix(str(tmp_path / "m.ktb")) == f".m.ktb.ktc-{os.getpid()}-"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".m.ktb.ktc-{dead.pid}-abc123.tmp"
+    stale.write_bytes(b"x")
+    live = tmp_path / f".m.ktb.ktc-{os.getpid()}-abc123.tmp"
+    live.write_bytes(b"x")
+    other = tmp_path / ".m.ktb.abc123.tmp"  # not ours: kept
+    other.write_bytes(b"x")
+    removed = remove_stale_temporaries(str(tmp_path))
+    assert [p for p, _ in removed] == [str(stale)]
+    assert live.exists() and other.exists() and not stale.exists()
