@@ -208,6 +208,11 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                 progress=progress)
     with open_checkpoint(source) as ckpt:
         run_files = collect_run_files(ckpt.format, ckpt.path, dict(ckpt.raw_config), ckpt.config)
+        folder = ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(os.path.abspath(ckpt.path))
+        beside = [os.path.join(folder, name) for name in ("config.json", *(n for n, _ in run_files.files))]
+        extra = [plan_path, *((plan_kwargs or {}).get(k) for k in ("hardware", "profile"))]
+        refuse_overwriting_inputs(out, [*ckpt.files, *(beside if ckpt.format != "gguf" else ()),
+                                        *(p for p in extra if p)])
         layout = LayOut(tuple(RunFile(name, data) for name, data in run_files.files))
         manager = PassManager((DetectExperts(ckpt), plan_pass, ChooseSchemes(dense_scheme), layout, emit))
         ir = manager.run(PassContext(check=check), stop_after=stop_after, dump_after=dump_after, dump=dump)
@@ -219,6 +224,23 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     cpu = sum(len(row) for row in placement.experts) - gpu
     result = emit.result
     return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result)
+
+
+def refuse_overwriting_inputs(out: str, inputs: list[str]) -> None:
+    """Refuse an output path that is one of the files the compile reads (the same file by inode,
+    so a hard link or a path through a symlink counts too): the finished bundle would replace
+    it. Checked before anything is written."""
+    if not os.path.exists(out):
+        return  # nothing there to replace
+    for path in inputs:
+        try:
+            same = os.path.samefile(out, path)
+        except OSError:
+            continue
+        if same:
+            also = "" if os.path.realpath(out) == os.path.realpath(path) else f" (the same file as {path})"
+            raise KtcError(f"the output path is a file this compile reads{also}; the bundle would "
+                           "replace it", path=out, hint="write the bundle to another path, e.g. -o model.ktb")
 
 
 def check_writable_target(out: str) -> None:

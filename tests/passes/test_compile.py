@@ -338,3 +338,41 @@ def test_bundle_gets_the_permissions_of_a_new_file(tmp_path, demo_model):
     finally:
         os.umask(old)
     assert (tmp_path / "m.ktb").stat().st_mode & 0o777 == 0o644
+
+
+def _copy(src: str, dst) -> str:
+    import shutil
+
+    if os.path.isdir(src):
+        shutil.copytree(src, dst)
+    else:
+        shutil.copyfile(src, dst)
+    return str(dst)
+
+
+@pytest.mark.parametrize("target", ["same", "hard_link", "config", "plan"])
+def test_compile_never_replaces_a_file_it_reads(tmp_path, tiny_models, target):
+    if target == "same":
+        source = _copy(tiny_models["mixtral"]["gguf"], tmp_path / "m.gguf")
+        out, kw = source, {}
+    elif target == "hard_link":
+        source = _copy(tiny_models["mixtral"]["safetensors"], tmp_path / "src")
+        shard = next(str(p) for p in (tmp_path / "src").iterdir() if p.suffix == ".safetensors")
+        out, kw = str(tmp_path / "link.ktb"), {}
+        os.link(shard, out)
+    elif target == "config":
+        source = _copy(tiny_models["mixtral"]["pytorch"], tmp_path / "src")
+        out, kw = str(tmp_path / "src" / "config.json"), {}
+    else:
+        source = tiny_models["mixtral"]["gguf"]
+        out = str(tmp_path / "plan.json")
+        from ktc.api import plan
+
+        with open(out, "w") as f:
+            json.dump(plan(source, vram="64MiB", reserve="0").to_json(), f)
+        kw = {"plan_path": out}
+    before = {p: open(p, "rb").read() for p in [out]}
+    with pytest.raises(KtcError, match="a file this compile reads"):
+        compile_bundle(source, out, **kw)
+    assert {p: open(p, "rb").read() for p in [out]} == before
+    assert not [n for n in os.listdir(os.path.dirname(out)) if n.endswith(".tmp")]
