@@ -39,18 +39,29 @@ def read_pytorch_header(path: str) -> dict[str, TensorRef]:
     try:
         state = torch.load(path, mmap=True, weights_only=True, map_location="meta")
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise FormatError("the pickle needs arbitrary code to load; refused and not executed "
-                          f"({first.strip()[:160]})", path=path,
-                          hint="convert the checkpoint to safetensors in an environment you trust") from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError) as exc:
-        raise FormatError(f"cannot read checkpoint: {str(exc).splitlines()[0][:200]}", path=path,
-                          hint="the file is truncated or damaged") from None
+        reason = _unpickler_reason(exc)
+        if "GLOBAL " in reason:  # the pickle names a function to call: refused before it runs
+            raise FormatError(f"the pickle needs arbitrary code to load; refused and not executed ({reason})",
+                              path=path, hint="convert the checkpoint to safetensors in an environment "
+                                              "you trust") from exc
+        raise FormatError(f"cannot read checkpoint: damaged pickle ({reason})", path=path,
+                          hint="the file is truncated or damaged") from exc
+    except Exception as exc:
+        # A damaged file makes torch.load raise whatever its zip reader or restricted unpickler
+        # meets: RuntimeError, EOFError, ValueError, UnicodeDecodeError, KeyError, IndexError,
+        # TypeError, AttributeError, AssertionError, struct.error (all seen from one-byte patches).
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise FormatError(f"cannot read checkpoint ({type(exc).__name__}: {first})" if first else
+                          f"cannot read checkpoint ({type(exc).__name__})", path=path,
+                          hint="the file is truncated or damaged") from exc
     state = _state_dict(state, path)
     tensors: dict[str, TensorRef] = {}
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             continue
+        if not isinstance(name, str):
+            raise FormatError(f"a tensor is stored under the key {name!r}, not a name", path=path,
+                              hint="the file is damaged, or not a state dict")
         dtype = _TORCH_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
         if dtype is None:
             raise FormatError(f"unsupported dtype {tensor.dtype}", path=path, tensor=name)
@@ -72,6 +83,16 @@ def read_pytorch_header(path: str) -> dict[str, TensorRef]:
         tensors[name] = TensorRef(name=name, dtype=dtype, stored_shape=shape,
                                   location=ByteRange(path, offset, nbytes, strides))
     return tensors
+
+
+def _unpickler_reason(exc: pickle.UnpicklingError) -> str:
+    """The line of torch's long weights-only message that says what was refused (its first
+    paragraph and its closing lines are the same for every refusal)."""
+    text = str(exc).replace("WeightsUnpickler error:", "")
+    boiler = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line.strip().startswith(boiler)]
+    return lines[0][:160] if lines else type(exc).__name__
 
 
 def _state_dict(state: object, path: str) -> dict:

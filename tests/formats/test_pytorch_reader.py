@@ -59,6 +59,7 @@ def test_arbitrary_code_pickle_is_refused_not_run(tmp_path, monkeypatch):
         open_pytorch(str(tmp_path / "evil.bin"))
     message = str(info.value)
     assert "evil.bin" in message and "arbitrary code" in message and "not executed" in message
+    assert "GLOBAL" in message and "system" in message and "Weights only load failed" not in message
     assert not (tmp_path / "pwned").exists()
 
 
@@ -81,3 +82,43 @@ def test_missing_shard(tmp_path):
     json.dump({"weight_map": {"a": "p1.bin", "b": "p2.bin"}}, open(tmp_path / "pytorch_model.bin.index.json", "w"))
     with pytest.raises(FormatError, match="p2.bin.*missing"):
         open_pytorch(str(tmp_path))
+
+
+def test_every_torch_load_failure_on_a_patched_file_is_a_format_error(tmp_path):
+    """One-byte patches over the whole pickle of a torch.save file (a few values a byte): every
+    one that torch.load cannot read is a FormatError naming the file, with torch's exception
+    chained and its type in the message; and the patches reach the many exception types that
+    torch's zip reader and restricted unpickler raise."""
+    torch.save({"model.layers.0.mlp.experts.0.w1.weight": torch.randn(8, 4),
+                "model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}, tmp_path / "seed.bin")
+    raw = (tmp_path / "seed.bin").read_bytes()
+    start = raw.index(b"\x80\x02")  # the pickle's PROTO opcode, stored uncompressed in the zip
+    end = raw.index(b"PK\x07\x08", start)
+    causes: dict[str, int] = {}
+    loaded = 0
+    path = tmp_path / "patched.bin"
+    for pos in range(start, end):
+        for value in (0x00, 0x29, 0x30, 0x4F, 0x72, 0x7F, 0x86, 0xFF):
+            if raw[pos] == value:
+                continue
+            patched = bytearray(raw)
+            patched[pos] = value
+            path.write_bytes(bytes(patched))
+            try:
+                tensors = open_pytorch(str(path)).tensors
+            except FormatError as exc:
+                assert "patched.bin" in str(exc)
+                cause = exc.__cause__
+                if cause is None:  # refused by the reader's own checks after torch.load
+                    assert "cannot read checkpoint" not in str(exc), str(exc)
+                    continue
+                assert "arbitrary code" not in str(exc) or "GLOBAL" in str(exc)
+                name = type(cause).__name__
+                causes[name] = causes.get(name, 0) + 1
+            else:
+                loaded += 1
+                assert all(isinstance(name, str) for name in tensors)
+    for name in ("AttributeError", "TypeError", "AssertionError", "IndexError", "KeyError",
+                 "UnicodeDecodeError", "EOFError", "UnpicklingError"):
+        assert name in causes, (name, causes)
+    assert loaded > 0  # some patches change only values (a name's letter, a number)
