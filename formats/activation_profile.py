@@ -15,7 +15,8 @@ import numpy as np
 
 from ktc.errors import ConfigError, FormatError
 
-from .tensor_file import read_json
+from .json_fields import Fields
+from .tensor_file import JSON_LIMIT_BYTES, file_size, read_json
 
 PROFILE_FORMAT = "ktc-activation-profile"
 PROFILE_VERSION = 1
@@ -94,40 +95,47 @@ def load_activation_profile(path: str, *, moe_layers: tuple[int, ...], num_layer
 
 
 def _load_json(path: str) -> tuple[np.ndarray, tuple[int, ...]]:
-    data = read_json(path, "activation profile")
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+    fields = Fields(read_json(path, "activation profile"), path, "activation profile")
+    if fields.string("format", default="") != PROFILE_FORMAT:
         raise FormatError(f"not a ktc activation profile (expected \"format\": \"{PROFILE_FORMAT}\")",
                           path=path)
-    if int(data.get("version", 0)) > PROFILE_VERSION:
-        raise FormatError(f"activation profile version {data['version']} is newer than this ktc reads",
-                          path=path, hint="upgrade ktc")
-    try:
-        counts = np.array(data["counts"], dtype=np.float64)
-        layers = tuple(int(x) for x in data["layers"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"activation profile needs numeric 'layers' and 'counts' ({exc})", path=path) from None
-    if counts.ndim != 2:
-        raise ConfigError(f"activation profile counts have shape {counts.shape}; expected "
-                          "[layers, experts]", path=path)
-    return counts, layers
+    fields.version(PROFILE_VERSION)
+    layers = fields.items("layers")
+    rows = fields.items("counts")
+    for i, layer in enumerate(layers):
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise fields.error("layers", f"must hold layer indices; item {i} is {layer!r}")
+    if len(rows) != len(layers):
+        raise fields.error("counts", f"has {len(rows)} rows for {len(layers)} layers")
+    width = fields.integer("num_experts", default=len(rows[0]) if rows and isinstance(rows[0], list) else 0,
+                           minimum=1)
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != width:
+            raise fields.error("counts", f"row {i} is not a list of {width} counts (one per expert)")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+            raise fields.error("counts", f"row {i} holds something other than numbers")
+    return np.array(rows, dtype=np.float64).reshape(len(rows), width), tuple(layers)
 
 
 def _load_pt(path: str, moe_layers: tuple[int, ...], num_layers: int) -> tuple[np.ndarray, tuple[int, ...]]:
     import torch
 
+    if file_size(path) > JSON_LIMIT_BYTES:
+        raise FormatError(f"expert distribution is larger than {JSON_LIMIT_BYTES >> 20} MiB; not read",
+                          path=path)
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FormatError("activation profile not found", path=path) from None
     except Exception as exc:  # torch raises many types for damaged or unsafe files
-        raise FormatError(f"cannot read expert distribution: {str(exc).splitlines()[0][:200]}",
-                          path=path) from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise FormatError(f"cannot read expert distribution: {first[:200]}", path=path) from exc
     tensor = data.get("logical_count") if isinstance(data, dict) else data
     if not isinstance(tensor, torch.Tensor):
         raise FormatError("expected a dict with a 'logical_count' tensor (KTransformers/SGLang "
                           "expert distribution)", path=path)
     counts = tensor.detach().to(torch.float64).numpy()
-    if counts.ndim < 2:
+    if counts.ndim < 2 or 0 in counts.shape:
         raise ConfigError(f"logical_count has shape {tuple(counts.shape)}; expected [..., layers, experts]",
                           path=path)
     counts = counts.reshape(-1, *counts.shape[-2:]).sum(axis=0)

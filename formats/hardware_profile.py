@@ -16,6 +16,7 @@ Defaults and where they come from (docs/planner.md repeats them):
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, replace
@@ -23,23 +24,27 @@ from typing import Any
 
 from ktc.errors import ConfigError, FormatError
 
+from .json_fields import Fields
 from .tensor_file import read_json
 
 GiB = 1024**3
 PROFILE_FORMAT = "ktc-hardware-profile"
 PROFILE_VERSION = 1
 
+# One rule for every size: K, M, G, T (and KB, MB, GB, TB) are powers of 1000; KiB, MiB, GiB, TiB
+# powers of 1024. A "24GB" card is 24e9 bytes, 22.4 GiB.
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
           "tb": 1000**4, "tib": 1024**4}
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """'24GiB' -> 25769803776, '24GB' -> 24000000000, '512M' -> 536870912 (bare K/M/G/T are
-    binary, as nvidia-smi and most users mean them)."""
-    if isinstance(text, (int, float)):
+    """'24GiB' -> 25769803776; '24GB' and '24G' -> 24000000000; '512MiB' -> 536870912."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if not math.isfinite(text) or text < 0:
+            raise ConfigError(f"a size must be a finite number of bytes, at least 0, not {text}")
         return int(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot read {text!r} as a size; write it like 24GiB, 24GB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -80,34 +85,36 @@ class HardwareProfile:
             if getattr(self, name) < 0:
                 raise ConfigError(f"hardware profile: {name} is negative")
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"hardware profile: {name} must be positive")
-        if self.sync_seconds < 0:
-            raise ConfigError("hardware profile: sync_seconds is negative")
+            if not math.isfinite(getattr(self, name)) or not getattr(self, name) > 0:
+                raise ConfigError(f"hardware profile: {name} must be a positive, finite number")
+        if not math.isfinite(self.sync_seconds) or self.sync_seconds < 0:
+            raise ConfigError("hardware profile: sync_seconds must be a finite number, at least 0")
 
     def to_json(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], path: str = "<profile>") -> HardwareProfile:
-        if data.get("format") != PROFILE_FORMAT:
+        fields = Fields(data, path, "hardware profile")
+        if fields.string("format", default="") != PROFILE_FORMAT:
             raise FormatError(f"not a hardware profile (format is {data.get('format')!r}, expected "
                               f"{PROFILE_FORMAT!r})", path=path)
-        if int(data.get("version", 0)) > PROFILE_VERSION:
-            raise FormatError(f"hardware profile version {data.get('version')} is newer than this "
-                              f"ktc reads ({PROFILE_VERSION})", path=path, hint="upgrade ktc")
-        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "source"}
-        if "vram_bytes" not in fields:
-            raise FormatError("hardware profile has no vram_bytes", path=path)
-        fields.setdefault("ram_bytes", _total_ram())
-        return cls(**fields, source=path)
+        fields.version(PROFILE_VERSION)
+        values: dict[str, Any] = {"vram_bytes": fields.integer("vram_bytes", minimum=0),
+                                  "ram_bytes": fields.integer("ram_bytes", default=_total_ram(), minimum=0)}
+        for name in ("reserve_bytes",):
+            if name in fields:
+                values[name] = fields.integer(name, minimum=0)
+        for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
+            if name in fields:
+                values[name] = fields.number(name, positive=True)
+        if "sync_seconds" in fields:
+            values["sync_seconds"] = fields.number("sync_seconds", minimum=0)
+        return cls(**values, source=path)
 
 
 def load_hardware_profile(path: str) -> HardwareProfile:
-    data = read_json(path, "hardware profile")
-    if not isinstance(data, dict):
-        raise FormatError("hardware profile is not a JSON object", path=path)
-    return HardwareProfile.from_json(data, path)
+    return HardwareProfile.from_json(read_json(path, "hardware profile"), path)
 
 
 def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | None = None,

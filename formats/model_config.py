@@ -24,7 +24,7 @@ _ALWAYS_NORMALISED = {"mixtral", "gpt_oss", "llama", "gpt-oss"}
 
 def read_hf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     """Parse ``config.json`` at ``path``; returns the typed config and the raw JSON."""
-    raw = read_json(path, "config.json")
+    raw = read_json(path, "config.json", finite=False)
     if not isinstance(raw, dict):
         raise FormatError("config is not a JSON object", path=path)
     return config_from_hf(raw, path), raw

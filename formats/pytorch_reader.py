@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 import zipfile
 
 from ktc.errors import FormatError
@@ -37,7 +38,9 @@ def read_pytorch_header(path: str) -> dict[str, TensorRef]:
         raise FormatError("not a PyTorch zip checkpoint (legacy or damaged file)", path=path,
                           hint="re-save it with torch.save() from PyTorch 1.6 or newer")
     try:
-        state = torch.load(path, mmap=True, weights_only=True, map_location="meta")
+        with warnings.catch_warnings():  # torch's notes on odd pickles: the outcome says enough
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, mmap=True, weights_only=True, map_location="meta")
     except pickle.UnpicklingError as exc:
         reason = _unpickler_reason(exc)
         if "GLOBAL " in reason:  # the pickle names a function to call: refused before it runs

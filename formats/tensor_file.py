@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -79,19 +80,45 @@ def reject_duplicate_keys(pairs: list[tuple[str, Any]], *, path: str) -> dict[st
     return result
 
 
-def read_json(path: str, what: str) -> Any:
+JSON_LIMIT_BYTES = 64 * 1024 * 1024  # a plan or profile of the largest models is a few MiB
+
+
+def read_json(path: str, what: str, *, finite: bool = True) -> Any:
     """A small JSON file (config, index, profile, plan), with duplicate keys refused and every
-    failure a ``FormatError`` that names the file and says what it should have been."""
+    failure a ``FormatError`` that names the file and says what it should have been.
+
+    At most ``JSON_LIMIT_BYTES`` are read (``--profile /dev/zero`` would otherwise fill the
+    memory). With ``finite``, ``NaN``, ``Infinity`` and numbers too large for a float (``1e400``)
+    are refused where the parser meets them."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"),
-                              object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path))
+            raw = f.read(JSON_LIMIT_BYTES + 1)
     except FileNotFoundError:
         raise FormatError(f"{what} not found", path=path) from None
     except IsADirectoryError:
         raise FormatError(f"{what} is a folder, not a file", path=path) from None
+    except OSError as exc:
+        raise FormatError(f"cannot read {what}: {exc.strerror}", path=path) from None
+    if len(raw) > JSON_LIMIT_BYTES:
+        raise FormatError(f"{what} is larger than {JSON_LIMIT_BYTES >> 20} MiB; not read", path=path)
+
+    def non_finite(text: str) -> Any:
+        raise FormatError(f"{what} holds {text}; only finite numbers are accepted", path=path)
+
+    def finite_float(text: str) -> float:
+        value = float(text)
+        if value in (math.inf, -math.inf):
+            non_finite(f"{text[:40]} (too large for a number)")
+        return value
+
+    checks: dict[str, Any] = {"parse_constant": non_finite, "parse_float": finite_float} if finite else {}
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=lambda p: reject_duplicate_keys(p, path=path),
+                          **checks)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{what} is not valid JSON ({exc})", path=path) from None
+    except (ValueError, RecursionError) as exc:  # an integer of over 4300 digits; nesting too deep
+        raise FormatError(f"{what} is not valid JSON ({str(exc)[:120]})", path=path) from None
 
 
 def read_index(index_path: str) -> dict[str, str]:

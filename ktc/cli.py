@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -20,6 +21,17 @@ from ktc.errors import KtcError, Terminated
 from ktc.formats.schemes import SCHEMES
 
 EXIT_USER_ERROR = 2
+
+
+class FiniteFloat(click.FloatRange):
+    """A float flag in a range that also refuses nan and inf (click's range lets nan through:
+    every comparison with it is false)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -232,7 +244,7 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cpu-bandwidth", help="CPU memory read bandwidth, e.g. 60GB/s [default: 60GB/s]."),
         click.option("--gpu-bandwidth", help="GPU memory bandwidth [default: 900GB/s]."),
         click.option("--pcie-bandwidth", help="PCIe bandwidth [default: 25GB/s]."),
-        click.option("--sync-us", type=float, help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
+        click.option("--sync-us", type=FiniteFloat(min=0), help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
         click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
                      help="KV cache capacity: total tokens over all sequences."),
         click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -252,10 +264,10 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Scheme of non-expert matrices (what ktc compile --dense-scheme stores)."),
         click.option("--pin-gpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the GPU."),
         click.option("--pin-cpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the CPU."),
-        click.option("--quality-weight", type=float, default=0.0, show_default=True,
+        click.option("--quality-weight", type=FiniteFloat(min=0), default=0.0, show_default=True,
                      help="Seconds per step worth one unit of usage-weighted quantization error "
                           "(0: fastest, ties go to the more precise scheme)."),
-        click.option("--time-limit", type=float, default=1.5, show_default=True,
+        click.option("--time-limit", type=FiniteFloat(min=0, min_open=True), default=1.5, show_default=True,
                      help="Seconds the solver may take before it reports its proven gap."),
     ]
     for option in reversed(options):
@@ -352,6 +364,20 @@ def _write_text(path: str, text: str) -> None:
         raise KtcError(f"cannot write: {exc.strerror}", path=path) from None
 
 
+def _given_flags(**values: Any) -> list[str]:
+    """The flags among ``values`` (parameter name -> value) given on the command line or by
+    the environment, not left at their defaults."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = []
+    for name in values:
+        source = ctx.get_parameter_source(name)
+        if source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            given.append("--" + name.replace("_", "-"))
+    return given
+
+
 @main.command(name="compile")
 @click.argument("source", type=click.Path(exists=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The bundle to write (.ktb).")
@@ -410,6 +436,13 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     check_writable_target(output)
     if plan_path and (vram or hardware):
         raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
+    given = _given_flags(ram=ram, reserve=reserve, profile=profile, batch=batch, max_tokens=max_tokens)
+    if plan_path and given:
+        raise KtcError(f"{', '.join(given)}: the plan file fixes the placement and the workload",
+                       hint=f"give {given[0]} to ktc plan when making the plan")
+    if not (plan_path or vram or hardware) and (unused := [f for f in given if f != "--max-tokens"]):
+        what = "is a planner flag" if len(unused) == 1 else "are planner flags"
+        raise KtcError(f"{', '.join(unused)} {what}; the planner runs only when a budget is given", hint="add --vram (e.g. --vram 24GiB) or --hardware FILE, or drop the flag")
     plan_kwargs = None
     if vram or hardware:
         plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,

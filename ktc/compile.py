@@ -18,7 +18,7 @@ from ktc.formats.schemes import get_scheme
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
 from ktc.passes.emit import Emit, EmitResult, remove_stale_temporaries
 from ktc.passes.layout import ChooseSchemes, LayOut, RunFile
-from ktc.passes.planner import PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
+from ktc.passes.planner import KV_DTYPE_BYTES, PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
 
 HEAD_HASH_BYTES = 16 * 1024 * 1024
 # Plan fields that describe how long solving took: not part of a reproducible bundle.
@@ -95,29 +95,47 @@ def _source_files(ir: ModelIR, hash_sources: bool) -> list[dict[str, Any]]:
 
 
 def load_plan_file(path: str, ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
-    """A plan JSON written by ``ktc plan -o``, checked against the model."""
+    """A plan JSON written by ``ktc plan -o``, checked field by field and against the model."""
+    from ktc.formats.json_fields import Fields
     from ktc.formats.tensor_file import read_json
 
-    data = read_json(path, "plan file")
-    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+    fields = Fields(read_json(path, "plan file"), path, "plan")
+    if fields.string("format", default="") != PLAN_FORMAT:
         raise FormatError(f"not a ktc plan (expected \"format\": \"{PLAN_FORMAT}\")", path=path)
+    data = fields.data
+    if data.get("feasible", True) is not True:
+        raise ConfigError("the plan says it does not fit its budget (\"feasible\": false)", path=path,
+                          hint="make a plan that fits: ktc plan with a larger --vram or fewer --max-tokens")
     facts = dataclasses.asdict(model_facts(ir))
-    recorded = data.get("model", {})
+    recorded = fields.mapping("model", default={})
     mismatched = [k for k in ("family", "num_layers", "num_experts", "hidden_size", "expert_intermediate_size")
                   if recorded.get(k) != facts[k]]
-    if list(recorded.get("moe_layers", [])) != list(facts["moe_layers"]):
+    if recorded.get("moe_layers") != list(facts["moe_layers"]):
         mismatched.append("moe_layers")
     if mismatched:
         detail = ", ".join(f"{k} {recorded.get(k)!r} vs {facts[k]!r}" for k in mismatched[:3])
         raise ConfigError(f"the plan was made for another model ({detail})", path=path,
                           hint="run ktc plan on this checkpoint")
-    placement = placement_from_json(data)
-    for row in placement.experts:
+    placement = placement_from_json(data, path)
+    if placement.layers != tuple(ir.moe_layer_indices):
+        raise ConfigError(f"the plan places layers {list(placement.layers)[:6]}; the model's MoE layers "
+                          f"are {list(ir.moe_layer_indices)[:6]}", path=path)
+    for layer, row, moe in zip(placement.layers, placement.experts, ir.moe_layers):
+        if len(row) != len(moe.experts):
+            raise ConfigError(f"the plan places {len(row)} experts in layer {layer}; it has "
+                              f"{len(moe.experts)}", path=path)
         for where in row:
             try:
                 get_scheme(where.scheme)
             except KeyError as exc:
                 raise ConfigError(str(exc.args[0]), path=path) from None
+    if "workload" in fields:
+        workload = Fields(fields.mapping("workload"), path, "plan's workload")
+        for key in ("max_tokens", "batch", "prefill_chunk"):
+            if key in workload:
+                workload.integer(key, minimum=1)
+        if "kv_dtype" in workload:
+            workload.string("kv_dtype", choices=KV_DTYPE_BYTES)
     return placement, {k: v for k, v in data.items() if k not in _TIMING_KEYS and k != "placement"}
 
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ktc.errors import BudgetError, ConfigError, InternalError
+from ktc.errors import BudgetError, ConfigError, FormatError, InternalError
 from ktc.formats.activation_profile import ActivationProfile, uniform_profile
 from ktc.formats.hardware_profile import HardwareProfile
 from ktc.formats.schemes import (
@@ -231,20 +231,34 @@ class Plan:
         }
 
 
-def placement_from_json(data: dict[str, Any]) -> Placement:
-    """The placement recorded in a plan's JSON (what ``ktc compile --plan`` reads)."""
-    rows = data.get("placement")
-    if not isinstance(rows, dict):
-        raise ConfigError("plan has no 'placement'")
-    layers = tuple(sorted(int(k) for k in rows))
+def placement_from_json(data: dict[str, Any], path: str = "<plan>") -> Placement:
+    """The placement recorded in a plan's JSON (what ``ktc compile --plan`` reads), checked:
+    layer keys are layer numbers, each entry is "device:scheme" with a known device."""
+    from ktc.formats.json_fields import Fields
+
+    rows = Fields(data, path, "plan").mapping("placement")
+    layers = []
+    for key in rows:
+        if not (isinstance(key, str) and key.isdecimal()):
+            raise FormatError(f"plan: placement key {key!r} is not a layer number", path=path)
+        layers.append(int(key))
+    if not layers:
+        raise FormatError("plan: the placement is empty", path=path)
+    devices = {d.value for d in Device}
     experts = []
-    for layer in layers:
-        row = []
-        for item in rows[str(layer)]:
-            device, _, scheme = str(item).partition(":")
-            row.append(ExpertPlacement(Device(device), scheme))
-        experts.append(tuple(row))
-    return Placement(layers, tuple(experts))
+    for layer in sorted(layers):
+        row = rows[str(layer)]
+        if not isinstance(row, list) or not row:
+            raise FormatError(f"plan: layer {layer}'s placement is not a list of experts", path=path)
+        placed = []
+        for expert, item in enumerate(row):
+            device, _, scheme = item.partition(":") if isinstance(item, str) else ("", "", "")
+            if device not in devices or not scheme:
+                raise FormatError(f"plan: layer {layer} expert {expert} is placed at {item!r}; expected "
+                                  "\"gpu:SCHEME\" or \"cpu:SCHEME\"", path=path)
+            placed.append(ExpertPlacement(Device(device), scheme))
+        experts.append(tuple(placed))
+    return Placement(tuple(sorted(layers)), tuple(experts))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 import public_configs
 from ktc.api import load_model, plan
-from ktc.errors import BudgetError, ConfigError
+from ktc.errors import BudgetError, ConfigError, FormatError
 from ktc.formats.activation_profile import ActivationProfile, load_activation_profile
 from ktc.formats.hardware_profile import GiB, HardwareProfile
 from ktc.formats.model_config import config_from_hf
@@ -173,7 +173,7 @@ def test_activation_profile_files(demo_model, tmp_path):
     bad = zipf.to_json()
     bad["counts"][1][2] = float("nan")
     (tmp_path / "nan.json").write_text(json.dumps(bad))
-    with pytest.raises(ConfigError, match="NaN"):
+    with pytest.raises(FormatError, match="NaN"):
         load_activation_profile(str(tmp_path / "nan.json"), **kw)
     bad["counts"][1][2] = -3
     (tmp_path / "neg.json").write_text(json.dumps(bad))
