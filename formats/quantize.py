@@ -397,19 +397,47 @@ def _mxfp4_blocks_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-def convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None = None) -> np.ndarray:
+def convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None = None, *,
+            finite: bool = True) -> np.ndarray:
     """A 2-D source tensor in ``scheme``: the stored bytes when the source already is that
-    scheme (no requantizing), else dequantized exactly and quantized (into ``out`` if given)."""
-    return _into(_convert(ref, scheme, out), out)
+    scheme (no requantizing), else dequantized exactly and quantized (into ``out`` if given).
+    With ``finite``, a float source holding NaN or Inf is refused (``check_finite``)."""
+    return _into(_convert(ref, scheme, out, finite), out)
 
 
-def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None) -> np.ndarray:
+def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None, finite: bool) -> np.ndarray:
     scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
     if len(ref.shape) != 2:
         raise FormatError(f"expected a 2-D weight, found shape {ref.shape}", tensor=ref.name)
     if _PASS_THROUGH.get(ref.dtype) == scheme.name and ref.scale is None:
-        raw = ref.load()
-        return np.ascontiguousarray(raw).view(np.uint8).reshape(ref.shape[0], -1)
+        raw = np.ascontiguousarray(ref.load())
+        if finite:
+            check_finite(raw, ref.name, ref.dtype)
+        return raw.view(np.uint8).reshape(ref.shape[0], -1)
     if ref.dtype == "MXFP4_BLOCKS" and scheme.name == "mxfp4" and ref.scale is not None:
         return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), np.asarray(ref.scale.load()))
-    return _quantize(to_float32(ref), scheme, out)
+    values = to_float32(ref)
+    if finite:
+        check_finite(values, ref.name)
+    return _quantize(values, scheme, out)
+
+
+_FLOAT_BITS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
+
+
+def check_finite(values: np.ndarray, name: str, dtype: str = "F32") -> None:
+    """Refuse a tensor holding NaN or Inf, naming it. ``values`` are float32 (a source decoded to
+    be quantized), or the stored elements of an ``F32``/``F16``/``BF16`` source passed through;
+    stored block formats (Q8_0, ...) pass unchecked. Runs on values already in memory: no extra
+    read of the checkpoint. A float32 sum is the quick test (10 ms for 235 MB here, half of
+    ``isfinite().all()``); only a non-finite sum, which a huge finite value can also give, counts
+    element by element."""
+    if dtype not in _FLOAT_BITS or values.size == 0:
+        return
+    if dtype == "F32" and values.dtype == np.float32 and np.isfinite(np.sum(values, dtype=np.float32)):
+        return
+    uint, exponent = _FLOAT_BITS[dtype]
+    bad = int(np.count_nonzero((np.ascontiguousarray(values).view(uint) & exponent) == exponent))
+    if bad:
+        raise FormatError(f"{bad} of {values.size} values are NaN or infinite", tensor=name,
+                          hint="fix the checkpoint, or compile it anyway with --allow-nonfinite")

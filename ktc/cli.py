@@ -402,6 +402,8 @@ def _given_flags(**values: Any) -> list[str]:
                    "Pays off on large models (start-up about 1 s); the bytes do not depend on it.")
 @click.option("--compress", is_flag=True, help="zstd-compress each expert (random access is kept).")
 @click.option("--report-error", is_flag=True, help="Print each expert's relative RMSE and max error.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Compile tensors holding NaN or Inf (refused by default, naming the tensor).")
 @click.option("--hash-sources", is_flag=True,
               help="Record full sha256 of the source files (default: of their first 16 MiB).")
 @click.option("--check", is_flag=True, help="Verify each pass's postconditions as it finishes.")
@@ -414,7 +416,7 @@ def _given_flags(**values: Any) -> list[str]:
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
                     profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str, jobs: int,
-                    compress: bool, report_error: bool, hash_sources: bool, check: bool,
+                    compress: bool, report_error: bool, allow_nonfinite: bool, hash_sources: bool, check: bool,
                     stop_after: str | None, dump_after: str | None, as_json: bool) -> None:
     """Compile a checkpoint into one packed, checksummed, reproducible bundle.
 
@@ -453,7 +455,8 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
                             jobs=jobs, compress=compress, report_error=report_error,
                             hash_sources=hash_sources, progress=not as_json, check=check,
                             stop_after=stop_after, dump_after=dump_after,
-                            dump=lambda text: click.echo(text, err=True), max_tokens=max_tokens)
+                            dump=lambda text: click.echo(text, err=True), max_tokens=max_tokens,
+                            allow_nonfinite=allow_nonfinite)
     elapsed = time.perf_counter() - started  # writing the bundle; the sha256 below reads it back
     if result is None:
         message = f"stopped after the {stop_after} pass; nothing written"
@@ -471,8 +474,11 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
                f"in {elapsed:.1f} s ({result.source_bytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
     click.echo(f"sha256 {result.sha256}")
     if result.emit.errors:
-        errors = sorted(result.emit.errors, key=lambda e: -e.rel_rmse)
-        mean = sum(e.rel_rmse for e in errors) / len(errors)
+        errors = sorted((e for e in result.emit.errors if math.isfinite(e.rel_rmse)), key=lambda e: -e.rel_rmse)
+        unmeasured = len(result.emit.errors) - len(errors)
+        if unmeasured:
+            click.echo(f"quantization error: not measurable for {unmeasured} experts (NaN or Inf weights)")
+        mean = sum(e.rel_rmse for e in errors) / max(len(errors), 1)
         click.echo(f"quantization error: mean relative RMSE {mean:.4f}; worst experts:")
         for e in errors[:10]:
             click.echo(f"  layer {e.layer} expert {e.expert}: relative RMSE {e.rel_rmse:.4f}, "

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ktc.errors import ConfigError, FormatError, KtcError
 from ktc.formats.bundle import FORMAT_MAJOR, FORMAT_MINOR
 from ktc.formats.schemes import get_scheme
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
-from ktc.passes.emit import Emit, EmitResult, remove_stale_temporaries
+from ktc.passes.emit import BuildOptions, Emit, EmitResult, remove_stale_temporaries
 from ktc.passes.layout import ChooseSchemes, LayOut, RunFile
 from ktc.passes.planner import KV_DTYPE_BYTES, PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
 
@@ -42,8 +43,9 @@ class CompileResult:
         out = {"path": self.path, "sha256": self.sha256, "file_bytes": self.file_bytes,
                "source_bytes": self.source_bytes, "gpu_experts": self.gpu_experts,
                "cpu_experts": self.cpu_experts}
-        if self.emit.errors:
-            out["expert_errors"] = [dataclasses.asdict(e) for e in self.emit.errors]
+        if self.emit.errors:  # an error that could not be measured (NaN/Inf weights) is null
+            out["expert_errors"] = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                     for k, v in dataclasses.asdict(e).items()} for e in self.emit.errors]
         return out
 
 
@@ -150,7 +152,7 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                    compress: bool = False, report_error: bool = False, hash_sources: bool = False,
                    progress: bool = False, check: bool = True, stop_after: str | None = None,
                    dump_after: str | None = None, dump: Callable[[str], None] | None = None,
-                   max_tokens: int = 4096) -> CompileResult | None:
+                   max_tokens: int = 4096, allow_nonfinite: bool = False) -> CompileResult | None:
     """Compile ``source`` into the bundle ``out``.
 
     The passes detect -> plan -> quantize -> layout -> emit run through ``ktc.pipeline``'s pass
@@ -158,6 +160,9 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     a pass). The placement comes from ``plan_path`` (a ``ktc plan -o`` file), from the planner
     when ``plan_kwargs`` has a budget (``vram=...``), or puts every expert on the CPU. Nothing is
     left at ``out`` unless the whole bundle was written. Returns None when stopped before emit.
+
+    Every float source tensor is checked for NaN and Inf as it is converted (a ``FormatError``
+    naming the tensor) unless ``allow_nonfinite``.
 
     The bundle also carries what running it needs (``formats.run_files``): the model's config,
     generation config and tokenizer, and the KV capacity to allocate: the plan's ``max_tokens``
@@ -222,8 +227,8 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                     "dense_scheme": get_scheme(dense_scheme).name},
         }
 
-    emit = Emit(out, manifest_base, jobs=jobs, compress=compress, report_error=report_error,
-                progress=progress)
+    options = BuildOptions(compress=compress, report_error=report_error, allow_nonfinite=allow_nonfinite)
+    emit = Emit(out, manifest_base, jobs=jobs, options=options, progress=progress)
     with open_checkpoint(source) as ckpt:
         run_files = collect_run_files(ckpt.format, ckpt.path, dict(ckpt.raw_config), ckpt.config)
         folder = ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(os.path.abspath(ckpt.path))

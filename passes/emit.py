@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import queue
 import re
@@ -27,7 +28,7 @@ import numpy as np
 from ktc.errors import InternalError, KtcError
 from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json, new_block_hasher
 from ktc.formats.dequant import to_float32, to_float32_rows
-from ktc.formats.quantize import convert, dequantize, quantize
+from ktc.formats.quantize import check_finite, convert, dequantize, quantize
 from ktc.ir import ModelIR
 
 from .base import Pass, PassContext
@@ -35,6 +36,15 @@ from .layout import BlockJob, BundleLayout, TensorJob
 
 CHUNK_BYTES = 64 * 1024 * 1024  # non-expert tensors are converted this many source bytes at a time
 ZSTD_LEVEL = 3
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How expert blocks are built (sent to the worker processes with each block)."""
+
+    compress: bool = False  # zstd, where it makes the block smaller
+    report_error: bool = False  # measure each expert's quantization error
+    allow_nonfinite: bool = False  # accept NaN/Inf weights instead of refusing the tensor
 
 
 @dataclass(frozen=True)
@@ -62,23 +72,26 @@ class EmitResult:
         return digest.hexdigest()
 
 
-def _fill_tensor(buf: np.ndarray, job: TensorJob) -> None:
+def _fill_tensor(buf: np.ndarray, job: TensorJob, finite: bool) -> None:
     """Write one expert tensor into its place in ``buf``: each source converted to the scheme,
     stacked by rows (gate then up for ``gate_up``)."""
     at = job.offset
     per_source = job.nbytes // len(job.sources)
     for source in job.sources:
         if len(job.shape) == 1:  # float32 biases
-            part = to_float32(source).reshape(-1).astype(np.float32).view(np.uint8)
+            values = to_float32(source).reshape(-1).astype(np.float32)
+            if finite:
+                check_finite(values, source.name)
+            part = values.view(np.uint8)
             buf[at: at + part.size] = part
         else:  # quantized straight into the expert's buffer where the scheme allows
-            part = convert(source, job.scheme, out=buf[at: at + per_source]).reshape(-1)
+            part = convert(source, job.scheme, out=buf[at: at + per_source], finite=finite).reshape(-1)
         at += part.size
     if at - job.offset != job.nbytes:
         raise KtcError(f"internal size mismatch for {job.name}: {at - job.offset} != {job.nbytes}")
 
 
-def build_expert(block: BlockJob, compress: bool = False, report_error: bool = False
+def build_expert(block: BlockJob, options: BuildOptions = BuildOptions()
                  ) -> tuple[bytes | np.ndarray, int, ExpertError | None]:
     """The stored bytes of one expert block (zstd-compressed when asked and smaller), the
     uncompressed length, and optionally its quantization error. Runs in worker processes."""
@@ -90,8 +103,9 @@ def build_expert(block: BlockJob, compress: bool = False, report_error: bool = F
     buf[end:] = 0
     sq_err = sq_ref = 0.0
     max_err = 0.0
+    report_error = options.report_error
     for job in block.tensors:
-        _fill_tensor(buf, job)
+        _fill_tensor(buf, job, not options.allow_nonfinite)
         if report_error and len(job.shape) == 2:
             exact = np.concatenate([to_float32(s) for s in job.sources], axis=0)
             back = dequantize(buf[job.offset: job.offset + job.nbytes].reshape(job.shape[0], -1),
@@ -102,9 +116,12 @@ def build_expert(block: BlockJob, compress: bool = False, report_error: bool = F
             max_err = max(max_err, float(np.max(np.abs(diff))) if diff.size else 0.0)
     error = None
     if report_error:
-        rel = (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0
+        if not (math.isfinite(sq_err) and math.isfinite(sq_ref)):
+            rel = max_err = math.nan  # NaN/Inf weights (--allow-nonfinite): not measurable
+        else:
+            rel = (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0
         error = ExpertError(block.layer or 0, block.expert or 0, rel, max_err)
-    if compress:
+    if options.compress:
         import zstandard
 
         frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False,
@@ -114,11 +131,14 @@ def build_expert(block: BlockJob, compress: bool = False, report_error: bool = F
     return buf, buf.size, error
 
 
-def _dense_chunks(job: TensorJob) -> Iterator[bytes]:
-    """A non-expert tensor's bytes in row chunks of about ``CHUNK_BYTES`` source bytes."""
+def _dense_chunks(job: TensorJob, finite: bool = True) -> Iterator[bytes]:
+    """A non-expert tensor's bytes in row chunks of about ``CHUNK_BYTES`` source bytes; with
+    ``finite``, a tensor holding NaN or Inf is refused."""
     (ref,) = job.sources
     if len(job.shape) == 1 or len(ref.shape) == 1:
         values = to_float32(ref).reshape(1, -1)
+        if finite:
+            check_finite(values, ref.name)
         yield quantize(values, job.scheme).tobytes()
         return
     rows = ref.shape[0]
@@ -131,9 +151,14 @@ def _dense_chunks(job: TensorJob) -> Iterator[bytes]:
         if ref.scale is None and ref.dtype.lower() == job.scheme and len(ref.shape) == 2:
             from ktc.ir import Slice
 
-            yield np.ascontiguousarray(ref.with_view(Slice(0, start, stop)).load()).tobytes()
+            raw = np.ascontiguousarray(ref.with_view(Slice(0, start, stop)).load())
+            if finite:
+                check_finite(raw, ref.name, ref.dtype)
+            yield raw.tobytes()
             continue
         values = to_float32_rows(ref, start, stop).reshape(stop - start, -1)
+        if finite:
+            check_finite(values, ref.name)
         yield quantize(values, job.scheme).tobytes()
 
 
@@ -257,7 +282,7 @@ def _skeleton_length(base: dict[str, Any], layout: BundleLayout, compress: bool)
 
 
 def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, Any], *,
-                jobs: int = 1, compress: bool = False, report_error: bool = False,
+                jobs: int = 1, options: BuildOptions = BuildOptions(),
                 progress: Callable[[int], None] | None = None) -> EmitResult:
     """Write the bundle to ``out_path`` atomically (see the module docstring)."""
     out_path = os.path.abspath(out_path)
@@ -266,7 +291,7 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
         raise KtcError("the output folder does not exist", path=folder)
     if not os.access(folder, os.W_OK):
         raise KtcError("the output folder is not writable", path=folder)
-    region = align(HEADER_SIZE + _skeleton_length(manifest_base, layout, compress), PAGE)
+    region = align(HEADER_SIZE + _skeleton_length(manifest_base, layout, options.compress), PAGE)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=temporary_prefix(out_path), suffix=".tmp")
     except OSError as exc:
@@ -279,7 +304,7 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
         # bundles are cut to their real size at the end.
         os.ftruncate(fd, region + sum(b.length for b in layout.blocks))
         with os.fdopen(fd, "r+b") as f:
-            result = _write(f, tmp, layout, manifest_base, region, jobs, compress, report_error, progress)
+            result = _write(f, tmp, layout, manifest_base, region, jobs, options, progress)
             f.truncate(result.file_bytes)
             try:
                 f.flush()
@@ -352,7 +377,7 @@ def _umask() -> int:
 
 
 def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region: int, jobs: int,
-           compress: bool, report_error: bool, progress: Callable[[int], None] | None) -> EmitResult:
+           options: BuildOptions, progress: Callable[[int], None] | None) -> EmitResult:
     writer = _Writer(f, tmp)
     blocks: list[dict[str, Any]] = []
     tensors: list[dict[str, Any]] = []
@@ -363,14 +388,14 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
     # With worker processes and no compression every expert's offset is known before it is
     # built: the workers write their experts into the file themselves and send back only
     # checksums (shipping every expert's bytes back through a pipe cost more than it saved).
-    direct = jobs > 1 and not compress and len(experts) > 1
+    direct = jobs > 1 and not options.compress and len(experts) > 1
     offsets = {}
     if direct:
         at = region
         for block in layout.blocks:
             offsets[id(block)] = at
             at += block.length
-    results = _expert_results(experts, jobs, compress, report_error,
+    results = _expert_results(experts, jobs, options,
                               (tmp, [offsets[id(b)] for b in experts]) if direct else None)
     try:
         writer.write(bytes(region))
@@ -404,7 +429,7 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
             else:
                 (job,) = block.tensors
                 used = 0
-                for chunk in _dense_chunks(job):
+                for chunk in _dense_chunks(job, not options.allow_nonfinite):
                     writer.write(chunk, digest)
                     used += len(chunk)
                 if used != job.nbytes:
@@ -448,7 +473,7 @@ def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region:
     return EmitResult(tmp, writer.pos, sum(b.source_bytes for b in layout.blocks), errors)
 
 
-def _expert_results(experts: list[BlockJob], jobs: int, compress: bool, report_error: bool,
+def _expert_results(experts: list[BlockJob], jobs: int, options: BuildOptions,
                     direct: tuple[str, list[int]] | None = None) -> Iterator[tuple[Any, int, ExpertError | None]]:
     """Expert results in order: built here, or by ``jobs`` worker processes with at most
     ``2 * jobs`` in flight (bounded memory). A result is (payload, length, error), or with
@@ -456,15 +481,15 @@ def _expert_results(experts: list[BlockJob], jobs: int, compress: bool, report_e
     (xxh3-128 hex digest, length, error)."""
     if jobs <= 1 or len(experts) <= 1:
         for block in experts:
-            yield build_expert(block, compress, report_error)
+            yield build_expert(block, options)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     def submit(pool: Any, i: int) -> Any:
         if direct is None:
-            return pool.submit(build_expert, experts[i], compress, report_error)
-        return pool.submit(_build_and_write, experts[i], report_error, direct[0], direct[1][i])
+            return pool.submit(build_expert, experts[i], options)
+        return pool.submit(_build_and_write, experts[i], options, direct[0], direct[1][i])
 
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
@@ -500,10 +525,10 @@ def _stop_workers(pool: Any) -> None:
 _worker_files: dict[str, int] = {}  # a worker's descriptor of the file it writes experts into
 
 
-def _build_and_write(block: BlockJob, report_error: bool, path: str, offset: int
+def _build_and_write(block: BlockJob, options: BuildOptions, path: str, offset: int
                      ) -> tuple[str, int, ExpertError | None]:
     """In a worker: build one expert, write it at ``offset`` of ``path``, return its checksum."""
-    buf, length, error = build_expert(block, False, report_error)
+    buf, length, error = build_expert(block, options)
     if path not in _worker_files:
         _worker_files[path] = os.open(path, os.O_WRONLY)
     _pwrite_all(_worker_files[path], buf, offset)
@@ -551,9 +576,9 @@ class Emit(Pass):
     produces: ClassVar[frozenset[str]] = frozenset({"bundle"})
 
     def __init__(self, out: str, manifest_base: Callable[[ModelIR], dict[str, Any]], *, jobs: int = 1,
-                 compress: bool = False, report_error: bool = False, progress: bool = False) -> None:
+                 options: BuildOptions = BuildOptions(), progress: bool = False) -> None:
         self.out, self.manifest_base = out, manifest_base
-        self.jobs, self.compress, self.report_error, self.progress = jobs, compress, report_error, progress
+        self.jobs, self.options, self.progress = jobs, options, progress
         self.result: EmitResult | None = None
 
     def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
@@ -567,7 +592,7 @@ class Emit(Pass):
                        unit_divisor=1024, desc="compiling", disable=None, leave=False)
         try:
             self.result = emit_bundle(ir.layout, self.out, self.manifest_base(ir), jobs=self.jobs,
-                                      compress=self.compress, report_error=self.report_error,
+                                      options=self.options,
                                       progress=bar.update if bar is not None else None)
         finally:
             if bar is not None:

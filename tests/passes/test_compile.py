@@ -376,3 +376,59 @@ def test_compile_never_replaces_a_file_it_reads(tmp_path, tiny_models, target):
         compile_bundle(source, out, **kw)
     assert {p: open(p, "rb").read() for p in [out]} == before
     assert not [n for n in os.listdir(os.path.dirname(out)) if n.endswith(".tmp")]
+
+
+def _poisoned_copy(src: str, dst, name_part: str, value: float) -> tuple[str, str]:
+    """A copy of a safetensors model folder with one value of the first tensor whose name
+    contains ``name_part`` set to ``value``."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = _copy(src, dst)
+    shard = next(p for p in sorted(os.listdir(folder)) if p.endswith(".safetensors"))
+    tensors = load_file(os.path.join(folder, shard))
+    name = next(n for n in sorted(tensors) if name_part in n)
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[7] = value
+    save_file(tensors, os.path.join(folder, shard), metadata={"format": "pt"})
+    return folder, name
+
+
+@pytest.mark.parametrize("where, value, kw", [
+    ("experts.3.w2", np.nan, {}),
+    ("experts.3.w2", np.inf, {"jobs": 2}),
+    ("experts.1.w1", -np.inf, {"cpu_scheme": "f32"}),  # stored as it is: the bits are checked
+    ("self_attn.q_proj", np.nan, {}),
+    ("self_attn.q_proj", np.inf, {"dense_scheme": "f32"}),
+    ("norm.weight", np.nan, {}),
+])
+def test_nonfinite_weights_are_refused_naming_the_tensor(tmp_path, tiny_models, where, value, kw):
+    source, name = _poisoned_copy(tiny_models["mixtral"]["safetensors"], tmp_path / "src", where, value)
+    out = str(tmp_path / "m.ktb")
+    with pytest.raises(KtcError, match="1 of .* values are NaN or infinite") as info:
+        compile_bundle(source, out, **kw)
+    assert name in str(info.value) and "--allow-nonfinite" in str(info.value)
+    assert not os.path.exists(out) and not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    compile_bundle(source, out, allow_nonfinite=True, **kw)
+    assert os.path.exists(out)
+
+
+def test_report_error_never_reports_zero_for_an_unmeasurable_expert(tmp_path, tiny_models):
+    source, _ = _poisoned_copy(tiny_models["mixtral"]["safetensors"], tmp_path / "src", "layers.1.block_sparse_moe.experts.2.w1", np.nan)
+    result = compile_bundle(source, str(tmp_path / "m.ktb"), allow_nonfinite=True, report_error=True)
+    errors = {(e.layer, e.expert): e.rel_rmse for e in result.emit.errors}
+    assert np.isnan(errors[(1, 2)])
+    assert all(0 < v < 0.05 for k, v in errors.items() if k != (1, 2))
+    listed = json.loads(json.dumps(result.to_json()))["expert_errors"]
+    assert [e["rel_rmse"] for e in listed if (e["layer"], e["expert"]) == (1, 2)] == [None]
+
+
+def test_check_finite_reads_the_bits_of_stored_floats():
+    from ktc.formats.quantize import check_finite
+
+    for dtype, values in (("F16", np.array([1, np.inf, 2], np.float16)),
+                          ("BF16", (np.array([1, np.nan, 2], np.float32).view(np.uint32) >> 16).astype(np.uint16)),
+                          ("F32", np.array([3e38, 3e38, np.nan], np.float32))):
+        with pytest.raises(KtcError, match="1 of 3 values"):
+            check_finite(values, "t", dtype)
+    check_finite(np.array([3e38, 3e38, 3e38], np.float32), "t")  # the sum overflows; the values do not
+    check_finite(np.array([65504, -65504], np.float16), "t", "F16")
