@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +162,11 @@ class Bundle:
         self.close()
 
     def close(self) -> None:
+        """Release the bundle's map. Arrays read from the bundle are views of that map, not
+        copies: while one of them lives, the map stays (it closes when the last goes; a map
+        made by Python before 3.13 also holds a duplicate of the file's descriptor until then).
+        Reading such an array after ``close()`` stays valid. Copy (``np.array(x)``) what you
+        keep for long after closing the bundle."""
         self._views.clear()
         if self._map is not None:
             try:
@@ -175,7 +181,9 @@ class Bundle:
     def _mapped(self) -> mmap.mmap:
         if self._map is None:
             self._file = open(self.path, "rb")
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            # Python 3.13's trackfd=False keeps mmap from holding a duplicate descriptor.
+            extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ, **extra)
             self._file.close()  # the map keeps what it needs; no descriptor stays open
             self._file = None
         return self._map
