@@ -397,6 +397,9 @@ def _validate_manifest(manifest: dict[str, Any], header: BundleHeader, size: int
         cols = shape[-1] if shape else 1
         if scheme.block_elems == 1 and scheme.row_extra_bytes == 0:
             expected = int(np.prod(shape)) * scheme.block_bytes
+        elif not scheme.fits(cols):
+            raise BundleError(f"rows of {cols} values cannot be stored in {scheme.name}",
+                              path=path, tensor=name)
         else:
             expected = scheme.matrix_bytes(rows, cols)
         if expected != nbytes:

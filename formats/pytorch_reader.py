@@ -34,7 +34,12 @@ def read_pytorch_header(path: str) -> dict[str, TensorRef]:
     import torch  # the reader is the only part of formats that needs torch
 
     size = file_size(path)
-    if not zipfile.is_zipfile(path):
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except (zipfile.BadZipFile, ValueError, OverflowError) as exc:  # it raises on some damage
+        raise FormatError(f"cannot read checkpoint: damaged zip archive ({exc})", path=path,
+                          hint="the file is truncated or damaged") from exc
+    if not is_zip:
         raise FormatError("not a PyTorch zip checkpoint (legacy or damaged file)", path=path,
                           hint="re-save it with torch.save() from PyTorch 1.6 or newer")
     try:

@@ -29,9 +29,16 @@ class _Match:
     layers: tuple[int, ...]
 
 
+def _layers_named(layer_prefix: str, names: set[str]) -> list[int]:
+    """The layer numbers that tensor names hold under ``layer_prefix`` ("blk.{layer}.")."""
+    pattern = re.compile(re.escape(layer_prefix).replace(re.escape("{layer}"), r"(\d+)"))
+    return sorted({int(m.group(1)) for m in map(pattern.match, names) if m is not None})
+
+
 def _find_layers(table: LayoutTable, names: set[str], num_layers: int) -> tuple[int, ...]:
+    # The layers the names hold, not range(num_layers): a damaged config's count can be 2**31.
     found = []
-    for layer in range(num_layers):
+    for layer in (n for n in _layers_named(table.layer_prefix, names) if n < num_layers):
         prefix = table.layer_prefix.format(layer=layer) + table.moe_prefix
         if prefix + table.router not in names:
             continue
@@ -54,6 +61,11 @@ def _choose_layout(ckpt: Checkpoint) -> _Match:
             best = _Match(table, layers)
     if best is None:
         raise _unsupported(ckpt, "no tensor names match a known Mixture-of-Experts layout")
+    named = _layers_named(best.table.layer_prefix, names)
+    if ckpt.config.num_layers > named[-1] + 1:
+        raise ConfigError(f"the config gives {ckpt.config.num_layers} layers; the tensors hold layers "
+                          f"up to {named[-1]}", path=ckpt.path,
+                          hint="the config (or GGUF block_count) is damaged, or shards are missing")
     if ckpt.config.num_experts <= 0 or ckpt.config.top_k <= 0:
         raise _unsupported(ckpt, f"the tensors follow the '{best.table.name}' layout but the config "
                                  "gives no expert count and top-k under a known key "

@@ -122,3 +122,15 @@ def test_every_torch_load_failure_on_a_patched_file_is_a_format_error(tmp_path):
                  "UnicodeDecodeError", "EOFError", "UnpicklingError"):
         assert name in causes, (name, causes)
     assert loaded > 0  # some patches change only values (a name's letter, a number)
+
+
+def test_zip_end_record_that_python_cannot_read(tmp_path):
+    """zipfile.is_zipfile itself raises on a zip64 locator naming several disks (a fuzzer find)."""
+    import struct
+
+    locator = b"PK\x06\x07" + struct.pack("<LQL", 0, 0, 2)
+    end = b"PK\x05\x06" + bytes(18)
+    (tmp_path / "m.bin").write_bytes(bytes(64) + locator + end)
+    with pytest.raises(FormatError, match="m.bin: cannot read checkpoint: damaged zip archive") as info:
+        open_pytorch(str(tmp_path / "m.bin"))
+    assert info.value.__cause__ is not None

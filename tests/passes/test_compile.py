@@ -432,3 +432,24 @@ def test_check_finite_reads_the_bits_of_stored_floats():
             check_finite(values, "t", dtype)
     check_finite(np.array([3e38, 3e38, 3e38], np.float32), "t")  # the sum overflows; the values do not
     check_finite(np.array([65504, -65504], np.float16), "t", "F16")
+
+
+def test_manifest_shape_that_no_block_scheme_can_hold(tmp_path, tiny_models):
+    """A q8_0 tensor whose manifest row is 1 value wide (a fuzzer find): a BundleError, not the
+    scheme's ValueError."""
+    out = tmp_path / "m.ktb"
+    compile_bundle(tiny_models["mixtral"]["gguf"], str(out), cpu_scheme="q8_0")
+    raw = out.read_bytes()
+    with open_bundle(str(out)) as b:
+        name = next(t.name for t in b.tensors.values() if t.scheme == "q8_0")
+    start = raw.index(b'"name":"%s"' % name.encode())
+    start = raw.rindex(b"{", 0, start)
+    end = raw.index(b"}", start)
+    entry = raw[start:end]
+    shape = entry.index(b'"shape":[') + len(b'"shape":[')
+    close = entry.index(b"]", shape)
+    rows = entry[shape:close].split(b",")[0]
+    patched = (rows + b",1").ljust(close - shape)
+    out.write_bytes(raw[:start + shape] + patched + raw[start + close:])
+    with pytest.raises(BundleError, match="rows of 1 values cannot be stored in q8_0"):
+        open_bundle(str(out))

@@ -292,3 +292,22 @@ def test_family_without_a_table_is_read_through_transformers(tmp_path):
     assert ir.family == "ernie4_5_moe"
     assert ir.moe_layer_indices == (1, 2) and ir.config.top_k == mf.TOP_K
     assert ir.config.num_experts == mf.EXPERTS and len(ir.layer(1).shared_experts) == 1
+
+
+@pytest.mark.parametrize("count", [5, 2**31 - 1])
+def test_layer_count_beyond_the_tensors_is_refused_at_once(tiny_models, tmp_path, count):
+    """A damaged GGUF block_count (found by the fuzzer: 2**24 and more) was walked layer by layer."""
+    import struct
+    import time
+
+    raw = bytearray(open(tiny_models["mixtral"]["gguf"], "rb").read())
+    key = b"llama.block_count"  # llama.cpp files Mixtral under the llama architecture
+    at = raw.index(key) + len(key)
+    assert struct.unpack_from("<I", raw, at)[0] == 4  # GGUF_TYPE_UINT32
+    raw[at + 4: at + 8] = struct.pack("<I", count)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(bytes(raw))
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=f"the config gives {count} layers; the tensors hold layers up to"):
+        load_model(str(path))
+    assert time.perf_counter() - started < 10
