@@ -244,7 +244,8 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cpu-bandwidth", help="CPU memory read bandwidth, e.g. 60GB/s [default: 60GB/s]."),
         click.option("--gpu-bandwidth", help="GPU memory bandwidth [default: 900GB/s]."),
         click.option("--pcie-bandwidth", help="PCIe bandwidth [default: 25GB/s]."),
-        click.option("--sync-us", type=FiniteFloat(min=0), help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
+        click.option("--sync-us", type=FiniteFloat(min=0),
+                     help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
         click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
                      help="KV cache capacity: total tokens over all sequences."),
         click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -364,14 +365,14 @@ def _write_text(path: str, text: str) -> None:
         raise KtcError(f"cannot write: {exc.strerror}", path=path) from None
 
 
-def _given_flags(**values: Any) -> list[str]:
-    """The flags among ``values`` (parameter name -> value) given on the command line or by
-    the environment, not left at their defaults."""
+def _given_flags(*names: str) -> list[str]:
+    """The flags among the parameters ``names`` that were given on the command line or by the
+    environment, not left at their defaults."""
     from click.core import ParameterSource
 
     ctx = click.get_current_context()
     given = []
-    for name in values:
+    for name in names:
         source = ctx.get_parameter_source(name)
         if source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             given.append("--" + name.replace("_", "-"))
@@ -416,8 +417,8 @@ def _given_flags(**values: Any) -> list[str]:
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
                     profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str, jobs: int,
-                    compress: bool, report_error: bool, allow_nonfinite: bool, hash_sources: bool, check: bool,
-                    stop_after: str | None, dump_after: str | None, as_json: bool) -> None:
+                    compress: bool, report_error: bool, allow_nonfinite: bool, hash_sources: bool,
+                    check: bool, stop_after: str | None, dump_after: str | None, as_json: bool) -> None:
     """Compile a checkpoint into one packed, checksummed, reproducible bundle.
 
     Experts are placed by --plan, by the planner when a budget is given (--vram or
@@ -438,13 +439,14 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     check_writable_target(output)
     if plan_path and (vram or hardware):
         raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
-    given = _given_flags(ram=ram, reserve=reserve, profile=profile, batch=batch, max_tokens=max_tokens)
+    given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens")
     if plan_path and given:
         raise KtcError(f"{', '.join(given)}: the plan file fixes the placement and the workload",
                        hint=f"give {given[0]} to ktc plan when making the plan")
     if not (plan_path or vram or hardware) and (unused := [f for f in given if f != "--max-tokens"]):
         what = "is a planner flag" if len(unused) == 1 else "are planner flags"
-        raise KtcError(f"{', '.join(unused)} {what}; the planner runs only when a budget is given", hint="add --vram (e.g. --vram 24GiB) or --hardware FILE, or drop the flag")
+        raise KtcError(f"{', '.join(unused)} {what}; the planner runs only when a budget is given",
+                       hint="add --vram (e.g. --vram 24GiB) or --hardware FILE, or drop the flag")
     plan_kwargs = None
     if vram or hardware:
         plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,

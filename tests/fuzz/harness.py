@@ -52,6 +52,7 @@ class Tally:
     crash: int = 0
     hang: int = 0
     max_growth_bytes: int = 0
+    max_growth_case: int = -1
     seed_bytes: int = 0
     input_bytes: int = 0  # everything the command reads: the seed, and the model for JSON inputs
     seconds: float = 0.0
@@ -253,7 +254,9 @@ def fuzz(formats: tuple[str, ...] = FORMATS, cases: int = 100, seed: int = 0, ti
                 data = mutate(raw, rng)
                 before = _peak_rss_bytes()
                 outcome, detail = _run_case(s, data, work, timeout)
-                tally.max_growth_bytes = max(tally.max_growth_bytes, _peak_rss_bytes() - before)
+                growth = _peak_rss_bytes() - before
+                if growth > tally.max_growth_bytes:
+                    tally.max_growth_bytes, tally.max_growth_case = growth, i
                 setattr(tally, outcome, getattr(tally, outcome) + 1)
                 if detail and len(tally.examples) < 5:
                     tally.examples.append(f"case {i}: {detail}")

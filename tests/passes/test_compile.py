@@ -413,7 +413,8 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(tmp_path, tiny_models, 
 
 
 def test_report_error_never_reports_zero_for_an_unmeasurable_expert(tmp_path, tiny_models):
-    source, _ = _poisoned_copy(tiny_models["mixtral"]["safetensors"], tmp_path / "src", "layers.1.block_sparse_moe.experts.2.w1", np.nan)
+    source, _ = _poisoned_copy(tiny_models["mixtral"]["safetensors"], tmp_path / "src",
+                               "layers.1.block_sparse_moe.experts.2.w1", np.nan)
     result = compile_bundle(source, str(tmp_path / "m.ktb"), allow_nonfinite=True, report_error=True)
     errors = {(e.layer, e.expert): e.rel_rmse for e in result.emit.errors}
     assert np.isnan(errors[(1, 2)])
