@@ -102,9 +102,8 @@ class HardwareProfile:
         fields.version(PROFILE_VERSION)
         values: dict[str, Any] = {"vram_bytes": fields.integer("vram_bytes", minimum=0),
                                   "ram_bytes": fields.integer("ram_bytes", default=_total_ram(), minimum=0)}
-        for name in ("reserve_bytes",):
-            if name in fields:
-                values[name] = fields.integer(name, minimum=0)
+        if "reserve_bytes" in fields:
+            values["reserve_bytes"] = fields.integer("reserve_bytes", minimum=0)
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if name in fields:
                 values[name] = fields.number(name, positive=True)

@@ -350,7 +350,10 @@ def _alive(pid: int) -> bool:
 def remove_stale_temporaries(folder: str) -> list[tuple[str, int]]:
     """Remove the temporary bundles in ``folder`` whose writer process is gone; returns
     (path, bytes) of each one removed. A file whose pid is alive is kept, even when the pid
-    was reused by another program: keeping a stale file is the safe mistake."""
+    was reused by another program: keeping a stale file is the safe mistake. The pid is this
+    machine's: a folder that compiles on other machines (or in other pid namespaces) write into
+    at the same time could lose a live writer's file, which that writer then reports as an
+    error when it renames."""
     removed = []
     try:
         names = os.listdir(folder)
