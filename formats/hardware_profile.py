@@ -47,17 +47,24 @@ def parse_bytes(text: str | int | float) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot read {text!r} as a size; write it like 24GiB, 24GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    number, unit = float(match.group(1)), match.group(2)
+    if not unit and number != 0:  # "--vram 24" meaning 24 bytes is never what was meant
+        raise ConfigError(f"the size {text.strip()!r} has no unit; write {match.group(1)}GiB "
+                          f"(2^30 bytes) or {match.group(1)}GB (10^9 bytes)")
+    return int(number * _UNITS[unit.lower()])
 
 
 def parse_bandwidth(text: str | int | float) -> float:
-    """'60GB/s' or '60' (GB/s) -> bytes per second."""
+    """'60GB/s' -> bytes per second (a number, from Python, is GB/s); a string needs its unit."""
     if isinstance(text, (int, float)):
         return float(text) * 1e9
     cleaned = text.strip().lower().removesuffix("/s")
     if re.fullmatch(r"[0-9]*\.?[0-9]+", cleaned):
-        return float(cleaned) * 1e9
-    return float(parse_bytes(cleaned))
+        raise ConfigError(f"the bandwidth {text.strip()!r} has no unit; write it like {cleaned}GB/s")
+    try:
+        return float(parse_bytes(cleaned))
+    except ConfigError:
+        raise ConfigError(f"cannot read {text!r} as a bandwidth; write it like 60GB/s") from None
 
 
 def _total_ram() -> int:

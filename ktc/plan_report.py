@@ -19,7 +19,10 @@ from ktc.summary import format_bytes, format_ranges
 def _speedup(plan: Plan, ms: float | None) -> str:
     if ms is None:
         return "does not fit"
-    return f"ktc is {ms / plan.predicted_ms_per_step:.2f}x faster" if ms > 0 else ""
+    if ms <= 0:
+        return ""
+    ratio = ms / plan.predicted_ms_per_step
+    return "same as ktc" if f"{ratio:.2f}" == "1.00" else f"ktc is {ratio:.2f}x faster"
 
 
 def render_plan_text(plan: Plan) -> str:

@@ -164,3 +164,22 @@ def test_one_rule_for_size_suffixes():
     assert parse_bytes("1K") == 1000 and parse_bytes("2G") == 2 * 10**9 and parse_bytes("1T") == 10**12
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1GiB") == 2**30 and parse_bytes("1TiB") == 2**40
     assert parse_bytes("1.5GiB") == 3 * 2**29
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--vram", "24", ["'24' has no unit", "24GiB", "24GB"]),
+    ("--ram", "64", ["'64' has no unit"]),
+    ("--reserve", "1.5", ["'1.5' has no unit"]),
+    ("--cpu-bandwidth", "200", ["'200' has no unit", "200GB/s"]),
+    ("--gpu-bandwidth", "fast", ["as a bandwidth", "60GB/s"]),
+])
+def test_a_size_or_bandwidth_needs_its_unit(demo_model, flag, value, words):
+    args = ["plan", demo_model, flag, value] + (["--vram", "16MiB"] if flag != "--vram" else [])
+    refused(ktc(*args), *words)
+
+
+def test_zero_needs_no_unit_and_a_24gb_budget_reads_as_gib(demo_model):
+    result = ktc("plan", demo_model, "--vram", "24GB", "--reserve", "0")
+    assert result.exit_code == 0, result.output
+    assert "of 22.4 GiB" in result.output  # a "24GB" card's budget, visibly
+    assert "1.00x" not in result.output and "same as ktc" in result.output  # every plan fits all
