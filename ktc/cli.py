@@ -319,8 +319,11 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
       ktc plan model.gguf --vram 12GiB --export-llamacpp
       ktc plan ./Mixtral-8x7B --vram 24GiB --export-kt kt/ -o plan.json --html plan.html
     """
+    from ktc.compile import check_writable_target
     from ktc.plan_report import export_kt, llamacpp_plan, render_plan_html, render_plan_text
 
+    for path in (p for p in (output, html_path) if p):  # before the solve, not after it
+        check_writable_target(path)
     result = _plan_from_flags(model, kw)
     out = result.to_json()
     if html_path:
@@ -355,9 +358,11 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
 
 
 def _write_text(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
+    """Write an output file whole or not at all; its folder must exist, as for every output."""
+    from ktc.compile import check_writable_target
+
+    check_writable_target(path)
     try:
-        os.makedirs(folder, exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(path + ".tmp", path)
@@ -392,12 +397,15 @@ def _given_flags(*names: str) -> list[str]:
                    "`ktc run` allocates.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Decode batch for the planner.")
 @click.option("--profile", type=click.Path(dir_okay=False), help="Activation profile for the planner.")
-@click.option("--cpu-scheme", default="int8", show_default=True,
-              help="Scheme of CPU experts: int8, int4_g32/64/128, q8_0, q4_0, mxfp4, bf16, f16, f32.")
-@click.option("--gpu-scheme", default="bf16", show_default=True, help="Scheme of GPU experts.")
-@click.option("--dense-scheme", default="bf16", show_default=True, type=click.Choice(list(SCHEMES)),
+@click.option("--cpu-schemes", "--cpu-scheme", "cpu_scheme", default="int8", show_default=True,
+              help="Scheme of CPU experts (int8, int4_g32/64/128, q8_0, q4_0, mxfp4, bf16, f16, f32); "
+                   "with a budget, a comma list the planner chooses from, as in ktc plan.")
+@click.option("--gpu-schemes", "--gpu-scheme", "gpu_scheme", default="bf16", show_default=True,
+              help="Scheme(s) of GPU experts, as --cpu-schemes.")
+@click.option("--dense-scheme", type=click.Choice(list(SCHEMES)),
               help="Scheme of non-expert matrices (attention, shared experts, lm_head, embeddings); "
-                   "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32.")
+                   "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32. "
+                   "[default: the plan's, else bf16]")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes building experts; each writes its experts into the bundle. "
                    "Pays off on large models (start-up about 1 s); the bytes do not depend on it.")
@@ -416,7 +424,7 @@ def _given_flags(*names: str) -> list[str]:
 @_handle_errors
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
-                    profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str, jobs: int,
+                    profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str | None, jobs: int,
                     compress: bool, report_error: bool, allow_nonfinite: bool, hash_sources: bool,
                     check: bool, stop_after: str | None, dump_after: str | None, as_json: bool) -> None:
     """Compile a checkpoint into one packed, checksummed, reproducible bundle.
@@ -439,11 +447,12 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     check_writable_target(output)
     if plan_path and (vram or hardware):
         raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
-    given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens")
+    given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens", "cpu_scheme", "gpu_scheme")
     if plan_path and given:
-        raise KtcError(f"{', '.join(given)}: the plan file fixes the placement and the workload",
-                       hint=f"give {given[0]} to ktc plan when making the plan")
-    if not (plan_path or vram or hardware) and (unused := [f for f in given if f != "--max-tokens"]):
+        raise KtcError(f"{', '.join(given)}: the plan file fixes the placement, the schemes and the workload",
+                       hint=f"give {given[0].replace('-scheme', '-schemes')} to ktc plan when making the plan")
+    if not (plan_path or vram or hardware) and (unused := [f for f in given if f not in (
+            "--max-tokens", "--cpu-scheme")]):
         what = "is a planner flag" if len(unused) == 1 else "are planner flags"
         raise KtcError(f"{', '.join(unused)} {what}; the planner runs only when a budget is given",
                        hint="add --vram (e.g. --vram 24GiB) or --hardware FILE, or drop the flag")
@@ -467,10 +476,16 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     if as_json:
         out = result.to_json()
         out["seconds"] = round(elapsed, 3)
+        if result.plan is not None:
+            out["plan"] = result.plan.to_json()
         click.echo(json.dumps(out, indent=1))
         return
     from ktc.summary import format_bytes
 
+    if result.plan is not None:  # what the planner decided, as ktc plan prints it
+        from ktc.plan_report import render_plan_text
+
+        click.echo(render_plan_text(result.plan))
     click.echo(f"wrote {result.path}: {format_bytes(result.file_bytes)}, {result.gpu_experts} GPU and "
                f"{result.cpu_experts} CPU experts, from {format_bytes(result.source_bytes)} of source "
                f"in {elapsed:.1f} s ({result.source_bytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
@@ -665,6 +680,10 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
     Example:
       ktc doctor --write-profile hw.json && ktc plan ./model --hardware hw.json
     """
+    if write_profile:
+        from ktc.compile import check_writable_target
+
+        check_writable_target(write_profile)  # before the measurement, not after it
     from ktc.runtime.doctor import diagnose
 
     report = diagnose()

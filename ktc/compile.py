@@ -34,6 +34,7 @@ class CompileResult:
     gpu_experts: int
     cpu_experts: int
     emit: EmitResult
+    plan: Any = None  # the planner's Plan when the compile made one (a budget was given)
 
     @property
     def sha256(self) -> str:
@@ -141,6 +142,34 @@ def load_plan_file(path: str, ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
     return placement, {k: v for k, v in data.items() if k not in _TIMING_KEYS and k != "placement"}
 
 
+def get_scheme_checked(name: str) -> str:
+    """The scheme's canonical name, or a ``ConfigError`` that lists the known ones."""
+    try:
+        return get_scheme(name).name
+    except KeyError as exc:
+        raise ConfigError(str(exc.args[0])) from None
+
+
+def scheme_list(text: str) -> tuple[str, ...]:
+    """"int8,int4_g128" -> ("int8", "int4_g128"), each checked."""
+    names = tuple(get_scheme_checked(n.strip()) for n in text.split(",") if n.strip())
+    if not names:
+        raise ConfigError(f"no scheme in {text!r}")
+    return names
+
+
+def plan_dense_scheme(path: str) -> str | None:
+    """The dense scheme a plan file was made for (None in plans that do not record it)."""
+    from ktc.formats.json_fields import Fields
+    from ktc.formats.tensor_file import read_json
+
+    fields = Fields(read_json(path, "plan file"), path, "plan")
+    options = Fields(fields.mapping("options", default={}), path, "plan's options")
+    if "dense_scheme" not in options:
+        return None
+    return get_scheme_checked(options.string("dense_scheme"))
+
+
 def all_on_cpu(ir: ModelIR, scheme: str) -> Placement:
     where = ExpertPlacement(Device.CPU, get_scheme(scheme).name)
     return Placement(ir.moe_layer_indices, tuple(tuple(where for _ in layer.experts) for layer in ir.moe_layers))
@@ -148,7 +177,7 @@ def all_on_cpu(ir: ModelIR, scheme: str) -> Placement:
 
 def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                    plan_kwargs: dict[str, Any] | None = None, cpu_scheme: str = "int8",
-                   gpu_scheme: str = "bf16", dense_scheme: str = "bf16", jobs: int = 1,
+                   gpu_scheme: str = "bf16", dense_scheme: str | None = None, jobs: int = 1,
                    compress: bool = False, report_error: bool = False, hash_sources: bool = False,
                    progress: bool = False, check: bool = True, stop_after: str | None = None,
                    dump_after: str | None = None, dump: Callable[[str], None] | None = None,
@@ -179,11 +208,17 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     for path, size in remove_stale_temporaries(os.path.dirname(os.path.abspath(out))):
         logging.getLogger("ktc").warning("removed %s (%.1f MiB on disk), left by a compile that was killed",
                                          path, size / 2**20)
-    for name in (cpu_scheme, gpu_scheme, dense_scheme):
-        try:
-            get_scheme(name)
-        except KeyError as exc:
-            raise ConfigError(str(exc.args[0])) from None
+    cpu_schemes, gpu_schemes = scheme_list(cpu_scheme), scheme_list(gpu_scheme)
+    planned_dense = plan_dense_scheme(plan_path) if plan_path else None
+    if planned_dense and dense_scheme and get_scheme_checked(dense_scheme) != planned_dense:
+        raise ConfigError(f"the plan was made for dense scheme {planned_dense}, not {dense_scheme}",
+                          path=plan_path, hint="drop --dense-scheme (the plan's is used), or plan again")
+    dense_scheme = planned_dense or get_scheme_checked(dense_scheme or "bf16")
+    if not (plan_path or plan_kwargs) and len(cpu_schemes) > 1:
+        raise ConfigError(f"with every expert on the CPU there is one CPU scheme, not {len(cpu_schemes)}",
+                          hint="give one, or a budget (--vram) so the planner chooses among them")
+
+    made_plan: list[Any] = []  # the planner's Plan, when it ran
 
     def decide(ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
         if plan_path:
@@ -192,13 +227,14 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
         elif plan_kwargs:
             from ktc.api import plan as make_plan
 
-            made = make_plan(ir, gpu_schemes=(gpu_scheme,), cpu_schemes=(cpu_scheme,),
+            made = make_plan(ir, gpu_schemes=gpu_schemes, cpu_schemes=cpu_schemes,
                              dense_scheme=dense_scheme, **plan_kwargs)
+            made_plan.append(made)
             placement = made.placement
             section = {"source": "planner", **{k: v for k, v in made.to_json().items()
                                                if k not in _TIMING_KEYS and k != "placement"}}
         else:
-            placement = all_on_cpu(ir, cpu_scheme)
+            placement = all_on_cpu(ir, cpu_schemes[0])
             section = {"source": "all experts on the CPU"}
         section["placement"] = {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
                                 for layer, row in zip(placement.layers, placement.experts)}
@@ -246,7 +282,8 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     gpu = sum(p.device is Device.GPU for row in placement.experts for p in row)
     cpu = sum(len(row) for row in placement.experts) - gpu
     result = emit.result
-    return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result)
+    return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result,
+                         made_plan[0] if made_plan else None)
 
 
 def refuse_overwriting_inputs(out: str, inputs: list[str]) -> None:

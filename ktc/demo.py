@@ -138,6 +138,8 @@ def write_demo_model(folder: str, *, seed: int = 0) -> str:
     """
     from safetensors.numpy import save_file
 
+    from ktc.passes.emit import new_file_mode
+
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.safetensors")
     config_path = os.path.join(folder, "config.json")
@@ -157,6 +159,7 @@ def write_demo_model(folder: str, *, seed: int = 0) -> str:
         os.close(fd)
         try:
             write(tmp)
+            os.chmod(tmp, new_file_mode())  # mkstemp's files are private; a model's are not
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):

@@ -298,7 +298,7 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
         raise _os_error(exc, folder) from None
     try:
         # mkstemp makes the file private (0600); a bundle gets the permissions any new file gets.
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, new_file_mode())
         # Sizing the file first made the writes 10x faster than appending here. ftruncate
         # leaves it sparse: a killed compile's file holds only what was written. Compressed
         # bundles are cut to their real size at the end.
@@ -373,10 +373,12 @@ def remove_stale_temporaries(folder: str) -> list[tuple[str, int]]:
     return removed
 
 
-def _umask() -> int:
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (for files made with
+    ``mkstemp``, which are private: 0600)."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def _write(f: Any, tmp: str, layout: BundleLayout, base: dict[str, Any], region: int, jobs: int,

@@ -368,7 +368,8 @@ def compile_with_placement(src: str, tmp_path, where) -> str:  # type: ignore[no
     data = plan(src, vram="1GiB", reserve=0).to_json()
     for layer, row in data["placement"].items():
         data["placement"][layer] = [where(e) for e in range(len(row))]
+    data["options"]["dense_scheme"] = "f32"  # exact non-expert weights: only the experts differ
     (tmp_path / "plan.json").write_text(json.dumps(data))
     path = str(tmp_path / "m.ktb")
-    compile_bundle(src, path, plan_path=str(tmp_path / "plan.json"), dense_scheme="f32")
+    compile_bundle(src, path, plan_path=str(tmp_path / "plan.json"))
     return path

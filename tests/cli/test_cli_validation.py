@@ -4,6 +4,7 @@ never accepted and turned into a wrong answer."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -183,3 +184,52 @@ def test_zero_needs_no_unit_and_a_24gb_budget_reads_as_gib(demo_model):
     assert result.exit_code == 0, result.output
     assert "of 22.4 GiB" in result.output  # a "24GB" card's budget, visibly
     assert "1.00x" not in result.output and "same as ktc" in result.output  # every plan fits all
+
+
+def test_compile_refuses_schemes_a_plan_file_fixes(tmp_path, demo_model):
+    plan = tmp_path / "plan.json"
+    assert ktc("plan", demo_model, "--vram", "16MiB", "--reserve", "0", "--dense-scheme", "q8_0",
+               "-o", str(plan)).exit_code == 0
+    out = str(tmp_path / "x.ktb")
+    refused(ktc("compile", demo_model, "--plan", str(plan), "-o", out, "--cpu-scheme", "int4_g128"),
+            "--cpu-scheme", "the plan file fixes")
+    refused(ktc("compile", demo_model, "--plan", str(plan), "-o", out, "--gpu-schemes", "int8"),
+            "--gpu-scheme", "the plan file fixes")
+    refused(ktc("compile", demo_model, "--plan", str(plan), "-o", out, "--dense-scheme", "bf16"),
+            "made for dense scheme q8_0, not bf16")
+    done = ktc("compile", demo_model, "--plan", str(plan), "-o", out, "--json")
+    assert done.exit_code == 0, done.output
+    from ktc.formats.bundle import open_bundle
+
+    with open_bundle(out) as b:
+        assert b.run_info["dense_scheme"] == "q8_0"  # the plan's, without being told again
+
+
+def test_compile_with_a_budget_takes_scheme_lists_and_prints_its_plan(tmp_path, demo_model):
+    result = ktc("compile", demo_model, "-o", str(tmp_path / "x.ktb"), "--vram", "16MiB", "--reserve", "0",
+                 "--cpu-schemes", "int8,q4_0", "--gpu-schemes", "bf16,int8")
+    assert result.exit_code == 0, result.output
+    assert "predicted:" in result.output and "baselines on the same budget" in result.output
+    assert "schemes: " in result.output and "wrote " in result.output
+    refused(ktc("compile", demo_model, "-o", str(tmp_path / "y.ktb"), "--cpu-schemes", "int8,q4_0"),
+            "one CPU scheme, not 2")
+
+
+def test_every_output_file_needs_an_existing_folder_and_gets_the_umask_mode(tmp_path, demo_model):
+    missing = tmp_path / "missing"
+    for args in (["plan", demo_model, "--vram", "16MiB", "-o", str(missing / "p.json")],
+                 ["plan", demo_model, "--vram", "16MiB", "--html", str(missing / "p.html")],
+                 ["compile", demo_model, "-o", str(missing / "x.ktb")],
+                 ["doctor", "--write-profile", str(missing / "hw.json")]):
+        refused(ktc(*args), "the output folder does not exist")
+    assert not missing.exists()
+    from ktc.demo import write_demo_model
+
+    old = os.umask(0o022)
+    try:
+        folder = write_demo_model(str(tmp_path / "demo"))
+        assert ktc("compile", folder, "-o", str(tmp_path / "x.ktb")).exit_code == 0
+    finally:
+        os.umask(old)
+    for path in [tmp_path / "x.ktb", *(tmp_path / "demo").iterdir()]:
+        assert os.stat(path).st_mode & 0o777 == 0o644, path
