@@ -101,13 +101,19 @@ class HardwareProfile:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], path: str = "<profile>") -> HardwareProfile:
+    def from_json(cls, data: dict[str, Any], path: str = "<profile>", *,
+                  vram_bytes: int | None = None) -> HardwareProfile:
+        """The profile in ``data``; ``vram_bytes`` (from ``--vram``) stands in for a file without
+        one (``ktc doctor`` on a machine without a GPU writes none)."""
         fields = Fields(data, path, "hardware profile")
         if fields.string("format", default="") != PROFILE_FORMAT:
             raise FormatError(f"not a hardware profile (format is {data.get('format')!r}, expected "
                               f"{PROFILE_FORMAT!r})", path=path)
         fields.version(PROFILE_VERSION)
-        values: dict[str, Any] = {"vram_bytes": fields.integer("vram_bytes", minimum=0),
+        if "vram_bytes" not in fields and vram_bytes is None:
+            raise FormatError("hardware profile has no vram_bytes (written on a machine without a GPU)",
+                              path=path, hint="give the serving GPU's memory too: --vram 24GiB")
+        values: dict[str, Any] = {"vram_bytes": fields.integer("vram_bytes", default=vram_bytes, minimum=0),
                                   "ram_bytes": fields.integer("ram_bytes", default=_total_ram(), minimum=0)}
         if "reserve_bytes" in fields:
             values["reserve_bytes"] = fields.integer("reserve_bytes", minimum=0)
@@ -119,8 +125,8 @@ class HardwareProfile:
         return cls(**values, source=path)
 
 
-def load_hardware_profile(path: str) -> HardwareProfile:
-    return HardwareProfile.from_json(read_json(path, "hardware profile"), path)
+def load_hardware_profile(path: str, *, vram_bytes: int | None = None) -> HardwareProfile:
+    return HardwareProfile.from_json(read_json(path, "hardware profile"), path, vram_bytes=vram_bytes)
 
 
 def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | None = None,
@@ -131,7 +137,7 @@ def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | 
                           sync_us: float | None = None) -> HardwareProfile:
     """A profile from a JSON file and/or flags; flags override the file."""
     if profile_path:
-        base = load_hardware_profile(profile_path)
+        base = load_hardware_profile(profile_path, vram_bytes=None if vram is None else parse_bytes(vram))
     elif vram is None:
         raise ConfigError("no VRAM budget: give --vram (e.g. --vram 24GiB) or --hardware FILE")
     else:

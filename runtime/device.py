@@ -14,7 +14,28 @@ from typing import Any
 
 import numpy as np
 
+from ktc.errors import KtcError
 from ktc.formats.schemes import get_scheme
+
+def check_device(device: Any) -> Any:
+    """``device`` as a torch device (None stays None), or a ``KtcError`` that says what to do:
+    a CUDA device asked for where torch sees none (a CPU build of torch, or no driver) is not
+    torch's AssertionError from deep inside the first upload."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise KtcError(f"unknown device {device!r}; use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KtcError("--device cuda, but torch sees no CUDA device (a CPU build of torch, or no driver)",
+                       hint="run on the CPU (--device cpu) or install a CUDA build of torch")
+    if dev.type not in ("cuda", "cpu"):
+        raise KtcError(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
+
 
 # e2m1 code -> value (OCP Microscaling v1.0), as in the CPU kernels.
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

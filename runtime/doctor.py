@@ -76,8 +76,14 @@ def diagnose() -> dict[str, Any]:
         warnings.append(f"{ram / 2**30:.0f} GiB of RAM: only small models' CPU experts fit; check with "
                         "ktc plan --ram before compiling")
     if not cuda:
-        warnings.append("no CUDA device: every expert runs on the CPU (plan with --vram 0, or for "
-                        "the machine that will serve)")
+        warnings.append("no CUDA device here: to plan for the GPU that will serve, give its memory "
+                        "(ktc plan MODEL --vram 24GiB, or --hardware FILE --vram 24GiB with the "
+                        "profile written here, which has no vram_bytes)")
+        if torch_version != "not installed" and _nvidia_gpu_present() and _cpu_only_torch():
+            warnings.append(f"this machine has an NVIDIA GPU but torch {torch_version} is a CPU-only "
+                            "build: install a CUDA build (pip install torch --index-url "
+                            "https://download.pytorch.org/whl/cu128; with the Makefile: make TORCH_SPEC= "
+                            "setup after installing it)")
     from .cpu_load import other_processes_cores
 
     busy = other_processes_cores()
@@ -89,6 +95,9 @@ def diagnose() -> dict[str, Any]:
 
     profile = HardwareProfile(vram_bytes=max((d["memory_bytes"] for d in cuda), default=0), ram_bytes=ram or 1,
                               cpu_bandwidth=bandwidth, source="ktc doctor")
+    written = profile.to_json()
+    if not cuda:  # no GPU to measure: the plan must be told the target's VRAM (--vram)
+        del written["vram_bytes"]
     return {
         "versions": {"python": platform.python_version(), "ktc": ktc_version, "numpy": numpy.__version__,
                      "torch": torch_version, "numba": numba.__version__},
@@ -96,5 +105,18 @@ def diagnose() -> dict[str, Any]:
         "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
         "other_processes_cores": busy,
         "kernels": {"vnni": HAVE_VNNI, "description": kernels},
-        "warnings": warnings, "hardware_profile": profile.to_json(),
+        "warnings": warnings, "hardware_profile": written,
     }
+
+
+def _nvidia_gpu_present() -> bool:
+    """An NVIDIA driver is loaded (its proc file), or nvidia-smi is on the PATH."""
+    import shutil
+
+    return os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi") is not None
+
+
+def _cpu_only_torch() -> bool:
+    import torch
+
+    return torch.version.cuda is None or "+cpu" in torch.__version__

@@ -20,7 +20,7 @@ from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 
 from . import vnni
-from .device import matmul, upload
+from .device import check_device, matmul, upload
 from .kernels import expert_forward, expert_forward_batch, experts_token
 
 
@@ -58,6 +58,7 @@ class ExpertSet:
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None) -> None:
+        device = check_device(device)
         model = bundle.manifest["model"]
         infos = {info["layer"]: info for info in model["moe_layers"]}
         if layer not in infos:

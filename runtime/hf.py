@@ -36,6 +36,7 @@ from ktc.formats.transformers_model import (
     meta_model,
 )
 
+from .device import check_device
 from .experts import ExpertSet, tensor_float32
 
 EXPERTS_IMPLEMENTATION = "ktc"
@@ -352,23 +353,6 @@ def _require_runnable(bundle: Bundle) -> dict[str, Any]:
     return run
 
 
-def _check_device(device: Any) -> Any:
-    if device is None:
-        return None
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise KtcError(f"unknown device {device!r}; use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KtcError("--device cuda, but torch sees no CUDA device (a CPU build of torch, or no driver)",
-                       hint="run on the CPU (--device cpu) or install a CUDA build of torch")
-    if dev.type not in ("cuda", "cpu"):
-        raise KtcError(f"device {device!r} is not supported; use cpu or cuda")
-    return dev
-
-
 def load_tokenizer(bundle: Bundle, transformers: Any | None = None) -> Any:
     """The bundle's tokenizer (transformers' ``AutoTokenizer`` over the files it carries)."""
     transformers = transformers or require_transformers()
@@ -402,7 +386,7 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     bundle's tokenizer when the caller loaded it already (``load_tokenizer``).
     """
     transformers = require_transformers()
-    dev = _check_device(device)
+    dev = check_device(device)
     bundle = open_bundle(path)
     try:
         return _load(transformers, bundle, dev, threads, tokenizer)

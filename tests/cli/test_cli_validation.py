@@ -233,3 +233,34 @@ def test_every_output_file_needs_an_existing_folder_and_gets_the_umask_mode(tmp_
         os.umask(old)
     for path in [tmp_path / "x.ktb", *(tmp_path / "demo").iterdir()]:
         assert os.stat(path).st_mode & 0o777 == 0o644, path
+
+
+def test_doctor_without_cuda_advises_a_plan_that_runs(tmp_path, demo_model, monkeypatch):
+    import ktc.runtime.doctor as doctor
+
+    monkeypatch.setattr(doctor, "read_bandwidth", lambda *a, **k: 40e9)  # the advice, not the machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(doctor, "_nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr(doctor, "_cpu_only_torch", lambda: True)
+    hw = tmp_path / "hw.json"
+    result = ktc("doctor", "--write-profile", str(hw))
+    assert result.exit_code == 0, result.output
+    assert "--vram 0" not in result.output and "--vram 24GiB" in result.output
+    assert "CPU-only build" in result.output and "install a CUDA build" in result.output
+    assert "vram_bytes" not in json.loads(hw.read_text())
+    refused(ktc("plan", demo_model, "--hardware", str(hw)), "no vram_bytes", "--vram 24GiB")
+    planned = ktc("plan", demo_model, "--hardware", str(hw), "--vram", "16MiB", "--reserve", "0")
+    assert planned.exit_code == 0, planned.output
+
+
+def test_experts_on_cuda_without_cuda_is_a_clear_error(tmp_path, tiny_models, monkeypatch):
+    from ktc.compile import compile_bundle
+    from ktc.errors import KtcError
+    from ktc.formats.bundle import open_bundle
+    from ktc.runtime.moe import moe_layers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = str(tmp_path / "m.ktb")
+    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], path)
+    with open_bundle(path) as bundle, pytest.raises(KtcError, match="torch sees no CUDA device"):
+        moe_layers(bundle, device="cuda")
