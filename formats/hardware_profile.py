@@ -54,6 +54,15 @@ def parse_bytes(text: str | int | float) -> int:
     return int(number * _UNITS[unit.lower()])
 
 
+def format_bytes(n: float) -> str:
+    """Binary units, the unit chosen so the number shows: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_bandwidth(text: str | int | float) -> float:
     """'60GB/s' -> bytes per second (a number, from Python, is GB/s); a string needs its unit."""
     if isinstance(text, (int, float)):

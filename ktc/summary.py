@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ktc.formats.hardware_profile import format_bytes
 from ktc.ir import ModelIR, TensorRole
 
 # Roles outside the routed experts that get their own line; the rest is "other".
@@ -93,15 +94,6 @@ def summarize(ir: ModelIR) -> ModelSummary:
         kv_bytes_per_token=cfg.kv_bytes_per_token(2),
         attention=cfg.attention.value,
     )
-
-
-def format_bytes(n: float) -> str:
-    """Binary units: 1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_ranges(values: tuple[int, ...]) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ktc.errors import BudgetError, ConfigError, FormatError, InternalError
 from ktc.formats.activation_profile import ActivationProfile, uniform_profile
-from ktc.formats.hardware_profile import HardwareProfile
+from ktc.formats.hardware_profile import HardwareProfile, format_bytes
 from ktc.formats.schemes import (
     ExpertShape, expert_footprint, get_scheme, non_expert_bytes,
 )
@@ -425,23 +425,48 @@ def _min_expert_vram(problem: PlacementProblem) -> int | None:
     return (total - on_cpu_max) * smallest_gpu
 
 
+def _max_gpu_experts(problem: PlacementProblem) -> int:
+    """Most experts the VRAM left for experts holds, at the smallest GPU scheme."""
+    smallest_gpu = min(o.vram_bytes for o in problem.options if o.device == GPU)
+    pinned_cpu = int((~problem.allowed[..., [o.device == GPU for o in problem.options]].any(axis=-1)).sum())
+    return min(problem.usage.size - pinned_cpu, max(problem.vram_budget, 0) // smallest_gpu)
+
+
 def budget_error(ctx: PlanningContext, hw: HardwareProfile, workload: Workload) -> BudgetError:
-    """A ``BudgetError`` listing each component against the budgets and the largest max-tokens."""
+    """A ``BudgetError`` that says which budget binds (VRAM, RAM, or the two together), what each
+    would need given the other, each component, the flags that change it, and the largest
+    ``--max-tokens`` that fits when one does."""
     problem = ctx.problem
-    need_vram = _min_expert_vram(problem)
-    lines = ["the model does not fit:"]
-    vram_items = dict(ctx.fixed_vram)
-    vram_items["gpu experts (at least)"] = need_vram if need_vram is not None else 0
-    lines.append("  VRAM " + _fmt(sum(vram_items.values())) + f" needed of {_fmt(hw.vram_bytes)}: " +
-                 ", ".join(f"{k.replace('_', ' ')} {_fmt(v)}" for k, v in vram_items.items() if v))
     smallest_cpu = min(o.ram_bytes for o in problem.options if o.device == CPU)
-    ram_items = dict(ctx.fixed_ram)
-    lines.append("  RAM  " + _fmt(sum(ram_items.values())) + f" fixed of {_fmt(hw.ram_bytes)}, "
-                 f"{_fmt(smallest_cpu)} per CPU expert: " +
-                 ", ".join(f"{k} {_fmt(v)}" for k, v in ram_items.items() if v))
+    fixed_vram, fixed_ram = sum(ctx.fixed_vram.values()), sum(ctx.fixed_ram.values())
+    need_vram = _min_expert_vram(problem)  # experts' VRAM, given the RAM budget
+    vram_needed = None if need_vram is None else fixed_vram + need_vram
+    ram_needed = fixed_ram + (problem.usage.size - _max_gpu_experts(problem)) * smallest_cpu
+    if fixed_vram > hw.vram_bytes:
+        binds = "VRAM binds: the weights and buffers that always live on the GPU do not fit"
+    elif fixed_ram > hw.ram_bytes:
+        binds = "RAM binds: what always lives in RAM does not fit"
+    elif vram_needed is None:
+        binds = "RAM binds: the experts pinned to the CPU do not fit in it"
+    else:
+        binds = "VRAM and RAM together are too small for the experts; more of either would do"
+    lines = [f"the model does not fit: {binds}"]
+    vram_line = (f"  VRAM {format_bytes(hw.vram_bytes)}: fixed {format_bytes(fixed_vram)} (" +
+                 ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ctx.fixed_vram.items() if v)
+                 + ")")
+    if vram_needed is not None and vram_needed > hw.vram_bytes:
+        vram_line += f"; with this RAM it needs {format_bytes(vram_needed)} (--vram)"
+    lines.append(vram_line)
+    ram_line = (f"  RAM  {format_bytes(hw.ram_bytes)}: fixed {format_bytes(fixed_ram)} (" +
+                ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ctx.fixed_ram.items() if v) +
+                f"), {format_bytes(smallest_cpu)} per CPU expert")
+    if ram_needed > hw.ram_bytes:
+        ram_line += f"; with this VRAM it needs {format_bytes(ram_needed)} (--ram)"
+    lines.append(ram_line)
     largest = largest_feasible_max_tokens(ctx, hw, workload)
     if largest is None or need_vram is None:
-        hint = "no --max-tokens fits: lower the weights' precision, add RAM or VRAM, or unpin experts"
+        hint = ("no --max-tokens fits; smaller experts (--cpu-schemes/--gpu-schemes int4_g128), "
+                "non-expert weights (--dense-scheme q8_0), a smaller --reserve, or more --vram/--ram")
     else:
         hint = f"the largest --max-tokens that fits is {largest}"
     error = BudgetError("\n".join(lines), hint=hint)
@@ -457,12 +482,6 @@ def largest_feasible_max_tokens(ctx: PlanningContext, hw: HardwareProfile,
     fixed = sum(v for k, v in ctx.fixed_vram.items() if k != "kv_cache")
     room = hw.vram_bytes - fixed - need
     return room // ctx.kv_bytes_per_token if room >= 0 else None
-
-
-def _fmt(n: float) -> str:
-    from ktc.formats.hardware_profile import GiB
-
-    return f"{n / GiB:.2f} GiB" if abs(n) >= 0.01 * GiB else f"{n / 1024**2:.1f} MiB"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -87,3 +87,21 @@ def test_plan_json_on_real_stdout_is_clean_and_deterministic(demo_model):
         out = json.loads(proc.stdout)
         outs.append((out["gpu_experts_per_layer"], out["predicted_ms_per_step"]))
     assert outs[0] == outs[1]
+
+
+def test_budget_error_names_the_binding_limit_in_readable_units(demo_model):
+    def error(*flags: str) -> str:
+        result = run("plan", demo_model, "--reserve", "0", *flags)
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        return result.output
+
+    vram = error("--vram", "4MiB", "--max-tokens", "100000")
+    assert "VRAM binds" in vram and "VRAM 4.0 MiB: fixed 199.9 MiB" in vram and "0.0 MiB" not in vram
+    both = error("--vram", "16MiB", "--ram", "1MiB")
+    assert "VRAM and RAM together are too small" in both
+    assert "with this RAM it needs" in both and "(--vram)" in both
+    assert "with this VRAM it needs" in both and "(--ram)" in both
+    ram = error("--vram", "1GiB", "--ram", "100KiB")
+    assert "RAM binds" in ram and "RAM  100.0 KiB: fixed 512.0 KiB" in ram
+    for flag in ("--cpu-schemes", "--dense-scheme", "--reserve", "--vram/--ram"):
+        assert flag in vram
