@@ -59,8 +59,10 @@ def main() -> int:
           f"reading and detecting the header took {load_seconds:.3f} s")
     worst = 0.0
     for gpu, cpu in cases:
+        started = time.perf_counter()
         plan = plan_placement(ir, hw, Workload(max_tokens=32768), profile,
                               PlannerOptions(gpu_schemes=gpu, cpu_schemes=cpu))
+        whole = time.perf_counter() - started
         verify_plan(ir, plan)
         worst = max(worst, plan.solve.seconds)
         options = len(gpu) + len(cpu)
@@ -69,7 +71,8 @@ def main() -> int:
               f"{plan.solve.seconds:.3f} s = {plan.solve.seconds / load_seconds:.2f}x the header read, "
               f"{'optimal' if plan.solve.optimal else f'gap {plan.solve.gap:.2e}'}, "
               f"{plan.predicted_ms_per_token:.1f} ms/token, best baseline {best:.1f} ms "
-              f"({best / plan.predicted_ms_per_step:.2f}x)")
+              f"({best / plan.predicted_ms_per_step:.2f}x); the whole plan (solve, baselines at every "
+              f"scheme pair, one-scheme solve) {whole:.3f} s")
     print(f"worst solve time {worst:.3f} s (target: at most 2 s)")
     return 0 if worst <= 2.0 else 1
 

@@ -50,11 +50,20 @@ def render_plan_text(plan: Plan) -> str:
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
                  f"experts per step); solved in {plan.solve.seconds:.2f} s, {status}")
-    lines.append("baselines on the same budget and model:")
+    single = plan.single_scheme
+    width = max([len(b.schemes) for b in plan.baselines] + [len(single.schemes) if single else 0]) + 1
+    lines.append("baselines on the same budget and model, each at its best one scheme per device:")
     for b in plan.baselines:
         ms = (f"{b.predicted_ms_per_step / plan.workload.batch:.3f} ms/token"
               if b.predicted_ms_per_step is not None else "-")
-        lines.append(f"  {b.name:<12} {b.setting:<26} {ms:<18} {_speedup(plan, b.predicted_ms_per_step)}")
+        line = f"  {b.name:<12} {b.setting:<26} {b.schemes:<{width}} {ms:<18} {_speedup(plan, b.predicted_ms_per_step)}"
+        if single is not None and b.predicted_ms_per_step is not None and single.predicted_ms_per_step:
+            line += f" (placement {b.predicted_ms_per_step / single.predicted_ms_per_step:.2f}x)"
+        lines.append(line)
+    if single is not None and single.predicted_ms_per_step:
+        ms = f"{single.predicted_ms_per_step / plan.workload.batch:.3f} ms/token"
+        lines.append(f"  {'ktc':<12} {'one scheme per device':<26} {single.schemes:<{width}} {ms:<18} "
+                     f"mixing schemes: {_speedup(plan, single.predicted_ms_per_step)}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ docs/planner.md describes the model in full; the short version:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -71,7 +72,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class PlannerOptions:
-    """Schemes each device may use (the first is the baselines' choice), pins, and knobs."""
+    """Schemes each device may use (the baselines take the best one of each), pins, and knobs."""
 
     gpu_schemes: tuple[str, ...] = ("bf16",)
     cpu_schemes: tuple[str, ...] = ("int8",)
@@ -132,11 +133,12 @@ class BaselineResult:
     gpu_experts: int
     setting: str  # the flag value a user would type: "--n-cpu-moe 12", "N=3 per layer", ...
     placement: Placement | None = field(default=None, repr=False)
+    schemes: str = ""  # the one scheme per device it was measured at: "gpu bf16, cpu int8"
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "feasible": self.feasible,
                 "predicted_ms_per_step": self.predicted_ms_per_step, "gpu_experts": self.gpu_experts,
-                "setting": self.setting}
+                "setting": self.setting, "schemes": self.schemes}
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,9 @@ class Plan:
     profile: ActivationProfile = field(repr=False)
     usage: np.ndarray = field(repr=False)  # [moe layers, experts] per-step use probability
     layer_ms: tuple[float, ...] = ()
+    # ktc's own placement at one scheme per device, when the lists allow more than one: the
+    # baselines against it show what placement gains, it against the plan what mixing adds.
+    single_scheme: BaselineResult | None = None
 
     @property
     def predicted_ms_per_step(self) -> float:
@@ -226,6 +231,7 @@ class Plan:
                 "ktc_speedup": (None if b.predicted_ms_per_step is None
                                 else b.predicted_ms_per_step / self.predicted_ms_per_step)}
                 for b in self.baselines},
+            "single_scheme": None if self.single_scheme is None else self.single_scheme.to_json(),
             "solve_seconds": self.solve.seconds,
             "solver": asdict(self.solve),
         }
@@ -488,18 +494,17 @@ def largest_feasible_max_tokens(ctx: PlanningContext, hw: HardwareProfile,
 # Baselines: what users do today, under the same memory and cost model
 
 
-def _fill(problem: PlacementProblem, gpu_mask: np.ndarray) -> np.ndarray:
-    """Choice array: the first GPU option where ``gpu_mask``, else the first CPU option."""
-    gpu_opt = next(i for i, o in enumerate(problem.options) if o.device == GPU)
-    cpu_opt = next(i for i, o in enumerate(problem.options) if o.device == CPU)
-    return np.where(gpu_mask, gpu_opt, cpu_opt)
+def _fill(problem: PlacementProblem, gpu_mask: np.ndarray, pair: tuple[int, int]) -> np.ndarray:
+    """Choice array: option ``pair[0]`` (a GPU one) where ``gpu_mask``, else ``pair[1]`` (CPU)."""
+    return np.where(gpu_mask, pair[0], pair[1])
 
 
-def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray]) -> tuple[int, np.ndarray] | None:
+def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray],
+                      pair: tuple[int, int]) -> tuple[int, np.ndarray] | None:
     """The last of increasingly GPU-heavy masks that fits (masks[0] is the CPU-only extreme)."""
     best = None
     for i, mask in enumerate(masks):
-        choice = _fill(problem, mask)
+        choice = _fill(problem, mask, pair)
         if is_feasible(problem, choice):
             best = (i, choice)
         elif best is not None:
@@ -507,20 +512,19 @@ def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray]) -> tup
     return best
 
 
-def baseline_uniform(problem: PlacementProblem) -> tuple[str, np.ndarray] | None:
+def baseline_uniform(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[str, np.ndarray] | None:
     """KTransformers' --kt-num-gpu-experts N: experts 0..N-1 of every layer on the GPU."""
     n_layers, n_experts = problem.shape
     masks = [np.broadcast_to(np.arange(n_experts) < n, (n_layers, n_experts)) for n in range(n_experts + 1)]
-    found = _largest_feasible(problem, masks)
+    found = _largest_feasible(problem, masks, pair)
     return (f"--kt-num-gpu-experts {found[0]}", found[1]) if found else None
 
 
-def baseline_global_topk(problem: PlacementProblem) -> tuple[str, np.ndarray] | None:
+def baseline_global_topk(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[str, np.ndarray] | None:
     """KTransformers' generate_gpu_experts_masks: the k most used experts of the whole model."""
     order = np.argsort(-problem.usage, axis=None, kind="stable")
     n = problem.usage.size
-    gpu_opt = next(o for o in problem.options if o.device == GPU)
-    cpu_opt = next(o for o in problem.options if o.device == CPU)
+    gpu_opt, cpu_opt = problem.options[pair[0]], problem.options[pair[1]]
     # The largest k that fits, computed directly rather than by trying every k.
     k_vram = problem.vram_budget // gpu_opt.vram_bytes if gpu_opt.vram_bytes else n
     k_ram = n - (problem.ram_budget // cpu_opt.ram_bytes if cpu_opt.ram_bytes else n)
@@ -529,16 +533,16 @@ def baseline_global_topk(problem: PlacementProblem) -> tuple[str, np.ndarray] | 
         return None
     mask = np.zeros(n, dtype=bool)
     mask[order[:k]] = True
-    choice = _fill(problem, mask.reshape(problem.shape))
+    choice = _fill(problem, mask.reshape(problem.shape), pair)
     return (f"top {k} experts", choice) if is_feasible(problem, choice) else None
 
 
-def baseline_n_cpu_moe(problem: PlacementProblem) -> tuple[str, np.ndarray] | None:
+def baseline_n_cpu_moe(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[str, np.ndarray] | None:
     """llama.cpp's --n-cpu-moe N: all experts of the first N MoE layers on the CPU."""
     n_layers, n_experts = problem.shape
     masks = [np.broadcast_to((np.arange(n_layers) >= n)[:, None], (n_layers, n_experts))
              for n in range(n_layers, -1, -1)]
-    found = _largest_feasible(problem, masks)
+    found = _largest_feasible(problem, masks, pair)
     return (f"--n-cpu-moe {n_layers - found[0]}", found[1]) if found else None
 
 
@@ -548,6 +552,46 @@ BASELINES = (
      baseline_global_topk),
     ("n_cpu_moe", "experts of the first N layers on the CPU (llama.cpp --n-cpu-moe)", baseline_n_cpu_moe),
 )
+
+
+def scheme_pairs(problem: PlacementProblem) -> list[tuple[int, int]]:
+    """Every (GPU option, CPU option) pair: one scheme per device, as the baselines' tools use."""
+    gpu = [i for i, o in enumerate(problem.options) if o.device == GPU]
+    cpu = [i for i, o in enumerate(problem.options) if o.device == CPU]
+    return [(g, c) for g in gpu for c in cpu]
+
+
+def best_baseline(problem: PlacementProblem, method: Any) -> tuple[str, np.ndarray, tuple[int, int]] | None:
+    """A baseline at its best single scheme per device (the fastest feasible over every pair of
+    allowed schemes), so that it differs from ktc's plan by its placement, not by the order of
+    the scheme lists."""
+    best = None
+    for pair in scheme_pairs(problem):
+        found = method(problem, pair)
+        if found is None:
+            continue
+        seconds = evaluate(problem, found[1]).expert_seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, found[0], found[1], pair)
+    return None if best is None else best[1:]
+
+
+def single_scheme_solution(problem: PlacementProblem, time_limit: float, pairs: list[tuple[int, int]]
+                           ) -> tuple[PlacementSolution, tuple[int, int]] | None:
+    """ktc's own placement with one scheme per device (the best of ``pairs``), on the full
+    problem's option indices: what placement alone gains, before mixing schemes."""
+    best = None
+    for pair in pairs:
+        sub = dataclasses.replace(problem, options=tuple(problem.options[i] for i in pair),
+                                  allowed=problem.allowed[..., list(pair)])
+        try:
+            solution = solve_placement(sub, time_limit=time_limit)
+        except BudgetError:
+            continue
+        choice = np.asarray(pair)[solution.choice]
+        if best is None or solution.objective < best[0].objective:
+            best = (dataclasses.replace(solution, choice=choice), pair)
+    return best
 
 
 # ----------------------------------------------------------------------------------------------
@@ -583,18 +627,31 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
     ev = evaluate(problem, solution.choice)
     if not is_feasible(problem, solution.choice):
         raise InternalError("the solver returned a placement that breaks the budgets or pins")
+    def result(name: str, description: str, setting: str, choice: np.ndarray,
+               pair: tuple[int, int]) -> BaselineResult:
+        g, c = problem.options[pair[0]], problem.options[pair[1]]
+        ms = 1e3 * (ctx.constant_seconds + evaluate(problem, choice).expert_seconds)
+        return BaselineResult(name, description, True, ms, int((choice == pair[0]).sum()), setting,
+                              to_placement(ctx, choice), f"gpu {g.scheme}, cpu {c.scheme}")
+
     baselines = []
+    baseline_pairs: list[tuple[int, int]] = []
     for name, description, method in BASELINES:
-        found = method(problem)
+        found = best_baseline(problem, method)
         if found is None:
             baselines.append(BaselineResult(name, description, False, None, 0, "does not fit"))
             continue
-        setting, choice = found
-        b = evaluate(problem, choice)
-        baselines.append(BaselineResult(
-            name, description, True, 1e3 * (ctx.constant_seconds + b.expert_seconds),
-            int((choice == _fill(problem, np.ones(problem.shape, bool))).sum()), setting,
-            to_placement(ctx, choice)))
+        baselines.append(result(name, description, *found))
+        baseline_pairs += [found[2]] if found[2] not in baseline_pairs else []
+    single = None
+    if len(scheme_pairs(problem)) > 1:
+        # At the pairs the baselines chose (every pair when none fits): one or two solves of a
+        # two-option problem, not one per pair (six for three GPU and two CPU schemes).
+        best_single = single_scheme_solution(problem, options.time_limit,
+                                             baseline_pairs or scheme_pairs(problem))
+        if best_single is not None:
+            single = result("single_scheme", "ktc's placement with one scheme per device", "ktc",
+                            best_single[0].choice, best_single[1])
     memory = MemoryBreakdown(
         vram=tuple(ctx.fixed_vram.items()) + (("gpu_experts", ev.vram_bytes),),
         ram=tuple(ctx.fixed_ram.items()) + (("cpu_experts", ev.ram_bytes),),
@@ -604,7 +661,7 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
         model=model_facts(ir), hardware=hardware, workload=workload, options=options,
         placement=to_placement(ctx, solution.choice), memory=memory,
         constant_ms=1e3 * ctx.constant_seconds, expert_ms=1e3 * ev.expert_seconds,
-        baselines=tuple(baselines),
+        baselines=tuple(baselines), single_scheme=single,
         solve=SolveInfo(solution.solve_seconds, solution.optimal, solution.gap,
                         1e3 * max(solution.lower_bound - quality, 0.0), solution.method),
         profile=ctx.profile, usage=problem.usage, layer_ms=tuple(1e3 * s for s in ev.layer_seconds))

@@ -233,3 +233,27 @@ def test_hardware_profile_file_and_flag_overrides(demo_model, tmp_path):
     assert parse_bytes("24GiB") == 24 * 1024**3 and parse_bytes("24GB") == 24 * 10**9
     with pytest.raises(ConfigError, match="24GiB"):
         parse_bytes("lots")
+
+
+def test_baselines_do_not_depend_on_the_order_of_the_scheme_lists(demo_model):
+    """Each baseline is measured at its best single scheme per device, so reordering
+    --gpu-schemes changes nothing, and ktc's one-scheme placement separates what placement
+    gains from what mixing schemes adds."""
+    ir = load_model(demo_model)
+    hw = quarter_budget(ir, Workload())
+    profile = zipf_profile(ir)
+    plans = [plan_placement(ir, hw, Workload(), profile,
+                            PlannerOptions(gpu_schemes=gpu, cpu_schemes=("int4_g128", "int8")))
+             for gpu in (("bf16", "int4_g128"), ("int4_g128", "bf16"))]
+    first, second = ([(b.setting, b.schemes, round(b.predicted_ms_per_step, 9)) for b in p.baselines]
+                     for p in plans)
+    assert first == second
+    for plan in plans:
+        single = plan.single_scheme
+        assert single is not None and single.schemes
+        assert plan.predicted_ms_per_step <= single.predicted_ms_per_step + 1e-9
+        for b in plan.baselines:
+            if b.feasible:
+                assert single.predicted_ms_per_step <= b.predicted_ms_per_step + 1e-9
+    one = plan_placement(ir, hw, Workload(), profile)  # one scheme per device: nothing to separate
+    assert one.single_scheme is None and all(b.schemes == "gpu bf16, cpu int8" for b in one.baselines if b.feasible)
