@@ -344,8 +344,9 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
     click.echo(render_plan_text(result))
     if kt_info:
         click.echo(f"KTransformers: mask written to {kt_info['gpu_experts_mask']} "
-                   f"({kt_info['gpu_experts_total']} GPU experts; nearest --kt-num-gpu-experts "
-                   f"{kt_info['kt_num_gpu_experts_nearest']})")
+                   f"({kt_info['gpu_experts_total']} GPU experts; the most per layer that fits: "
+                   f"--kt-num-gpu-experts {kt_info['kt_num_gpu_experts']})")
+        click.echo(f"  for {kt_info['targets']}: {kt_info['sglang_command']}")
     if cpp:
         click.echo(f"llama.cpp: {cpp.rules}")
         click.echo(f"  predicted {cpp.predicted_ms_per_step / result.workload.batch:.3f} ms/token with whole "

@@ -154,21 +154,47 @@ def kt_mask(plan: Plan) -> np.ndarray:
     return mask
 
 
+# The SGLang + KTransformers integration whose flags the export targets: the kvcache-ai fork
+# (`pip install sglang-kt`, KTransformers v0.5.1 and later), as its experts-scheduling tutorial
+# documents them: --kt-num-gpu-experts (per MoE layer), --kt-gpu-experts-ratio (of all experts,
+# overriding it), --kt-expert-placement-strategy frequency with --init-expert-location FILE.pt.
+SGLANG_KT_TARGET = "sglang-kt (KTransformers v0.5.1+)"
+
+
 def export_kt(plan: Plan, folder: str) -> dict[str, object]:
-    """Write ``gpu_experts_mask.pt`` and ``kt_args.json`` into ``folder``."""
+    """Write ``gpu_experts_mask.pt`` (KTransformers' mask), ``activation_stats.pt`` (an expert
+    distribution whose most frequent experts, per layer and overall, are ktc's GPU experts) and
+    ``kt_args.json`` into ``folder``; returns what ``kt_args.json`` holds, with a command line."""
     import torch
 
     os.makedirs(folder, exist_ok=True)
-    mask = torch.from_numpy(kt_mask(plan))
-    path = os.path.join(folder, "gpu_experts_mask.pt")
-    torch.save(mask, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    mask = kt_mask(plan)
+    mask_path = os.path.join(folder, "gpu_experts_mask.pt")
+    torch.save(torch.from_numpy(mask), mask_path + ".tmp")
+    os.replace(mask_path + ".tmp", mask_path)
+    # The frequency strategy puts the most used experts on the GPU: ktc's GPU experts get the
+    # profile's counts plus more than any count, so they rank first in every layer and overall.
+    counts = np.zeros(mask.shape, dtype=np.float64)
+    counts[list(plan.placement.layers)] = plan.profile.counts
+    counts[mask] += counts.max() + 1.0
+    stats_path = os.path.join(folder, "activation_stats.pt")
+    torch.save({"logical_count": torch.from_numpy(counts[None])}, stats_path + ".tmp")
+    os.replace(stats_path + ".tmp", stats_path)
     total = int(mask.sum())
-    per_layer = round(total / max(len(plan.model.moe_layers), 1))
-    info = {"gpu_experts_mask": path, "gpu_experts_total": total,
-            "kt_num_gpu_experts_nearest": per_layer,
-            "note": "KTransformers' --kt-num-gpu-experts counts experts per layer in some versions "
-                    "and in total in others; the mask is exact either way"}
+    layers = max(len(plan.model.moe_layers), 1)
+    uniform = plan.baseline("uniform")
+    most_uniform = uniform.gpu_experts // layers if uniform.feasible else 0
+    per_layer = min(round(total / layers), most_uniform)  # a suggestion that fits the budget
+    # The ratio of all experts that gives exactly ktc's count whether it is floored or rounded.
+    ratio = (total + 0.25) / (layers * plan.model.num_experts) if total else 0.0
+    command = (f"python -m sglang.launch_server --model MODEL --kt-gpu-experts-ratio {ratio:.8f} "
+               f"--kt-expert-placement-strategy frequency --init-expert-location {stats_path}")
+    info = {"gpu_experts_mask": mask_path, "activation_stats": stats_path, "gpu_experts_total": total,
+            "kt_num_gpu_experts": per_layer, "kt_gpu_experts_ratio": round(ratio, 8),
+            "sglang_command": command, "targets": SGLANG_KT_TARGET,
+            "note": "--kt-num-gpu-experts is per MoE layer; the largest that fits this budget with the "
+                    "same number in every layer is kt_num_gpu_experts. The ratio command places "
+                    "ktc's GPU experts through the frequency strategy."}
     with open(os.path.join(folder, "kt_args.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
     return info
@@ -211,7 +237,10 @@ def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
     except KtcError as exc:
         raise KtcError("no whole-layer placement fits: " + exc.message) from None
     cpu_layers = tuple(layer for layer, c in zip(plan.placement.layers, solution.choice[:, 0]) if c == 1)
-    if cpu_layers:
+    if cpu_layers and cpu_layers == plan.placement.layers[:len(cpu_layers)]:
+        # The first MoE layers on the CPU: llama.cpp's own flag (it counts every layer from 0).
+        rules = f"-ngl 999 --n-cpu-moe {cpu_layers[-1] + 1}"
+    elif cpu_layers:
         pattern = "|".join(str(layer) for layer in cpu_layers)
         rules = f'-ngl 999 -ot "blk\\.({pattern})\\.ffn_(up|down|gate|gate_up)_exps\\.=CPU"'
     else:

@@ -105,3 +105,38 @@ def test_budget_error_names_the_binding_limit_in_readable_units(demo_model):
     assert "RAM binds" in ram and "RAM  100.0 KiB: fixed 512.0 KiB" in ram
     for flag in ("--cpu-schemes", "--dense-scheme", "--reserve", "--vram/--ram"):
         assert flag in vram
+
+
+def test_exports_that_run(tmp_path, demo_model):
+    """KTransformers' suggestion fits the budget, the SGLang command places ktc's experts through
+    the frequency strategy, and llama.cpp gets --n-cpu-moe when that is the plan."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from ktc.api import plan
+    from ktc.formats.activation_profile import load_activation_profile
+    from ktc.plan_report import export_kt, kt_mask, llamacpp_plan
+
+    made = plan(demo_model, vram="14MiB", reserve="0")
+    info = export_kt(made, str(tmp_path / "kt"))
+    assert info == json.loads((tmp_path / "kt" / "kt_args.json").read_text())
+    uniform = made.baseline("uniform")
+    layers = len(made.model.moe_layers)
+    assert info["kt_num_gpu_experts"] <= uniform.gpu_experts // layers  # fits, like the baseline
+    assert "--kt-expert-placement-strategy frequency" in info["sglang_command"]
+    assert f"--init-expert-location {info['activation_stats']}" in info["sglang_command"]
+    total = made.model.num_experts * layers
+    for rounding in (int, round):  # the ratio gives ktc's count however it is turned into one
+        assert rounding(info["kt_gpu_experts_ratio"] * total) == info["gpu_experts_total"]
+    # The distribution, read back as SGLang's format: ktc's GPU experts are the most frequent,
+    # in every layer and over the whole model.
+    stats = load_activation_profile(info["activation_stats"], moe_layers=made.model.moe_layers,
+                                    num_layers=made.model.num_layers, num_experts=made.model.num_experts)
+    mask = kt_mask(made)[list(made.model.moe_layers)]
+    top = np.argsort(-stats.counts, axis=None, kind="stable")[: info["gpu_experts_total"]]
+    assert mask.reshape(-1)[top].all()
+    assert torch.load(info["gpu_experts_mask"]).sum() == info["gpu_experts_total"]
+    cpp = llamacpp_plan(plan(demo_model, vram="13MiB", reserve="0"))
+    assert cpp.cpu_layers == (0, 1, 2, 3) and cpp.rules == "-ngl 999 --n-cpu-moe 4"

@@ -106,7 +106,10 @@ def test_llamacpp_plan_is_verified_and_not_better_than_per_expert(demo_model):
     assert not again.problems
     assert math.isclose(again.ms_per_step, cpp.predicted_ms_per_step, rel_tol=1e-9)
     assert cpp.predicted_ms_per_step >= result.predicted_ms_per_step * (1 - 1e-9)
-    assert "-ot" in cpp.rules or not cpp.cpu_layers
+    if cpp.cpu_layers == result.placement.layers[:len(cpp.cpu_layers)] and cpp.cpu_layers:
+        assert cpp.rules == f"-ngl 999 --n-cpu-moe {cpp.cpu_layers[-1] + 1}"
+    else:
+        assert "-ot" in cpp.rules or not cpp.cpu_layers
 
 
 def test_batch_raises_the_use_of_every_expert(demo_model):
