@@ -547,8 +547,11 @@ def verify(bundle: str, as_json: bool) -> None:
 def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bool) -> None:
     """Run a bundle's MoE layers on random hidden states with real routing, on the CPU kernels.
 
-    Prints, per token count and per layer, ms per step, the weight bytes read per second, and
-    that rate as a fraction of this machine's read bandwidth measured in the same run.
+    Prints the threads used, the read bandwidth measured in the same run (and the plan's), then
+    per token count and per layer: ms per step, the weight bytes read per second, that rate as a
+    fraction of the measured bandwidth, and the cost model's time for the same bytes, beside the
+    plan's. Every expert runs on the CPU kernels here, wherever the plan put it. Warns when other
+    processes keep cores busy or the machine reads under half the plan's bandwidth.
 
     \b
     Example:
@@ -566,10 +569,17 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
-    click.echo(f"{bundle}: {result['threads']} threads; read bandwidth measured {result['roofline_gbps']:.1f} GB/s")
+    planned = result["plan_cpu_bandwidth_gbps"]
+    click.echo(f"{bundle}: {result['threads']} threads; read bandwidth measured {result['roofline_gbps']:.1f} GB/s"
+               + (f" (the plan assumed {planned:.0f} GB/s)" if planned else ""))
+    for warning in result["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
     for count, fig in result["tokens"].items():
         click.echo(f"  {count:>4} tokens: {fig['ms_per_step']:8.3f} ms/step ({fig['ms_per_token']:.3f} ms/token), "
                    f"weights {fig['weight_gbps']:6.2f} GB/s = {100 * fig['roofline_fraction']:.0f}% of the roofline")
+        predicted = fig["predicted_ms_per_step"]
+        click.echo(f"        the cost model for these bytes: {fig['roofline_ms_per_step']:.3f} ms at the measured "
+                   "bandwidth" + (f", {predicted:.3f} ms at the plan's" if predicted is not None else ""))
         for layer, lf in fig["layers"].items():
             click.echo(f"        layer {layer:>3}: {lf['ms']:8.3f} ms, {lf['weight_gbps']:6.2f} GB/s")
 

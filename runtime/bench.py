@@ -43,13 +43,30 @@ def set_threads(threads: int | None) -> int:
 
 def bench_bundle(path: str, tokens: tuple[int, ...] = (1, 16, 64), threads: int | None = None,
                  steps: int = 5, seed: int = 0) -> dict[str, Any]:
-    """Figures per token count: ms per step, weight GB/s, fraction of the read bandwidth."""
+    """Figures per token count: ms per step, weight GB/s, fraction of the read bandwidth, and
+    what the plan's cost model predicts for the same weight bytes (at the plan's CPU bandwidth,
+    when the bundle was planned). ``warnings`` says when the machine is busy or reads far slower
+    than the plan assumed."""
+    from .cpu_load import other_processes_cores
+
     used_threads = set_threads(threads)
     roofline = read_bandwidth()
+    busy = other_processes_cores()
     rng = np.random.default_rng(seed)
     result: dict[str, Any] = {"bundle": path, "threads": used_threads, "roofline_gbps": roofline / 1e9,
-                              "tokens": {}}
+                              "other_processes_cores": busy, "tokens": {}, "warnings": []}
+    if busy >= 0.5:
+        result["warnings"].append(f"other processes keep {busy:.1f} cores busy: the figures are lower "
+                                  "and noisier than on an idle machine (--threads sets how many to use)")
     with open_bundle(path) as bundle:
+        hardware = (bundle.manifest.get("plan") or {}).get("hardware") or {}
+        planned = hardware.get("cpu_bandwidth") if isinstance(hardware, dict) else None
+        planned = float(planned) if isinstance(planned, (int, float)) and planned > 0 else None
+        result["plan_cpu_bandwidth_gbps"] = None if planned is None else planned / 1e9
+        if planned is not None and roofline < 0.5 * planned:
+            result["warnings"].append(f"this machine reads {roofline / 1e9:.1f} GB/s, under half the "
+                                      f"{planned / 1e9:.0f} GB/s the plan assumed: a busy machine, or "
+                                      "another one (ktc doctor --write-profile measures it)")
         layers = moe_layers(bundle)
         hidden_size = layers[0].hidden_size
         try:
@@ -72,6 +89,10 @@ def bench_bundle(path: str, tokens: tuple[int, ...] = (1, 16, 64), threads: int 
                 gbps = total_bytes / total_seconds / 1e9
                 result["tokens"][str(count)] = {
                     "ms_per_step": 1e3 * total_seconds / steps,
+                    # The cost model's time for the bytes these steps read: at the plan's CPU
+                    # bandwidth, and at the one measured here.
+                    "predicted_ms_per_step": None if planned is None else 1e3 * total_bytes / steps / planned,
+                    "roofline_ms_per_step": 1e3 * total_bytes / steps / roofline,
                     "ms_per_token": 1e3 * total_seconds / steps / count,
                     "weight_gbps": gbps,
                     "roofline_fraction": gbps / (roofline / 1e9),

@@ -140,3 +140,25 @@ def test_exports_that_run(tmp_path, demo_model):
     assert torch.load(info["gpu_experts_mask"]).sum() == info["gpu_experts_total"]
     cpp = llamacpp_plan(plan(demo_model, vram="13MiB", reserve="0"))
     assert cpp.cpu_layers == (0, 1, 2, 3) and cpp.rules == "-ngl 999 --n-cpu-moe 4"
+
+
+def test_bench_explains_itself(tmp_path, demo_model):
+    import json
+
+    plan_path = tmp_path / "plan.json"
+    assert run("plan", demo_model, "--vram", "16MiB", "--reserve", "0", "--cpu-bandwidth", "100000GB/s",
+               "-o", str(plan_path)).exit_code == 0
+    bundle = str(tmp_path / "b.ktb")
+    assert run("compile", demo_model, "--plan", str(plan_path), "-o", bundle).exit_code == 0
+    text = run("bench", bundle, "--tokens", "1", "--steps", "1", "--threads", "1")
+    assert "1 threads" in text.output and "read bandwidth measured" in text.output
+    assert "the plan assumed 100000 GB/s" in text.output and "under half" in text.output
+    assert "the cost model for these bytes" in text.output and "at the plan's" in text.output
+    fig = json.loads(run("bench", bundle, "--tokens", "1", "--steps", "1", "--json").output)
+    one = fig["tokens"]["1"]
+    assert fig["plan_cpu_bandwidth_gbps"] == 100000 and fig["warnings"]
+    assert one["predicted_ms_per_step"] < one["roofline_ms_per_step"]  # a planned 100 TB/s
+    plain = str(tmp_path / "cpu.ktb")
+    assert run("compile", demo_model, "-o", plain).exit_code == 0
+    fig = json.loads(run("bench", plain, "--tokens", "1", "--steps", "1", "--json").output)
+    assert fig["plan_cpu_bandwidth_gbps"] is None and fig["tokens"]["1"]["predicted_ms_per_step"] is None
