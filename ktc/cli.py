@@ -34,6 +34,18 @@ class FiniteFloat(click.FloatRange):
         return number
 
 
+JSON_VERSION = 1
+
+
+def _print_json(command: str, payload: dict[str, Any]) -> None:
+    """One JSON object on stdout, tagged ``"format": "ktc-COMMAND"`` and a version (a payload that
+    has its own format, a plan's, keeps it). Sizes are bytes; rates bytes per second, or GB/s
+    where the key ends in ``_gbps``."""
+    tagged = {"format": f"ktc-{command}", "version": JSON_VERSION}
+    tagged.update(payload)
+    click.echo(json.dumps(tagged, indent=1))
+
+
 def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Print a ``KtcError`` in a line or two and exit non-zero; let bugs show their traceback.
 
@@ -47,6 +59,9 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                 return func(*args, **kwargs)
             except KtcError as exc:
                 click.echo(f"error: {exc}", err=True)
+                if kwargs.get("as_json"):  # a script reading stdout gets the error as JSON too
+                    _print_json("error", {"error": type(exc).__name__, "message": exc.message,
+                                          "path": exc.path, "tensor": exc.tensor, "hint": exc.hint})
                 sys.exit(EXIT_USER_ERROR)
             except Terminated as exc:
                 click.echo("error: stopped by SIGTERM; nothing half-written was left behind", err=True)
@@ -121,7 +136,7 @@ def inspect(path: str, as_json: bool, tensors: bool) -> None:
         out["inspect_seconds"] = round(elapsed, 4)
         if tensors:
             out["tensors"] = _tensor_rows(ir)
-        click.echo(json.dumps(out, indent=1))
+        _print_json("inspect", out)
         return
     click.echo(render_text(summary))
     if tensors:
@@ -165,7 +180,7 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
                                "shape": list(t.shape), "segment": t.segment, "role": t.role}
                               for t in b.tensors.values()]
     if as_json:
-        click.echo(json.dumps(out, indent=1))
+        _print_json("inspect", out)
         return
     click.echo(f"{path}  (ktc bundle {out['format_version'][0]}.{out['format_version'][1]}, "
                f"{format_bytes(out['file_bytes'])})")
@@ -339,7 +354,7 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
         if cpp:
             out["llamacpp"] = {"rules": cpp.rules, "cpu_layers": list(cpp.cpu_layers),
                                "predicted_ms_per_step": cpp.predicted_ms_per_step}
-        click.echo(json.dumps(out, indent=1))
+        click.echo(json.dumps(out, indent=1))  # the plan file's own format, "ktc-plan"
         return
     click.echo(render_plan_text(result))
     if kt_info:
@@ -472,14 +487,14 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     elapsed = time.perf_counter() - started  # writing the bundle; the sha256 below reads it back
     if result is None:
         message = f"stopped after the {stop_after} pass; nothing written"
-        click.echo(json.dumps({"stopped_after": stop_after}) if as_json else message)
+        _print_json("compile", {"stopped_after": stop_after}) if as_json else click.echo(message)
         return
     if as_json:
         out = result.to_json()
         out["seconds"] = round(elapsed, 3)
         if result.plan is not None:
             out["plan"] = result.plan.to_json()
-        click.echo(json.dumps(out, indent=1))
+        _print_json("compile", out)
         return
     from ktc.summary import format_bytes
 
@@ -524,8 +539,8 @@ def verify(bundle: str, as_json: bool) -> None:
         blocks = len(b.blocks)
     elapsed = time.perf_counter() - started
     if as_json:
-        click.echo(json.dumps({"ok": not problems, "problems": problems, "blocks": blocks,
-                               "seconds": round(elapsed, 3)}, indent=1))
+        _print_json("verify", {"ok": not problems, "problems": problems, "blocks": blocks,
+                               "seconds": round(elapsed, 3)})
     elif problems:
         for p in problems[:20]:
             click.echo(f"damaged: {p}", err=True)
@@ -567,7 +582,7 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
         raise KtcError("--tokens needs positive integers")
     result = bench_bundle(bundle, counts, threads, steps)
     if as_json:
-        click.echo(json.dumps(result, indent=1))
+        _print_json("bench", result)
         return
     planned = result["plan_cpu_bandwidth_gbps"]
     click.echo(f"{bundle}: {result['threads']} threads; read bandwidth measured {result['roofline_gbps']:.1f} GB/s"
@@ -661,7 +676,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "threads": used_threads, "device": "cpu" if target is None else target, "device_bytes": device_bytes,
            "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes}
     if as_json:
-        click.echo(json.dumps(out, indent=1))
+        _print_json("run", out)
         return
     click.echo("")
     from ktc.summary import format_bytes
@@ -701,7 +716,7 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
     if write_profile:
         _write_text(write_profile, json.dumps(report["hardware_profile"], indent=1) + "\n")
     if as_json:
-        click.echo(json.dumps(report, indent=1))
+        _print_json("doctor", report)
         return
     for key in ("python", "ktc", "numpy", "torch", "numba"):
         click.echo(f"{key:<14}{report['versions'][key]}")
@@ -792,8 +807,8 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
     if as_json:
         plan_json = result.to_json()
         plan_json.pop("placement")
-        click.echo(json.dumps({**summary.to_json(), "plan": plan_json, "bundle": compiled.to_json(), "bench": ran,
-                               "run": generated}, indent=1))
+        _print_json("demo", {**summary.to_json(), "plan": plan_json, "bundle": compiled.to_json(), "bench": ran,
+                               "run": generated})
         return
     if generated is None:
         click.echo(f"\n(skipped `ktc run`: {skipped})")

@@ -41,7 +41,7 @@ class ModelSummary:
         return {
             "family": self.family,
             "architecture": self.architecture,
-            "format": self.format,
+            "source_format": self.format,
             "path": self.path,
             "files": self.files,
             "num_layers": self.num_layers,

@@ -264,3 +264,28 @@ def test_experts_on_cuda_without_cuda_is_a_clear_error(tmp_path, tiny_models, mo
     compile_bundle(tiny_models["qwen3_moe"]["safetensors"], path)
     with open_bundle(path) as bundle, pytest.raises(KtcError, match="torch sees no CUDA device"):
         moe_layers(bundle, device="cuda")
+
+
+def test_one_json_convention(tmp_path, demo_model):
+    """Every --json output names its command and version; an error under --json is a JSON
+    object on stdout too, with the exit code unchanged."""
+    bundle = str(tmp_path / "b.ktb")
+    outputs = {
+        "inspect": ktc("inspect", demo_model, "--json"),
+        "compile": ktc("compile", demo_model, "-o", bundle, "--json"),
+        "verify": ktc("verify", bundle, "--json"),
+        "bench": ktc("bench", bundle, "--tokens", "1", "--steps", "1", "--json"),
+    }
+    outputs["inspect-bundle"] = ktc("inspect", bundle, "--json")
+    for name, result in outputs.items():
+        assert result.exit_code == 0, (name, result.output)
+        data = json.loads(result.stdout)
+        assert data["format"] == "ktc-" + name.split("-")[0] and data["version"] == 1, name
+    assert json.loads(outputs["inspect"].stdout)["source_format"] == "safetensors"
+    plan = ktc("plan", demo_model, "--vram", "16MiB", "--reserve", "0", "--json")
+    assert json.loads(plan.stdout)["format"] == "ktc-plan"
+    bad = ktc("plan", demo_model, "--vram", "1MiB", "--json")
+    assert bad.exit_code == 2
+    error = json.loads(bad.stdout)
+    assert error["format"] == "ktc-error" and error["error"] == "BudgetError"
+    assert "does not fit" in error["message"] and error["hint"]
