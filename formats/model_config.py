@@ -113,10 +113,17 @@ def config_from_hf(raw: Mapping[str, Any], path: str) -> ModelConfig:
 
 # Families whose routers score with a sigmoid when the config does not say (transformers'
 # DeepseekV3Config has no scoring_func field; DeepSeek-V3's noaux_tc routing is sigmoid).
-_SIGMOID_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe"}
+_SIGMOID_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe", "dots1"}
+
+
+# Families whose routers ktc's MoE layer does not compute: a test routes each family through
+# transformers' block and ktc's layer and finds these differ (the rest agree to 1e-6).
+OTHER_ROUTERS = {"phimoe": "sparsemixer", "ernie4_5_moe": "softmax with a selection bias (moe_statics)"}
 
 
 def _hf_gating(text: Mapping[str, Any], model_type: str) -> Gating:
+    if model_type in OTHER_ROUTERS:
+        return Gating.OTHER
     scoring = text.get("scoring_func")
     if scoring is not None:
         return Gating.SIGMOID if scoring == "sigmoid" else Gating.SOFTMAX

@@ -282,6 +282,9 @@ def _map_bytes(path: str, offset: int, nbytes: int, populate: bool = True) -> np
 class Gating(str, enum.Enum):
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
+    # A router ktc's MoE layer does not compute (PhiMoE's sparsemixer, ERNIE-4.5's softmax with
+    # a selection bias): planned and compiled, run through transformers' own routing only.
+    OTHER = "other"
 
 
 class Attention(str, enum.Enum):

@@ -37,6 +37,12 @@ def render_plan_text(plan: Plan) -> str:
         f"RAM  {format_bytes(mem.ram_total)} of {format_bytes(mem.ram_budget)}: " +
         ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.ram if v),
     ]
+    from ktc.formats.model_config import OTHER_ROUTERS
+
+    if m.family in OTHER_ROUTERS:
+        source = "the profile's" if plan.profile.source != "uniform" else "uniform (no --profile)"
+        lines.append(f"routing: {m.family} routes with {OTHER_ROUTERS[m.family]}, which ktc's MoE layer "
+                     f"does not compute; the routing statistics here are {source}")
     per_layer = plan.placement.gpu_experts_per_layer()
     lines.append(f"GPU experts: {sum(per_layer)} of {len(per_layer) * m.num_experts}; per layer "
                  f"{_runs(plan.placement.layers, per_layer)}")

@@ -60,6 +60,12 @@ def _choose_layout(ckpt: Checkpoint) -> _Match:
         if layers and (best is None or len(layers) > len(best.layers)):
             best = _Match(table, layers)
     if best is None:
+        if ckpt.config.num_experts <= 0 and not any(_EXPERT_LIKE.search(n) for n in names):
+            raise UnsupportedModelError(
+                f"this model has no experts: architecture '{ckpt.config.architecture}' is a dense model "
+                "(no expert count in its config, no expert tensors)", path=ckpt.path,
+                hint="ktc plans and compiles Mixture-of-Experts models; run a dense model with "
+                     "llama.cpp or transformers as it is")
         raise _unsupported(ckpt, "no tensor names match a known Mixture-of-Experts layout")
     named = _layers_named(best.table.layer_prefix, names)
     if ckpt.config.num_layers > named[-1] + 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ktc.errors import BundleError, KtcError
+from ktc.errors import BundleError, KtcError, UnsupportedModelError
 from ktc.formats.bundle import Bundle
 
 from . import vnni
@@ -26,8 +26,14 @@ class MoELayer:
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: str | None = None) -> None:
-        self.experts = ExpertSet(bundle, layer, device=device)
         model = bundle.manifest["model"]
+        info = next((i for i in model["moe_layers"] if i["layer"] == layer), None)
+        if info is not None and info["gating"] not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(
+                f"the {model.get('family')} router is not one ktc's MoE layer computes", path=bundle.path,
+                hint="run the whole model (ktc run, ktc.runtime.hf.from_bundle): transformers routes "
+                     "and ktc's experts compute")
+        self.experts = ExpertSet(bundle, layer, device=device)
         self.info = info = next(i for i in model["moe_layers"] if i["layer"] == layer)
         self.layer = layer
         self.hidden_size = self.experts.hidden_size

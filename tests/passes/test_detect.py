@@ -311,3 +311,28 @@ def test_layer_count_beyond_the_tensors_is_refused_at_once(tiny_models, tmp_path
     with pytest.raises(ConfigError, match=f"the config gives {count} layers; the tensors hold layers up to"):
         load_model(str(path))
     assert time.perf_counter() - started < 10
+
+
+def test_a_dense_model_is_named_dense(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "llama"))
+    with pytest.raises(UnsupportedModelError, match="this model has no experts") as info:
+        load_model(str(tmp_path / "llama"))
+    assert "dense model" in str(info.value) and "supported layouts" not in str(info.value)
+
+
+@pytest.mark.parametrize("family, gating", [("dots1", "sigmoid"), ("phimoe", "other"), ("ernie4_5_moe", "other")])
+def test_look_alike_families_keep_their_own_routing(tmp_path, family, gating):
+    """dots1 scores with a sigmoid (as DeepSeek-V3); PhiMoE's sparsemixer and ERNIE-4.5's
+    biased softmax are marked as routers ktc's MoE layer does not compute, and a plan says so."""
+    from ktc.api import plan
+    from ktc.plan_report import render_plan_text
+
+    folder = mf.write_safetensors(mf.build_hf_model(family), str(tmp_path / family))
+    ir = load_model(folder)
+    assert all(layer.gating.value == gating for layer in ir.moe_layers)
+    text = render_plan_text(plan(folder, vram="1GiB", reserve="0"))
+    assert ("which ktc's MoE layer does not compute" in text) == (gating == "other")

@@ -178,3 +178,43 @@ def test_one_token_routing_equals_the_batched_routing():
             idx, weights = _softmax_top_k(logits, k, normalize)
             np.testing.assert_array_equal(idx, want_idx)
             np.testing.assert_allclose(weights, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", list(mf.FAMILIES) + list(mf.EXTRA_FAMILIES))
+def test_routing_is_transformers_routing_or_refused(family, tmp_path):
+    """ktc's router against the one in transformers' MoE block (the indices and weights its
+    experts module receives): equal for every family ktc routes, and a family whose router ktc
+    does not compute is refused by MoELayer, naming the path that runs it."""
+    from ktc.errors import UnsupportedModelError
+    from ktc.formats.model_config import OTHER_ROUTERS
+
+    model = mf.build_hf_model(family).eval()
+    folder = mf.write_safetensors(model, str(tmp_path / family))
+    path = str(tmp_path / "m.ktb")
+    compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
+    with open_bundle(path) as bundle:
+        layer = bundle.manifest["model"]["moe_layers"][0]["layer"]
+        if family in OTHER_ROUTERS:
+            with pytest.raises(UnsupportedModelError, match="router is not one ktc's MoE layer computes"):
+                MoELayer(bundle, layer)
+            return
+        block = model.model.layers[layer].mlp
+        seen = {}
+        hook = block.experts.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(index=args[1], weights=args[2]), with_kwargs=True)
+        hidden = torch.randn(9, mf.HIDDEN, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            block(hidden[None])
+        hook.remove()
+        moe = MoELayer(bundle, layer)
+        try:
+            index, weights = moe.route(hidden.numpy())
+        finally:
+            moe.close()
+    want_index = seen["index"].reshape(9, -1).numpy()
+    want_weights = seen["weights"].reshape(9, -1).float().numpy()
+    for t in range(9):
+        want = dict(zip(want_index[t].tolist(), want_weights[t].tolist()))
+        got = dict(zip(index[t].tolist(), weights[t].tolist()))
+        assert set(got) == set(want), (family, t)
+        assert max(abs(got[e] - want[e]) for e in want) < 1e-5, (family, t)
