@@ -46,12 +46,7 @@ def render_plan_text(plan: Plan) -> str:
     per_layer = plan.placement.gpu_experts_per_layer()
     lines.append(f"GPU experts: {sum(per_layer)} of {len(per_layer) * m.num_experts}; per layer "
                  f"{_runs(plan.placement.layers, per_layer)}")
-    schemes: dict[str, int] = {}
-    for row in plan.placement.experts:
-        for p in row:
-            key = f"{p.device.value} {p.scheme}"
-            schemes[key] = schemes.get(key, 0) + 1
-    lines.append("schemes: " + ", ".join(f"{k} x{v}" for k, v in sorted(schemes.items())))
+    lines.append("schemes: " + ", ".join(f"{d} {k} x{v}" for (d, k), v in sorted(_scheme_counts(plan).items())))
     status = "optimal" if plan.solve.optimal else f"within {100 * plan.solve.gap:.2f}% of optimal (proven)"
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
@@ -88,63 +83,164 @@ def _runs(layers: tuple[int, ...], values: tuple[int, ...]) -> str:
 # HTML
 
 
+def _layer_times(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Per MoE layer, the predicted ms per step of its GPU experts and of its CPU experts."""
+    seconds = {(o.device, o.scheme): o.seconds_per_use for o in _problem_options(plan)}
+    gpu = np.zeros(len(plan.placement.layers))
+    cpu = np.zeros(len(plan.placement.layers))
+    for i, row in enumerate(plan.placement.experts):
+        for e, p in enumerate(row):
+            device = GPU if p.device is Device.GPU else CPU
+            (gpu if device == GPU else cpu)[i] += plan.usage[i, e] * seconds[(device, p.scheme)] * 1e3
+    return gpu, cpu
+
+
+_HUE = {Device.GPU: 215, Device.CPU: 28}  # blue, orange
+
+
+def _shade(device: Device, level: float) -> str:
+    """Light (rarely used) to dark (often used), in the device's own hue."""
+    return f"hsl({_HUE[device]},75%,{88 - 58 * level:.0f}%)"
+
+
 def render_plan_html(plan: Plan) -> str:
-    """A self-contained page: a layer x expert heatmap (colour: routing frequency; blue: GPU,
-    orange: CPU) above the memory breakdown and the baselines."""
+    """A self-contained page. Per MoE layer, its experts sorted by how often they are routed to
+    (so the GPU/CPU split reads as a frontier; the expert's index is in the tooltip), each cell
+    shaded in its device's colour scale; beside each row a bar of the layer's predicted GPU and
+    CPU time and its GPU expert count. Below: schemes, budgets, bandwidths, the memory
+    breakdown, the baselines with ktc's own row, and the exports."""
     usage = plan.usage
     layers, experts = usage.shape
-    width = max(3, min(28, 1000 // max(experts, 1)))
-    height = max(6, min(28, 560 // max(layers, 1)))
-    label = 34  # room for layer numbers on the left
+    gap = 1  # a white line between cells: neighbours on one device do not merge into a bar
+    cell = max(6, min(24, 1000 // max(experts, 1)))  # 256 experts: 6 px each, the map scrolls
+    height = max(8, min(24, 640 // max(layers, 1)))
+    label, bar_width, text_width = 40, 150, 270
+    bars_x = label + 4
+    map_x = bars_x + bar_width + text_width  # the map last: a wide one scrolls, the bars stay
     top = float(usage.max()) if usage.size and usage.max() > 0 else 1.0
-    rects = []
+    gpu_ms, cpu_ms = _layer_times(plan)
+    sync_ms = 1e3 * plan.hardware.sync_seconds
+    longest = max(float(max(gpu_ms.max(initial=0), cpu_ms.max(initial=0))), 1e-12)
+    map_width = experts * cell
+    parts = []
+    axis_y = layers * height + 14
+    ticks = [0] + [r for r in (experts // 4, experts // 2, 3 * experts // 4) if 0 < r < experts - 1] + [experts - 1]
+    for rank in sorted(set(ticks)):
+        x = map_x + rank * cell + cell / 2
+        parts.append(f'<line x1="{x}" y1="{layers * height}" x2="{x}" y2="{layers * height + 4}" stroke="#555"/>'
+                     f'<text x="{x}" y="{axis_y}" font-size="10" text-anchor="middle" fill="#555">{rank + 1}</text>')
+    parts.append(f'<text x="{map_x}" y="{axis_y + 14}" font-size="11" fill="#333">experts of the layer by '
+                 f'rank, most routed to first</text>')
+    parts.append(f'<text x="{bars_x}" y="{axis_y}" font-size="11" fill="#333">ms per step: GPU experts '
+                 f'(blue), CPU experts (orange)</text>')
     for i, layer in enumerate(plan.placement.layers):
         y = i * height
-        if i % max(1, 14 // height) == 0 or len(plan.placement.layers) <= 16:
-            rects.append(f'<text x="{label - 4}" y="{y + height - 1}" font-size="{min(height, 11)}" '
+        row = plan.placement.experts[i]
+        if layers <= 32 or i % max(1, layers // 16) == 0:
+            parts.append(f'<text x="{label - 4}" y="{y + height - 2}" font-size="{min(height - 1, 11)}" '
                          f'text-anchor="end" fill="#555">{layer}</text>')
-        for e in range(experts):
-            p = plan.placement.experts[i][e]
-            level = 0.12 + 0.88 * float(usage[i, e]) / top
-            hue = 215 if p.device is Device.GPU else 28
-            light = 92 - 55 * level
-            rects.append(f'<rect x="{label + e * width}" y="{y}" width="{width}" height="{height}" '
-                         f'fill="hsl({hue},80%,{light:.0f}%)"><title>layer {layer} expert {e}: '
+        order = np.argsort(-usage[i], kind="stable")
+        for rank, e in enumerate(order.tolist()):
+            p = row[e]
+            level = float(usage[i, e]) / top
+            parts.append(f'<rect x="{map_x + rank * cell}" y="{y}" width="{cell - gap}" height="{height - gap}" '
+                         f'fill="{_shade(p.device, level)}"><title>layer {layer}, expert {e} (rank {rank + 1}): '
                          f'{p.device.value} {p.scheme}, used {float(usage[i, e]):.3f} per step</title></rect>')
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label + experts * width}" '
-           f'height="{layers * height}" shape-rendering="crispEdges">{"".join(rects)}</svg>')
-    rows = "".join(f"<tr><td>{html.escape(k.replace('_', ' '))}</td><td>{format_bytes(v)}</td></tr>"
-                   for k, v in plan.memory.vram)
-    ram_rows = "".join(f"<tr><td>{html.escape(k.replace('_', ' '))}</td><td>{format_bytes(v)}</td></tr>"
-                       for k, v in plan.memory.ram)
-    base_rows = "".join(
-        f"<tr><td>{html.escape(b.name)}</td><td>{html.escape(b.setting)}</td><td>"
-        f"{'-' if b.predicted_ms_per_step is None else f'{b.predicted_ms_per_step:.3f}'}</td><td>"
-        f"{html.escape(_speedup(plan, b.predicted_ms_per_step))}</td></tr>" for b in plan.baselines)
-    m = plan.model
+        n_gpu = sum(p.device is Device.GPU for p in row)
+        g = bar_width * float(gpu_ms[i]) / longest
+        c = bar_width * float(cpu_ms[i]) / longest
+        note = ", no sync (all GPU)" if n_gpu == experts else ""
+        parts.append(f'<rect x="{bars_x}" y="{y + 1}" width="{g:.1f}" height="{max(height / 2 - 1, 2):.1f}" '
+                     f'fill="{_shade(Device.GPU, 0.7)}"><title>layer {layer}: GPU experts {gpu_ms[i]:.4f} ms'
+                     f'</title></rect>'
+                     f'<rect x="{bars_x}" y="{y + height / 2:.1f}" width="{c:.1f}" height="{max(height / 2 - 1, 2):.1f}" '
+                     f'fill="{_shade(Device.CPU, 0.7)}"><title>layer {layer}: CPU experts {cpu_ms[i]:.4f} ms'
+                     f'{"" if n_gpu == experts else f" + sync {sync_ms:.3f} ms"}</title></rect>'
+                     f'<text x="{bars_x + bar_width + 6}" y="{y + height - 2}" font-size="{min(height - 1, 11)}" '
+                     f'fill="#333">{n_gpu}/{experts} GPU, {plan.layer_ms[i] if plan.layer_ms else 0:.3g} ms'
+                     f'{note}</text>')
+    svg_width = map_x + max(map_width, 260) + 8  # room for the axis caption under a narrow map
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{svg_width}" height="{axis_y + 22}" '
+           f'shape-rendering="crispEdges">{"".join(parts)}</svg>')
+    scale = "".join(
+        f'<span class="scale"><b>{device.value.upper()}</b> {_scale_stops(device)} '
+        f'rarely routed to (0) &rarr; most ({top:.3f} per step)</span>' for device in (Device.GPU, Device.CPU))
+
+    def table(rows: list[tuple[str, ...]], head: tuple[str, ...]) -> str:
+        cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" + cells + "</table>"
+
+    m, hw, w, o = plan.model, plan.hardware, plan.workload, plan.options
+    memory = table([(k.replace("_", " "), format_bytes(v)) for k, v in plan.memory.vram],
+                   ("VRAM", f"{format_bytes(plan.memory.vram_total)} of {format_bytes(plan.memory.vram_budget)}"))
+    memory += table([(k.replace("_", " "), format_bytes(v)) for k, v in plan.memory.ram],
+                    ("RAM", f"{format_bytes(plan.memory.ram_total)} of {format_bytes(plan.memory.ram_budget)}"))
+    base_rows = [("ktc", "this plan", "mixed" if len(o.gpu_schemes) + len(o.cpu_schemes) > 2 else
+                  f"gpu {o.gpu_schemes[0]}, cpu {o.cpu_schemes[0]}",
+                  f"{plan.predicted_ms_per_token:.3f}", "")]
+    if plan.single_scheme is not None:
+        s1 = plan.single_scheme
+        base_rows.append(("ktc", "one scheme per device", s1.schemes,
+                          f"{s1.predicted_ms_per_step / w.batch:.3f}", _speedup(plan, s1.predicted_ms_per_step)))
+    base_rows += [(b.name, b.setting, b.schemes,
+                   "-" if b.predicted_ms_per_step is None else f"{b.predicted_ms_per_step / w.batch:.3f}",
+                   _speedup(plan, b.predicted_ms_per_step)) for b in plan.baselines]
+    baselines = table(base_rows, ("placement", "setting", "schemes", "ms/token", "against ktc"))
+    schemes = ", ".join(f"{d} {k} x{v}" for (d, k), v in sorted(_scheme_counts(plan).items()))
+    assumptions = table([
+        ("GPU schemes allowed", ", ".join(o.gpu_schemes)), ("CPU schemes allowed", ", ".join(o.cpu_schemes)),
+        ("non-expert weights", o.dense_scheme), ("schemes used", schemes),
+        ("VRAM budget", f"{format_bytes(hw.vram_bytes)} (reserve {format_bytes(hw.reserve_bytes)})"),
+        ("RAM budget", format_bytes(hw.ram_bytes)),
+        ("bandwidths", f"CPU {hw.cpu_bandwidth / 1e9:.0f} GB/s, GPU {hw.gpu_bandwidth / 1e9:.0f} GB/s, "
+                       f"PCIe {hw.pcie_bandwidth / 1e9:.0f} GB/s"),
+        ("CPU-GPU sync", f"{sync_ms * 1e3:.0f} us per layer with a CPU expert"),
+        ("workload", f"batch {w.batch}, KV cache {w.max_tokens} tokens at {w.kv_dtype}"),
+        ("routing", "the profile's" if plan.profile.source != "uniform" else "uniform (no --profile)"),
+    ], ("assumption", "value"))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>ktc plan: {html.escape(m.family)}</title>
 <style>
 body{{font-family:system-ui,sans-serif;margin:24px;color:#222}}
-table{{border-collapse:collapse;margin:8px 0 20px}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}
-.key span{{display:inline-block;width:14px;height:14px;vertical-align:middle;margin:0 4px 0 12px}}
-.map{{overflow:auto;border:1px solid #ccc;display:inline-block;max-width:100%}}
+table{{border-collapse:collapse;margin:8px 16px 20px 0;display:inline-table;vertical-align:top}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}
+.scale{{display:inline-block;margin-right:28px}}.scale i{{display:inline-block;width:18px;height:12px}}
+.map{{overflow:auto;border:1px solid #ccc;max-width:100%;padding:6px 0}}
 </style></head><body>
 <h1>ktc plan: {html.escape(m.family)} ({html.escape(m.architecture)})</h1>
 <p>{len(m.moe_layers)} MoE layers x {m.num_experts} experts, top-{m.top_k}. Predicted
 <b>{plan.predicted_ms_per_token:.3f} ms/token</b> ({plan.tokens_per_second:.1f} tokens/s),
 {sum(plan.placement.gpu_experts_per_layer())} experts on the GPU.</p>
-<p class="key">Rows: MoE layers (numbered on the left); columns: experts 0 to {m.num_experts - 1}. Hover a cell for details.
-<span style="background:hsl(215,80%,40%)"></span>GPU
-<span style="background:hsl(28,80%,40%)"></span>CPU; darker = routed to more often.</p>
+<p>Each row is a MoE layer (numbered on the left); its experts are sorted by how often they are
+routed to, most first, so the GPU experts of a layer form its left part. Hover a cell for the
+expert's index, device, scheme and use. The bars give each layer's predicted time of its GPU
+and of its CPU experts (which run at the same time), then its GPU experts and time. A layer with
+every expert on the GPU saves the CPU-GPU synchronisation, which is why a nearly full layer is
+often filled.</p>
+<p>{scale}</p>
 <div class="map">{svg}</div>
-<h2>Memory</h2>
-<table><tr><th>VRAM</th><th>{format_bytes(plan.memory.vram_total)} of {format_bytes(plan.memory.vram_budget)}</th></tr>{rows}</table>
-<table><tr><th>RAM</th><th>{format_bytes(plan.memory.ram_total)} of {format_bytes(plan.memory.ram_budget)}</th></tr>{ram_rows}</table>
-<h2>Baselines on the same budget</h2>
-<table><tr><th>baseline</th><th>setting</th><th>ms/step</th><th></th></tr>{base_rows}</table>
+<h2>Against the baselines</h2>
+{baselines}
+<h2>Assumptions and memory</h2>
+{assumptions}{memory}
+<h2>Exports</h2>
+<p><code>ktc plan MODEL ... -o plan.json</code> then <code>ktc compile MODEL --plan plan.json -o model.ktb</code>;
+<code>--export-kt DIR</code> for SGLang with KTransformers (a mask, an expert distribution and a command
+line); <code>--export-llamacpp</code> for llama.cpp's <code>-ot</code> rules or <code>--n-cpu-moe</code>.</p>
 </body></html>
 """
+
+
+def _scale_stops(device: Device) -> str:
+    return "".join(f'<i style="background:{_shade(device, level)}"></i>' for level in (0.0, 0.25, 0.5, 0.75, 1.0))
+
+
+def _scheme_counts(plan: Plan) -> dict[tuple[str, str], int]:
+    counts: dict[tuple[str, str], int] = {}
+    for row in plan.placement.experts:
+        for p in row:
+            counts[(p.device.value, p.scheme)] = counts.get((p.device.value, p.scheme), 0) + 1
+    return counts
 
 
 # ----------------------------------------------------------------------------------------------

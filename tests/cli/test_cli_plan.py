@@ -53,7 +53,9 @@ def test_plan_text_exports_and_html(demo_model, tmp_path):
     assert saved["format"] == "ktc-plan" and len(saved["placement"]["0"]) == 16
     assert int(mask.sum()) == sum(saved["gpu_experts_per_layer"].values())
     page = (tmp_path / "plan.html").read_text()
-    assert page.startswith("<!doctype html>") and "<svg" in page and page.count("<rect") == 64
+    assert page.startswith("<!doctype html>") and "<svg" in page
+    assert page.count("<rect") == 64 + 2 * 4  # a cell per expert, two time bars per layer
+    assert "uniform (no --profile)" not in page  # the profile given is named as the source
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
 
 
@@ -162,3 +164,38 @@ def test_bench_explains_itself(tmp_path, demo_model):
     assert run("compile", demo_model, "-o", plain).exit_code == 0
     fig = json.loads(run("bench", plain, "--tokens", "1", "--steps", "1", "--json").output)
     assert fig["plan_cpu_bandwidth_gbps"] is None and fig["tokens"]["1"]["predicted_ms_per_step"] is None
+
+
+def test_heatmap_structure(tmp_path, demo_model):
+    """The page's parts: experts sorted by use within each layer (index in the tooltip), cells
+    apart, a colour scale per device, per-layer GPU count and time bars, schemes, budgets,
+    bandwidths, the exports, and ktc's own row among the baselines."""
+    import re
+
+    from ktc.api import plan
+    from ktc.formats.activation_profile import ActivationProfile
+    from ktc.plan_report import render_plan_html
+
+    rng = np.random.default_rng(1)
+    counts = rng.random((4, 16)) * 100
+    made = plan(demo_model, vram="14MiB", reserve="0", profile=ActivationProfile((0, 1, 2, 3), counts, "test"))
+    page = render_plan_html(made)
+    cells = re.findall(r'<rect x="([0-9.]+)" y="([0-9.]+)" width="([0-9.]+)" height="[0-9.]+" fill="[^"]+">'
+                       r'<title>layer (\d+), expert (\d+) \(rank (\d+)\): (gpu|cpu) (\w+), used ([0-9.]+)', page)
+    assert len(cells) == 64
+    for layer in range(4):
+        row = sorted((float(x), int(e), float(u)) for x, _, _, lay, e, _, _, _, u in cells if int(lay) == layer)
+        uses = [u for _, _, u in row]
+        assert uses == sorted(uses, reverse=True)  # most routed to first
+        assert sorted(e for _, e, _ in row) == list(range(16))
+        widths = {float(w) for x, _, w, lay, *_ in cells if int(lay) == layer}
+        step = row[1][0] - row[0][0]
+        assert all(w < step for w in widths)  # a gap between neighbours
+    assert page.count('class="scale"') == 2 and "GPU</b>" in page and "CPU</b>" in page
+    for layer, n in zip(made.placement.layers, made.placement.gpu_experts_per_layer()):
+        assert f"layer {layer}: GPU experts" in page and f"{n}/16 GPU" in page
+    for words in ("GPU schemes allowed", "VRAM budget", "RAM budget", "bandwidths", "CPU-GPU sync",
+                  "--export-kt", "--export-llamacpp", "<td>ktc</td><td>this plan</td>", "<td>routing</td>"):
+        assert words in page, words
+    assert "uniform (no --profile)" not in page  # the profile given is named as the source
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
