@@ -288,7 +288,7 @@ def export_kt(plan: Plan, folder: str) -> dict[str, object]:
     most_uniform = uniform.gpu_experts // layers if uniform.feasible else 0
     per_layer = min(round(total / layers), most_uniform)  # a suggestion that fits the budget
     # The ratio of all experts that gives exactly ktc's count whether it is floored or rounded.
-    ratio = (total + 0.25) / (layers * plan.model.num_experts) if total else 0.0
+    ratio = min(1.0, (total + 0.25) / (layers * plan.model.num_experts)) if total else 0.0
     command = (f"python -m sglang.launch_server --model MODEL --kt-gpu-experts-ratio {ratio:.8f} "
                f"--kt-expert-placement-strategy frequency --init-expert-location {stats_path}")
     info = {"gpu_experts_mask": mask_path, "activation_stats": stats_path, "gpu_experts_total": total,

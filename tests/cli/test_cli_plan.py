@@ -140,6 +140,8 @@ def test_exports_that_run(tmp_path, demo_model):
     top = np.argsort(-stats.counts, axis=None, kind="stable")[: info["gpu_experts_total"]]
     assert mask.reshape(-1)[top].all()
     assert torch.load(info["gpu_experts_mask"]).sum() == info["gpu_experts_total"]
+    everything = export_kt(plan(demo_model, vram="1GiB", reserve="0"), str(tmp_path / "all"))
+    assert everything["kt_gpu_experts_ratio"] == 1.0  # never above 1
     cpp = llamacpp_plan(plan(demo_model, vram="13MiB", reserve="0"))
     assert cpp.cpu_layers == (0, 1, 2, 3) and cpp.rules == "-ngl 999 --n-cpu-moe 4"
 
