@@ -795,7 +795,9 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
         click.echo(f"\n$ ktc bench {bundle_path} --tokens 1,16")
         for count, figures in ran["tokens"].items():
             click.echo(f"{count:>2} tokens: {figures['ms_per_step']:.3f} ms per step through the "
-                       f"{len(figures['layers'])} MoE layers (every expert on the CPU kernels)")
+                       f"{len(figures['layers'])} MoE layers (every expert on the CPU kernels; the cost "
+                       f"model gives {figures['roofline_ms_per_step']:.3f} ms for these bytes at the "
+                       f"{ran['roofline_gbps']:.0f} GB/s measured, {figures['weight_gbps']:.1f} GB/s reached)")
     prompt = "A compiler for such models"
     try:
         generated = _demo_generate(bundle_path, prompt, None if as_json else (lambda t: click.echo(t, nl=False)),
