@@ -415,7 +415,11 @@ def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None, finit
             check_finite(raw, ref.name, ref.dtype)
         return raw.view(np.uint8).reshape(ref.shape[0], -1)
     if ref.dtype == "MXFP4_BLOCKS" and scheme.name == "mxfp4" and ref.scale is not None:
-        return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), np.asarray(ref.scale.load()))
+        scales = np.asarray(ref.scale.load())
+        if finite and (bad := int(np.count_nonzero(scales == 0xFF))):  # e8m0's NaN
+            raise FormatError(f"{bad} of {scales.size} MXFP4 block scales are NaN", tensor=ref.name,
+                              hint="fix the checkpoint, or compile it anyway with --allow-nonfinite")
+        return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), scales)
     values = to_float32(ref)
     if finite:
         check_finite(values, ref.name)
@@ -423,16 +427,37 @@ def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None, finit
 
 
 _FLOAT_BITS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
+# Stored blocks passed through: (block bytes, where the scale is, how it reads as NaN/Inf).
+# Q8_0 and Q4_0 start with an fp16 scale; MXFP4 with an e8m0 exponent whose 0xFF is NaN.
+_BLOCK_SCALES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17}
 
 
 def check_finite(values: np.ndarray, name: str, dtype: str = "F32") -> None:
     """Refuse a tensor holding NaN or Inf, naming it. ``values`` are float32 (a source decoded to
-    be quantized), or the stored elements of an ``F32``/``F16``/``BF16`` source passed through;
-    stored block formats (Q8_0, ...) pass unchecked. Runs on values already in memory: no extra
-    read of the checkpoint. A float32 sum is the quick test (10 ms for 235 MB here, half of
+    be quantized), the stored elements of an ``F32``/``F16``/``BF16`` source passed through, or
+    the stored blocks of a ``Q8_0``/``Q4_0``/``MXFP4`` one (their scales are checked: a block's
+    values are finite when its scale is). Runs on values already in memory: no extra read of the
+    checkpoint. A float32 sum is the quick test (10 ms for 235 MB here, half of
     ``isfinite().all()``); only a non-finite sum, which a huge finite value can also give, counts
     element by element."""
-    if dtype not in _FLOAT_BITS or values.size == 0:
+    if values.size == 0:
+        return
+    if dtype in _BLOCK_SCALES:
+        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        block = _BLOCK_SCALES[dtype]
+        if raw.size % block:
+            return  # not whole blocks: the reader's own checks speak about that
+        blocks = raw.reshape(-1, block)
+        if dtype == "MXFP4":
+            bad = int(np.count_nonzero(blocks[:, 0] == 0xFF))
+        else:
+            scales = np.ascontiguousarray(blocks[:, :2]).view(np.uint16).reshape(-1)
+            bad = int(np.count_nonzero((scales & 0x7C00) == 0x7C00))
+        if bad:
+            raise FormatError(f"{bad} of {blocks.shape[0]} {dtype} blocks have a NaN or infinite scale",
+                              tensor=name, hint="fix the checkpoint, or compile it anyway with --allow-nonfinite")
+        return
+    if dtype not in _FLOAT_BITS:
         return
     if dtype == "F32" and values.dtype == np.float32 and np.isfinite(np.sum(values, dtype=np.float32)):
         return

@@ -454,3 +454,22 @@ def test_manifest_shape_that_no_block_scheme_can_hold(tmp_path, tiny_models):
     out.write_bytes(raw[:start + shape] + patched + raw[start + close:])
     with pytest.raises(BundleError, match="rows of 1 values cannot be stored in q8_0"):
         open_bundle(str(out))
+
+
+@pytest.mark.parametrize("qtype, scheme", [("Q8_0", "q8_0"), ("Q4_0", "q4_0")])
+def test_passed_through_blocks_with_a_nan_scale_are_refused(tmp_path, tiny_models, qtype, scheme):
+    """Blocks copied as stored are checked by their fp16 scales (a NaN scale makes the block NaN)."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "m.gguf"
+    mf.write_gguf(tiny_models["qwen3_moe"]["safetensors"], str(path), family="qwen3_moe", expert_qtype=qtype)
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name.endswith("ffn_down_exps.weight"))
+    raw = bytearray(path.read_bytes())
+    block = 34 if qtype == "Q8_0" else 18
+    at = int(tensor.data_offset) + 5 * block
+    raw[at: at + 2] = np.float16(np.nan).tobytes()
+    path.write_bytes(bytes(raw))
+    out = str(tmp_path / "m.ktb")
+    with pytest.raises(KtcError, match=f"1 of .* {qtype} blocks have a NaN or infinite scale"):
+        compile_bundle(str(path), out, cpu_scheme=scheme)
+    compile_bundle(str(path), out, cpu_scheme=scheme, allow_nonfinite=True)
