@@ -473,3 +473,19 @@ def test_passed_through_blocks_with_a_nan_scale_are_refused(tmp_path, tiny_model
     with pytest.raises(KtcError, match=f"1 of .* {qtype} blocks have a NaN or infinite scale"):
         compile_bundle(str(path), out, cpu_scheme=scheme)
     compile_bundle(str(path), out, cpu_scheme=scheme, allow_nonfinite=True)
+
+
+def test_gpt_oss_mxfp4_scale_of_nan_is_refused(tmp_path, tiny_models):
+    """gpt-oss's released MXFP4 experts: an e8m0 scale of 0xFF (NaN) is refused when the blocks
+    pass through to ktc's mxfp4, and compiled with --allow-nonfinite."""
+    from safetensors.numpy import save_file
+
+    tensors = mf.write_gpt_oss_mxfp4(tiny_models["gpt_oss"]["safetensors"], str(tmp_path / "mx"))
+    name = next(n for n in sorted(tensors) if n.endswith("down_proj_scales"))
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[3] = 0xFF
+    save_file(tensors, str(tmp_path / "mx" / "model.safetensors"))
+    out = str(tmp_path / "mx.ktb")
+    with pytest.raises(KtcError, match="1 of .* MXFP4 block scales are NaN"):
+        compile_bundle(str(tmp_path / "mx"), out, cpu_scheme="mxfp4")
+    compile_bundle(str(tmp_path / "mx"), out, cpu_scheme="mxfp4", allow_nonfinite=True)
