@@ -427,8 +427,8 @@ def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None, finit
 
 
 _FLOAT_BITS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
-# Stored blocks passed through: (block bytes, where the scale is, how it reads as NaN/Inf).
-# Q8_0 and Q4_0 start with an fp16 scale; MXFP4 with an e8m0 exponent whose 0xFF is NaN.
+# Bytes per block of the block formats passed through as stored. Q8_0 and Q4_0 blocks start with
+# an fp16 scale; MXFP4 blocks with an e8m0 exponent whose 0xFF is NaN.
 _BLOCK_SCALES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17}
 
 

@@ -97,15 +97,25 @@ def _source_files(ir: ModelIR, hash_sources: bool) -> list[dict[str, Any]]:
     return files
 
 
-def load_plan_file(path: str, ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
-    """A plan JSON written by ``ktc plan -o``, checked field by field and against the model."""
+def read_plan_file(path: str) -> dict[str, Any]:
+    """The JSON object of a plan written by ``ktc plan -o`` (read once; see ``load_plan_file``)."""
     from ktc.formats.json_fields import Fields
     from ktc.formats.tensor_file import read_json
 
     fields = Fields(read_json(path, "plan file"), path, "plan")
     if fields.string("format", default="") != PLAN_FORMAT:
         raise FormatError(f"not a ktc plan (expected \"format\": \"{PLAN_FORMAT}\")", path=path)
-    data = fields.data
+    return fields.data
+
+
+def load_plan_file(path: str, ir: ModelIR, data: dict[str, Any] | None = None
+                   ) -> tuple[Placement, dict[str, Any]]:
+    """A plan (``data`` as ``read_plan_file`` gives it, or read from ``path``), checked field by
+    field and against the model."""
+    from ktc.formats.json_fields import Fields
+
+    data = read_plan_file(path) if data is None else data
+    fields = Fields(data, path, "plan")
     if data.get("feasible", True) is not True:
         raise ConfigError("the plan says it does not fit its budget (\"feasible\": false)", path=path,
                           hint="make a plan that fits: ktc plan with a larger --vram or fewer --max-tokens")
@@ -158,13 +168,11 @@ def scheme_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def plan_dense_scheme(path: str) -> str | None:
-    """The dense scheme a plan file was made for (None in plans that do not record it)."""
+def plan_dense_scheme(data: dict[str, Any], path: str) -> str | None:
+    """The dense scheme a plan (``read_plan_file``) was made for (None where it is not recorded)."""
     from ktc.formats.json_fields import Fields
-    from ktc.formats.tensor_file import read_json
 
-    fields = Fields(read_json(path, "plan file"), path, "plan")
-    options = Fields(fields.mapping("options", default={}), path, "plan's options")
+    options = Fields(Fields(data, path, "plan").mapping("options", default={}), path, "plan's options")
     if "dense_scheme" not in options:
         return None
     return get_scheme_checked(options.string("dense_scheme"))
@@ -209,7 +217,8 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
         logging.getLogger("ktc").warning("removed %s (%.1f MiB on disk), left by a compile that was killed",
                                          path, size / 2**20)
     cpu_schemes, gpu_schemes = scheme_list(cpu_scheme), scheme_list(gpu_scheme)
-    planned_dense = plan_dense_scheme(plan_path) if plan_path else None
+    plan_data = read_plan_file(plan_path) if plan_path else None
+    planned_dense = None if plan_data is None else plan_dense_scheme(plan_data, plan_path or "")
     if planned_dense and dense_scheme and get_scheme_checked(dense_scheme) != planned_dense:
         raise ConfigError(f"the plan was made for dense scheme {planned_dense}, not {dense_scheme}",
                           path=plan_path, hint="drop --dense-scheme (the plan's is used), or plan again")
@@ -222,7 +231,7 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
 
     def decide(ir: ModelIR) -> tuple[Placement, dict[str, Any]]:
         if plan_path:
-            placement, plan_info = load_plan_file(plan_path, ir)
+            placement, plan_info = load_plan_file(plan_path, ir, plan_data)
             section = {"source": "file", **plan_info}
         elif plan_kwargs:
             from ktc.api import plan as make_plan

@@ -494,7 +494,7 @@ def largest_feasible_max_tokens(ctx: PlanningContext, hw: HardwareProfile,
 # Baselines: what users do today, under the same memory and cost model
 
 
-def _fill(problem: PlacementProblem, gpu_mask: np.ndarray, pair: tuple[int, int]) -> np.ndarray:
+def _fill(gpu_mask: np.ndarray, pair: tuple[int, int]) -> np.ndarray:
     """Choice array: option ``pair[0]`` (a GPU one) where ``gpu_mask``, else ``pair[1]`` (CPU)."""
     return np.where(gpu_mask, pair[0], pair[1])
 
@@ -504,7 +504,7 @@ def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray],
     """The last of increasingly GPU-heavy masks that fits (masks[0] is the CPU-only extreme)."""
     best = None
     for i, mask in enumerate(masks):
-        choice = _fill(problem, mask, pair)
+        choice = _fill(mask, pair)
         if is_feasible(problem, choice):
             best = (i, choice)
         elif best is not None:
@@ -533,7 +533,7 @@ def baseline_global_topk(problem: PlacementProblem, pair: tuple[int, int]) -> tu
         return None
     mask = np.zeros(n, dtype=bool)
     mask[order[:k]] = True
-    choice = _fill(problem, mask.reshape(problem.shape), pair)
+    choice = _fill(mask.reshape(problem.shape), pair)
     return (f"top {k} experts", choice) if is_feasible(problem, choice) else None
 
 
