@@ -6,7 +6,10 @@ them out with the same function, so a plan's byte counts are the bundle's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
 
 # Alignment of every tensor inside an expert, and of every expert's start (a page).
 TENSOR_ALIGN = 64
@@ -15,18 +18,33 @@ EXPERT_ALIGN = 4096
 
 @dataclass(frozen=True)
 class Scheme:
-    """A storage scheme for a 2-D weight [rows, cols].
+    """A storage scheme for a 2-D weight [rows, cols]: one registered object per scheme.
 
-    Each row is ``cols / block_elems`` blocks of ``block_bytes`` bytes (scales inside the blocks,
-    as ggml does), plus ``row_extra_bytes`` per row (a per-row scale).
+    Layout: each row is ``cols / block_elems`` blocks of ``block_bytes`` bytes (scales inside
+    the blocks, as ggml does), plus ``row_extra_bytes`` per row (a per-row scale). Codec:
+    ``quantize(values, out)`` (float32 [rows, cols] -> uint8 [rows, row_bytes], into ``out``
+    when given; None where the scheme only passes through) and ``dequantize(raw, cols)`` (the
+    reference decoder). ``error``: nominal relative RMS error on Gaussian weights, which the
+    planner weighs. ``sources``: source storage types whose bytes are this scheme's, passed
+    through unchanged. ``half_scales`` / ``e8m0_scales``: byte offsets in a block of its fp16
+    / e8m0 scales (a block's values are finite when they are). ``devices``: where the runtime
+    runs it (``"cpu"``, ``"gpu"``); the runtime's kernel tables are keyed by ``name`` and a
+    test checks they agree.
     """
 
     name: str
     bits: float  # nominal bits per weight, for people
     block_elems: int
     block_bytes: int
+    dequantize: Callable[[np.ndarray, int], np.ndarray] = field(compare=False, repr=False)
+    quantize: Callable[..., np.ndarray] | None = field(default=None, compare=False, repr=False)
+    error: float = 0.1
     row_extra_bytes: int = 0
     gguf_type: str | None = None  # byte-compatible ggml type, when there is one
+    sources: tuple[str, ...] = ()
+    half_scales: tuple[int, ...] = ()
+    e8m0_scales: tuple[int, ...] = ()
+    devices: frozenset[str] = frozenset({"cpu", "gpu"})
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -43,31 +61,28 @@ class Scheme:
                              f"{self.block_elems} values; this row has {cols}")
         return rows * (cols // self.block_elems * self.block_bytes + self.row_extra_bytes)
 
+    @property
+    def plain(self) -> bool:
+        """One stored value per weight (f32, f16, bf16): no blocks, no scales."""
+        return self.block_elems == 1 and not self.row_extra_bytes
 
-SCHEMES: dict[str, Scheme] = {
-    s.name: s
-    for s in (
-        Scheme("f32", 32, 1, 4, description="IEEE float32"),
-        Scheme("f16", 16, 1, 2, description="IEEE float16"),
-        Scheme("bf16", 16, 1, 2, description="bfloat16"),
-        Scheme("q8_0", 8.5, 32, 34, gguf_type="Q8_0",
-               description="ggml Q8_0: fp16 scale + 32 int8 per block"),
-        Scheme("q4_0", 4.5, 32, 18, gguf_type="Q4_0",
-               description="ggml Q4_0: fp16 scale + 32 4-bit values per block"),
-        Scheme("mxfp4", 4.25, 32, 17, gguf_type="MXFP4",
-               description="ggml MXFP4: e8m0 exponent + 32 e2m1 values per block"),
-        Scheme("int8", 8, 1, 1, row_extra_bytes=4,
-               description="symmetric int8, one float32 scale per row"),
-        Scheme("int4_g32", 5, 32, 20,
-               description="int4 with a bf16 scale and minimum per 32 values"),
-        Scheme("int4_g64", 4.5, 64, 36,
-               description="int4 with a bf16 scale and minimum per 64 values"),
-        Scheme("int4_g128", 4.25, 128, 68,
-               description="int4 with a bf16 scale and minimum per 128 values"),
-    )
-}
+
+# Every scheme, in order of bits per weight (most first). The codec modules imported at the end
+# of this file fill it through ``register``.
+SCHEMES: dict[str, Scheme] = {}
 # Short names people type.
 ALIASES = {"int4": "int4_g128", "fp16": "f16", "fp32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def register(*schemes: Scheme) -> None:
+    """Add schemes to the registry (a name registered twice is a programming error)."""
+    for scheme in schemes:
+        if scheme.name in SCHEMES or scheme.name in ALIASES:
+            raise ValueError(f"scheme {scheme.name} registered twice")
+        SCHEMES[scheme.name] = scheme
+    ordered = sorted(SCHEMES.values(), key=lambda s: (-s.bits, s.name))
+    SCHEMES.clear()
+    SCHEMES.update((s.name, s) for s in ordered)
 
 
 def get_scheme(name: str) -> Scheme:
@@ -78,6 +93,11 @@ def get_scheme(name: str) -> Scheme:
     except KeyError:
         raise KeyError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)} "
                        f"(aliases: {', '.join(ALIASES)})") from None
+
+
+def source_scheme(dtype: str) -> Scheme | None:
+    """The scheme whose bytes a source tensor stored as ``dtype`` already is (passed through)."""
+    return next((s for s in SCHEMES.values() if dtype in s.sources), None)
 
 
 def align(n: int, to: int) -> int:
@@ -126,7 +146,7 @@ def dense_tensor_bytes(numel: int, scheme: Scheme | str = "bf16") -> int:
     """Bytes of a non-expert tensor of ``numel`` values stored in a plain ``scheme``, aligned."""
     if isinstance(scheme, str):
         scheme = get_scheme(scheme)
-    if scheme.block_elems != 1 or scheme.row_extra_bytes:
+    if not scheme.plain:
         raise ValueError("a tensor given by its element count is stored in a plain float scheme")
     return align(numel * scheme.block_bytes, TENSOR_ALIGN)
 
@@ -150,6 +170,10 @@ def non_expert_scheme(shape: tuple[int, ...], *, router: bool, dense_scheme: str
 def non_expert_bytes(shape: tuple[int, ...], *, router: bool, dense_scheme: str) -> int:
     """Bytes a non-expert tensor occupies in a bundle (rounded up to the tensor alignment)."""
     scheme = get_scheme(non_expert_scheme(shape, router=router, dense_scheme=dense_scheme))
-    if len(shape) <= 1 or (scheme.block_elems == 1 and not scheme.row_extra_bytes):
+    if len(shape) <= 1 or scheme.plain:
         return dense_tensor_bytes(math.prod(shape), scheme)
     return align(scheme.matrix_bytes(shape[0], math.prod(shape[1:])), TENSOR_ALIGN)
+
+
+# The codecs, each registering its schemes (imported last: they import this module).
+from . import codec_float, codec_ggml, codec_int, codec_kquants  # noqa: E402,F401

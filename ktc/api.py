@@ -43,8 +43,8 @@ def _pins(values: object) -> tuple[tuple[int, int], ...]:
 def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = None,
          ram: str | int | None = None, hardware: str | None = None, reserve: str | int | None = None,
          max_tokens: int = 4096, batch: int = 1, kv_dtype: str = "bf16", prefill_chunk: int = 512,
-         profile: str | object | None = None, gpu_schemes: tuple[str, ...] = ("bf16",),
-         cpu_schemes: tuple[str, ...] = ("int8",), dense_scheme: str = "bf16",
+         profile: str | object | None = None, gpu_schemes: tuple[str, ...] | None = None,
+         cpu_schemes: tuple[str, ...] | None = None, dense_scheme: str = "bf16",
          pin_gpu: object = (), pin_cpu: object = (), quality_weight: float = 0.0,
          time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
@@ -53,14 +53,18 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
 
     ``vram``/``ram`` take sizes like "24GiB"; ``hardware`` a profile JSON (flags override it).
     ``profile`` is an activation profile path (ktc JSON or a KTransformers/SGLang ``.pt``), an
-    ``ActivationProfile``, or None for uniform routing.
+    ``ActivationProfile``, or None for uniform routing. ``gpu_schemes``/``cpu_schemes`` left
+    None: the source's own expert type where it is a block scheme (a GGUF's Q4_K, say: passed
+    through), else bf16 on the GPU and int8 on the CPU (``default_expert_schemes``).
 
     >>> p = ktc.plan("./Qwen3-30B-A3B", vram="24GiB", ram="64GiB", max_tokens=32768)
     >>> p.predicted_ms_per_token, p.placement.gpu_experts_per_layer()
     """
     from ktc.formats.activation_profile import ActivationProfile, load_activation_profile
     from ktc.formats.hardware_profile import make_hardware_profile
-    from ktc.passes.planner import PlannerOptions, Workload, plan_placement
+    from ktc.passes.planner import (
+        PlannerOptions, Workload, default_expert_schemes, plan_placement, source_expert_scheme,
+    )
 
     ir = model if isinstance(model, ModelIR) else load_model(model)
     hw = make_hardware_profile(profile_path=hardware, vram=vram, ram=ram, reserve=reserve,
@@ -72,8 +76,11 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
                                              num_experts=ir.config.num_experts)
     else:
         activation = profile if isinstance(profile, ActivationProfile) else None
-    options = PlannerOptions(gpu_schemes=tuple(gpu_schemes), cpu_schemes=tuple(cpu_schemes),
-                             dense_scheme=dense_scheme, pin_gpu=_pins(pin_gpu), pin_cpu=_pins(pin_cpu),
+    from_source = source_expert_scheme(ir) if gpu_schemes is None or cpu_schemes is None else None
+    defaults = default_expert_schemes(ir)
+    options = PlannerOptions(gpu_schemes=tuple(gpu_schemes or defaults[0]),
+                             cpu_schemes=tuple(cpu_schemes or defaults[1]), dense_scheme=dense_scheme,
+                             from_source=from_source, pin_gpu=_pins(pin_gpu), pin_cpu=_pins(pin_cpu),
                              quality_weight=quality_weight, time_limit=time_limit)
     workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     return plan_placement(ir, hw, workload, activation, options)

@@ -272,10 +272,13 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--profile", "profile", type=click.Path(dir_okay=False),
                      help="Activation profile: ktc JSON or a KTransformers/SGLang expert "
                           "distribution .pt. Default: uniform routing."),
-        click.option("--gpu-schemes", default="bf16", show_default=True,
-                     help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4."),
-        click.option("--cpu-schemes", default="int8", show_default=True,
-                     help="Comma list of schemes CPU experts may use, e.g. int8,int4."),
+        click.option("--gpu-schemes",
+                     help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4. "
+                          "[default: the source's own block type (a GGUF's Q4_K...), passed "
+                          "through; bf16 for float sources]"),
+        click.option("--cpu-schemes",
+                     help="Comma list of schemes CPU experts may use, e.g. int8,int4. "
+                          "[default: the source's own block type; int8 for float sources]"),
         click.option("--dense-scheme", default="bf16", show_default=True, type=click.Choice(list(SCHEMES)),
                      help="Scheme of non-expert matrices (what ktc compile --dense-scheme stores)."),
         click.option("--pin-gpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the GPU."),
@@ -300,7 +303,8 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
     return make_plan(model, vram=kw["vram"], ram=kw["ram"], hardware=kw["hardware"],
                      reserve=kw["reserve"], max_tokens=kw["max_tokens"], batch=kw["batch"],
                      kv_dtype=kw["kv_dtype"], prefill_chunk=kw["prefill_chunk"], profile=kw["profile"],
-                     gpu_schemes=split(kw["gpu_schemes"]), cpu_schemes=split(kw["cpu_schemes"]),
+                     gpu_schemes=split(kw["gpu_schemes"] or "") or None,
+                     cpu_schemes=split(kw["cpu_schemes"] or "") or None,
                      dense_scheme=kw["dense_scheme"],
                      pin_gpu=kw["pin_gpu"], pin_cpu=kw["pin_cpu"], quality_weight=kw["quality_weight"],
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
@@ -413,11 +417,14 @@ def _given_flags(*names: str) -> list[str]:
                    "`ktc run` allocates.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Decode batch for the planner.")
 @click.option("--profile", type=click.Path(dir_okay=False), help="Activation profile for the planner.")
-@click.option("--cpu-schemes", "--cpu-scheme", "cpu_scheme", default="int8", show_default=True,
-              help="Scheme of CPU experts (int8, int4_g32/64/128, q8_0, q4_0, mxfp4, bf16, f16, f32); "
-                   "with a budget, a comma list the planner chooses from, as in ktc plan.")
-@click.option("--gpu-schemes", "--gpu-scheme", "gpu_scheme", default="bf16", show_default=True,
-              help="Scheme(s) of GPU experts, as --cpu-schemes.")
+@click.option("--cpu-schemes", "--cpu-scheme", "cpu_scheme",
+              help="Scheme of CPU experts (int8, int4_g32/64/128, q8_0, q4_0, mxfp4, bf16, ...; "
+                   "the K-quants pass through from a GGUF); with a budget, a comma list the planner "
+                   "chooses from, as in ktc plan. [default: the source's own block type, passed "
+                   "through; int8 for float sources]")
+@click.option("--gpu-schemes", "--gpu-scheme", "gpu_scheme",
+              help="Scheme(s) of GPU experts, as --cpu-schemes. [default: the source's own block "
+                   "type; bf16 for float sources]")
 @click.option("--dense-scheme", type=click.Choice(list(SCHEMES)),
               help="Scheme of non-expert matrices (attention, shared experts, lm_head, embeddings); "
                    "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32. "

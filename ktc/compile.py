@@ -179,13 +179,19 @@ def plan_dense_scheme(data: dict[str, Any], path: str) -> str | None:
 
 
 def all_on_cpu(ir: ModelIR, scheme: str) -> Placement:
-    where = ExpertPlacement(Device.CPU, get_scheme(scheme).name)
+    from ktc.passes.planner import check_source_allows
+
+    chosen = get_scheme(scheme)
+    if "cpu" not in chosen.devices:
+        raise ConfigError(f"scheme {chosen.name} has no CPU kernels in this ktc", hint="pick another --cpu-scheme")
+    check_source_allows(ir, chosen)
+    where = ExpertPlacement(Device.CPU, chosen.name)
     return Placement(ir.moe_layer_indices, tuple(tuple(where for _ in layer.experts) for layer in ir.moe_layers))
 
 
 def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
-                   plan_kwargs: dict[str, Any] | None = None, cpu_scheme: str = "int8",
-                   gpu_scheme: str = "bf16", dense_scheme: str | None = None, jobs: int = 1,
+                   plan_kwargs: dict[str, Any] | None = None, cpu_scheme: str | None = None,
+                   gpu_scheme: str | None = None, dense_scheme: str | None = None, jobs: int = 1,
                    compress: bool = False, report_error: bool = False, hash_sources: bool = False,
                    progress: bool = False, check: bool = True, stop_after: str | None = None,
                    dump_after: str | None = None, dump: Callable[[str], None] | None = None,
@@ -216,14 +222,16 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     for path, size in remove_stale_temporaries(os.path.dirname(os.path.abspath(out))):
         logging.getLogger("ktc").warning("removed %s (%.1f MiB on disk), left by a compile that was killed",
                                          path, size / 2**20)
-    cpu_schemes, gpu_schemes = scheme_list(cpu_scheme), scheme_list(gpu_scheme)
+    # None: the source's own block type, else int8 / bf16 (``default_expert_schemes``)
+    cpu_schemes = scheme_list(cpu_scheme) if cpu_scheme else None
+    gpu_schemes = scheme_list(gpu_scheme) if gpu_scheme else None
     plan_data = read_plan_file(plan_path) if plan_path else None
     planned_dense = None if plan_data is None else plan_dense_scheme(plan_data, plan_path or "")
     if planned_dense and dense_scheme and get_scheme_checked(dense_scheme) != planned_dense:
         raise ConfigError(f"the plan was made for dense scheme {planned_dense}, not {dense_scheme}",
                           path=plan_path, hint="drop --dense-scheme (the plan's is used), or plan again")
     dense_scheme = planned_dense or get_scheme_checked(dense_scheme or "bf16")
-    if not (plan_path or plan_kwargs) and len(cpu_schemes) > 1:
+    if not (plan_path or plan_kwargs) and cpu_schemes and len(cpu_schemes) > 1:
         raise ConfigError(f"with every expert on the CPU there is one CPU scheme, not {len(cpu_schemes)}",
                           hint="give one, or a budget (--vram) so the planner chooses among them")
 
@@ -243,7 +251,9 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
             section = {"source": "planner", **{k: v for k, v in made.to_json().items()
                                                if k not in _TIMING_KEYS and k != "placement"}}
         else:
-            placement = all_on_cpu(ir, cpu_schemes[0])
+            from ktc.passes.planner import default_expert_schemes
+
+            placement = all_on_cpu(ir, (cpu_schemes or default_expert_schemes(ir)[1])[0])
             section = {"source": "all experts on the CPU"}
         section["placement"] = {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
                                 for layer, row in zip(placement.layers, placement.experts)}

@@ -25,6 +25,14 @@ def _speedup(plan: Plan, ms: float | None) -> str:
     return "same as ktc" if f"{ratio:.2f}" == "1.00" else f"ktc is {ratio:.2f}x faster"
 
 
+def _from_source(plan: Plan, schemes: tuple[str, ...] | None = None) -> str:
+    """A note for a scheme list that is the source's own expert type (the default)."""
+    own = plan.options.from_source
+    if not own or (schemes is not None and schemes != (own,)):
+        return ""
+    return f" ({own}: the source's own, passed through as stored)"
+
+
 def render_plan_text(plan: Plan) -> str:
     m = plan.model
     mem = plan.memory
@@ -46,7 +54,8 @@ def render_plan_text(plan: Plan) -> str:
     per_layer = plan.placement.gpu_experts_per_layer()
     lines.append(f"GPU experts: {sum(per_layer)} of {len(per_layer) * m.num_experts}; per layer "
                  f"{_runs(plan.placement.layers, per_layer)}")
-    lines.append("schemes: " + ", ".join(f"{d} {k} x{v}" for (d, k), v in sorted(_scheme_counts(plan).items())))
+    lines.append("schemes: " + ", ".join(f"{d} {k} x{v}" for (d, k), v in sorted(_scheme_counts(plan).items()))
+                 + _from_source(plan))
     status = "optimal" if plan.solve.optimal else f"within {100 * plan.solve.gap:.2f}% of optimal (proven)"
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
@@ -188,7 +197,8 @@ def render_plan_html(plan: Plan) -> str:
     baselines = table(base_rows, ("placement", "setting", "schemes", "ms/token", "against ktc"))
     schemes = ", ".join(f"{d} {k} x{v}" for (d, k), v in sorted(_scheme_counts(plan).items()))
     assumptions = table([
-        ("GPU schemes allowed", ", ".join(o.gpu_schemes)), ("CPU schemes allowed", ", ".join(o.cpu_schemes)),
+        ("GPU schemes allowed", ", ".join(o.gpu_schemes) + _from_source(plan, o.gpu_schemes)),
+        ("CPU schemes allowed", ", ".join(o.cpu_schemes) + _from_source(plan, o.cpu_schemes)),
         ("non-expert weights", o.dense_scheme), ("schemes used", schemes),
         ("VRAM budget", f"{format_bytes(hw.vram_bytes)} (reserve {format_bytes(hw.reserve_bytes)})"),
         ("RAM budget", format_bytes(hw.ram_bytes)),

@@ -23,7 +23,7 @@ from ktc.errors import BudgetError, ConfigError, FormatError, InternalError
 from ktc.formats.activation_profile import ActivationProfile, uniform_profile
 from ktc.formats.hardware_profile import HardwareProfile, format_bytes
 from ktc.formats.schemes import (
-    ExpertShape, expert_footprint, get_scheme, non_expert_bytes,
+    ExpertShape, Scheme, expert_footprint, get_scheme, non_expert_bytes, source_scheme,
 )
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
 
@@ -38,17 +38,6 @@ PLAN_VERSION = 1
 
 KV_DTYPE_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "fp8": 1, "fp8_e4m3": 1,
                   "fp8_e5m2": 1}
-
-# Nominal relative RMS error of each scheme on Gaussian weights, used only to prefer the more
-# precise scheme when speed is indifferent (and, with --quality-weight, to trade speed for it).
-# Half a unit in the last place for floats; step/sqrt(12) relative to the block's typical
-# absolute maximum (about 2.1 sigma for 32 values, 2.6 for 128, 3.5 for a 4096-wide row); int4
-# (a scale and a minimum per group, fitted) as measured on Gaussian weights.
-NOMINAL_ERROR = {
-    "f32": 0.0, "f16": 2.8e-4, "bf16": 2.3e-3, "q8_0": 4.8e-3, "int8": 8.0e-3,
-    "q4_0": 7.6e-2, "int4_g32": 7.0e-2, "int4_g64": 8.3e-2, "int4_g128": 9.3e-2, "mxfp4": 1.1e-1,
-}
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -77,6 +66,8 @@ class PlannerOptions:
     gpu_schemes: tuple[str, ...] = ("bf16",)
     cpu_schemes: tuple[str, ...] = ("int8",)
     dense_scheme: str = "bf16"
+    # Set when the schemes were not given and are the source's own expert type (passed through).
+    from_source: str | None = None
     pin_gpu: tuple[tuple[int, int], ...] = ()
     pin_cpu: tuple[tuple[int, int], ...] = ()
     # Seconds per step worth one unit of usage-weighted nominal error. 0: speed alone decides,
@@ -95,6 +86,11 @@ class PlannerOptions:
             raise ConfigError(str(exc.args[0])) from None
         if len(set(self.gpu_schemes)) != len(self.gpu_schemes) or len(set(self.cpu_schemes)) != len(self.cpu_schemes):
             raise ConfigError("a scheme is listed twice for one device")
+        for device, names in (("gpu", self.gpu_schemes), ("cpu", self.cpu_schemes)):
+            for name in names:
+                if device not in get_scheme(name).devices:
+                    raise ConfigError(f"scheme {name} has no {device.upper()} kernels in this ktc",
+                                      hint=f"pick another --{device}-schemes")
         both = set(self.pin_gpu) & set(self.pin_cpu)
         if both:
             layer, expert = sorted(both)[0]
@@ -346,6 +342,37 @@ class PlanningContext:
     moe_layers: tuple[int, ...]
 
 
+def source_expert_scheme(ir: ModelIR) -> str | None:
+    """The block scheme every routed expert's weights are already stored in (a GGUF's Q4_K, a
+    checkpoint's MXFP4...), which the compiler passes through unchanged; None for float experts
+    or experts of mixed types."""
+    names = set()
+    for layer in ir.moe_layers:
+        for expert in layer.experts:
+            for ref in (expert.gate, expert.up, expert.down):
+                if ref.dtype == "MXFP4_BLOCKS" and ref.scale is not None:  # gpt-oss: repacked losslessly
+                    names.add("mxfp4")
+                    continue
+                scheme = source_scheme(ref.dtype) if ref.scale is None else None
+                names.add(scheme.name if scheme is not None and not scheme.plain else None)
+    return names.pop() if len(names) == 1 and None not in names else None
+
+
+def default_expert_schemes(ir: ModelIR) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(GPU, CPU) schemes when none are given: the source's own block scheme on both devices
+    (passed through, no requantizing), else bf16 on the GPU and int8 on the CPU."""
+    own = source_expert_scheme(ir)
+    return ((own,), (own,)) if own else (("bf16",), ("int8",))
+
+
+def check_source_allows(ir: ModelIR, scheme: Scheme) -> None:
+    """A scheme with no quantizer is only the source's own bytes, passed through."""
+    if scheme.quantize is None and source_expert_scheme(ir) != scheme.name:
+        raise ConfigError(f"scheme {scheme.name} cannot be made from this model's experts: ktc has no "
+                          f"{scheme.name} quantizer, it passes {', '.join(scheme.sources)} tensors through",
+                          hint="pick a scheme ktc quantizes to (see ktc plan --help)")
+
+
 def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[PlacementOption, ...]:
     shape = expert_shape(ir)
     result = []
@@ -353,6 +380,7 @@ def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[Pl
                                      (CPU, opts.cpu_schemes, hw.cpu_bandwidth)):
         for name in names:
             scheme = get_scheme(name)
+            check_source_allows(ir, scheme)
             if not (scheme.fits(shape.hidden) and scheme.fits(shape.intermediate)):
                 raise ConfigError(f"scheme {scheme.name} needs rows that are a multiple of "
                                   f"{scheme.block_elems} values; this model's experts have rows of "
@@ -364,7 +392,7 @@ def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[Pl
                 vram_bytes=fp.stored_bytes if device == GPU else 0,
                 ram_bytes=fp.stored_bytes if device == CPU else 0,
                 seconds_per_use=fp.data_bytes / bandwidth,
-                error=NOMINAL_ERROR.get(scheme.name, 0.1)))
+                error=scheme.error))
     return tuple(result)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ktc.errors import KtcError
+from ktc.formats.dequant import FP4_E2M1_VALUES
 from ktc.formats.schemes import get_scheme
 
 def check_device(device: Any) -> Any:
@@ -37,8 +38,6 @@ def check_device(device: Any) -> Any:
     return dev
 
 
-# e2m1 code -> value (OCP Microscaling v1.0), as in the CPU kernels.
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def _nibbles(codes: Any) -> Any:
@@ -57,49 +56,106 @@ def _view(raw: Any, dtype: Any) -> Any:
 def dequantize(raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
     """Values [rows, cols] in ``dtype`` of a matrix stored as bytes ``raw`` [rows, row_bytes]
     (uint8, any device) in ``scheme``; the same values as ``ktc.formats.quantize.dequantize``."""
-    import torch
-
     name = get_scheme(scheme).name
-    rows = raw.shape[0]
-    if name in ("f32", "f16", "bf16"):
-        plain = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name]
-        return _view(raw, plain).to(dtype)
-    if name == "int8":
-        return _view(raw[:, :cols], torch.int8).to(dtype) * _view(raw[:, cols:], torch.float32).to(dtype)
-    nb = cols // 32
-    if name == "q8_0":
-        blocks = raw.reshape(rows, nb, 34)
-        d = _view(blocks[..., :2], torch.float16).float()
-        q = _view(blocks[..., 2:], torch.int8).float()
-        return (q * d).reshape(rows, cols).to(dtype)
-    if name == "q4_0":
-        blocks = raw.reshape(rows, nb, 18)
-        d = _view(blocks[..., :2], torch.float16).float()
-        q = _nibbles(blocks[..., 2:]).float() - 8
-        return (q * d).reshape(rows, cols).to(dtype)
-    if name == "mxfp4":
-        blocks = raw.reshape(rows, nb, 17)
-        scale = torch.exp2(blocks[..., :1].float() - 127)
-        table = torch.tensor(_FP4, dtype=torch.float32, device=raw.device)
-        values = table[_nibbles(blocks[..., 1:]).long()]
-        return (values * scale).reshape(rows, cols).to(dtype)
-    if name.startswith("int4_g"):
-        group = get_scheme(name).block_elems
-        groups = cols // group
-        q = _nibbles(raw[:, : cols // 2].reshape(rows, groups, group // 2)).float()
-        params = _view(raw[:, cols // 2:], torch.bfloat16).float()
-        return (q * params[:, :groups, None] + params[:, groups:, None]).reshape(rows, cols).to(dtype)
-    raise ValueError(f"no device decoder for scheme {scheme!r}")
+    try:
+        decoder = DEVICE_DECODERS[name]
+    except KeyError:
+        raise ValueError(f"no device decoder for scheme {scheme!r}") from None
+    return decoder(raw, cols).to(dtype)
 
 
 def matmul(x: Any, raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
     """``x @ W.T`` in float32 for ``W`` stored as ``raw`` in ``scheme``, computed in ``dtype``."""
-    if scheme == "int8":  # the codes are exact in bf16/f16: scale after the product
+    if scheme in DEVICE_MATMULS:
+        return DEVICE_MATMULS[scheme](x, raw, cols, dtype)
+    return (x.to(dtype) @ dequantize(raw, scheme, cols, dtype).T).float()
+
+
+# Each scheme's device decoder ``(raw, cols) -> values`` (float32, or the plain type itself),
+# keyed by the registry's names; a test checks every scheme the registry says runs on the GPU
+# has one. ``DEVICE_MATMULS``: schemes with a better product than decode-then-multiply.
+DEVICE_DECODERS: dict[str, Any] = {}
+DEVICE_MATMULS: dict[str, Any] = {}
+
+
+def register_device(name: str, decoder: Any, matmul: Any = None) -> None:
+    DEVICE_DECODERS[name] = decoder
+    if matmul is not None:
+        DEVICE_MATMULS[name] = matmul
+
+
+def _plain(dtype_name: str) -> Any:
+    def decode(raw: Any, cols: int) -> Any:
         import torch
 
-        product = x.to(dtype) @ _view(raw[:, :cols], torch.int8).to(dtype).T
-        return product.float() * _view(raw[:, cols:], torch.float32).reshape(1, -1)
-    return (x.to(dtype) @ dequantize(raw, scheme, cols, dtype).T).float()
+        return _view(raw, getattr(torch, dtype_name))
+
+    return decode
+
+
+def _int8(raw: Any, cols: int) -> Any:
+    import torch
+
+    return _view(raw[:, :cols], torch.int8).float() * _view(raw[:, cols:], torch.float32)
+
+
+def _int8_matmul(x: Any, raw: Any, cols: int, dtype: Any) -> Any:
+    import torch
+
+    # the codes are exact in bf16/f16: scale after the product
+    product = x.to(dtype) @ _view(raw[:, :cols], torch.int8).to(dtype).T
+    return product.float() * _view(raw[:, cols:], torch.float32).reshape(1, -1)
+
+
+def _ggml_32(block_bytes: int, values: Any) -> Any:
+    """A decoder of ggml's blocks of 32: ``values(blocks)`` gives the 32 values of each."""
+
+    def decode(raw: Any, cols: int) -> Any:
+        return values(raw.reshape(raw.shape[0], cols // 32, block_bytes)).reshape(raw.shape[0], cols)
+
+    return decode
+
+
+def _q8_0(blocks: Any) -> Any:
+    import torch
+
+    return _view(blocks[..., 2:], torch.int8).float() * _view(blocks[..., :2], torch.float16).float()
+
+
+def _q4_0(blocks: Any) -> Any:
+    import torch
+
+    return (_nibbles(blocks[..., 2:]).float() - 8) * _view(blocks[..., :2], torch.float16).float()
+
+
+def _mxfp4(blocks: Any) -> Any:
+    import torch
+
+    table = torch.from_numpy(FP4_E2M1_VALUES).to(blocks.device)
+    return table[_nibbles(blocks[..., 1:]).long()] * torch.exp2(blocks[..., :1].float() - 127)
+
+
+def _int4(group: int) -> Any:
+    def decode(raw: Any, cols: int) -> Any:
+        import torch
+
+        rows, groups = raw.shape[0], cols // group
+        q = _nibbles(raw[:, : cols // 2].reshape(rows, groups, group // 2)).float()
+        params = _view(raw[:, cols // 2:], torch.bfloat16).float()
+        return (q * params[:, :groups, None] + params[:, groups:, None]).reshape(rows, cols)
+
+    return decode
+
+
+register_device("f32", _plain("float32"))
+register_device("f16", _plain("float16"))
+register_device("bf16", _plain("bfloat16"))
+register_device("int8", _int8, _int8_matmul)
+register_device("q8_0", _ggml_32(34, _q8_0))
+register_device("q4_0", _ggml_32(18, _q4_0))
+register_device("mxfp4", _ggml_32(17, _mxfp4))
+for _group in (32, 64, 128):
+    register_device(f"int4_g{_group}", _int4(_group))
 
 
 @dataclass
@@ -128,3 +184,5 @@ def upload(scheme: str, gate_up: list[np.ndarray], down: list[np.ndarray],
         return torch.from_numpy(np.stack(parts)).to(device) if parts else None
 
     return DeviceExperts(scheme, stack(gate_up), stack(down), stack(gate_up_bias), stack(down_bias))
+
+from . import kquants  # noqa: E402,F401  (registers the K-quants' decoders)

@@ -10,17 +10,21 @@ thread while torch runs the GPU experts.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
-from ktc.formats.quantize import bf16_bits, bf16_value, f32_to_bf16_bits
+from ktc.formats.dequant import FP4_E2M1_VALUES
+from ktc.formats.float_bits import F16_TO_F32, bf16_bits, bf16_value, f32_to_bf16_bits
 
-_F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_F16_TO_F32 = F16_TO_F32
 # e2m1 code -> value, and e8m0 exponent byte -> 2^(e - 127) (OCP Microscaling v1.0).
-_FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+_FP4 = FP4_E2M1_VALUES
 with np.errstate(over="ignore"):
     _E8M0 = np.ldexp(np.float32(1.0), np.arange(256) - 127).astype(np.float32)
 _E8M0[255] = np.nan  # 0xFF encodes NaN
@@ -380,52 +384,65 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
     the plain dtype for f32/f16/bf16), ``x`` float32 of the row length. Returns float32 [rows].
     ``scales``: an int8 matrix's row scales (``int8_row_scales``), when the caller keeps them."""
     x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(raw.shape[0], dtype=np.float32) if out is None else out
+    result = cpu_kernels(scheme).matvec(raw, x, out, scales)
+    return out if result is None else result
+
+
+def _matvec_plain_f32(raw, x, out, scales):  # type: ignore[no-untyped-def]
+    _matvec_f32(raw.view(np.float32).reshape(raw.shape[0], x.shape[0]), x, out)
+
+
+def _matvec_plain_bf16(raw, x, out, scales):  # type: ignore[no-untyped-def]
+    _matvec_bf16(raw.view(np.uint16).reshape(raw.shape[0], x.shape[0]), x, out)
+
+
+def _matvec_plain_f16(raw, x, out, scales):  # type: ignore[no-untyped-def]
+    _matvec_f16(raw.view(np.uint16).reshape(raw.shape[0], x.shape[0]), x, _F16_TO_F32, out)
+
+
+def _matvec_int8_rows(raw, x, out, scales):  # type: ignore[no-untyped-def]
     cols = x.shape[0]
-    rows = raw.shape[0]
-    out = np.empty(rows, dtype=np.float32) if out is None else out
-    if scheme == "f32":
-        _matvec_f32(raw.view(np.float32).reshape(rows, cols), x, out)
-    elif scheme == "bf16":
-        _matvec_bf16(raw.view(np.uint16).reshape(rows, cols), x, out)
-    elif scheme == "f16":
-        _matvec_f16(raw.view(np.uint16).reshape(rows, cols), x, _F16_TO_F32, out)
-    elif scheme == "int8":
-        if vnni.HAVE_VNNI and raw.flags.c_contiguous and raw.dtype == np.uint8 and cols % 32 == 0:
-            # vpdpbusd on int8-quantized activations (per 32 values): 31 against 24 GB/s for a
-            # 151936 x 2048 lm_head here, 45 against 36 in cache for a 2048 x 768 expert matrix.
-            return vnni.matvec_blocks(raw, "int8", x, out)
-        codes = raw[:, :cols].view(np.int8)
-        scales = int8_row_scales(raw, cols) if scales is None else scales
-        # One row at a time while x stays in L1 (it then runs at the read bandwidth here);
-        # four when x is long enough that re-reading it per row costs more than the row.
-        (_matvec_int8 if cols <= 8192 else _matvec_int8_4rows)(codes, scales, x, out)
-    elif scheme == "q8_0":
-        # Through VNNI (lm_head and attention: 27.7 against 15.7 GB/s at 151936 x 2048 here;
-        # since its rows prefetch ahead, long rows too: 30.4 against 23.7 GB/s at Mixtral's
-        # 4096 x 14336 down projection, medians of 15 interleaved rounds).
+    if vnni.HAVE_VNNI and raw.flags.c_contiguous and raw.dtype == np.uint8 and cols % 32 == 0:
+        # vpdpbusd on int8-quantized activations (per 32 values): 31 against 24 GB/s for a
+        # 151936 x 2048 lm_head here, 45 against 36 in cache for a 2048 x 768 expert matrix.
+        return vnni.matvec_blocks(raw, "int8", x, out)
+    codes = raw[:, :cols].view(np.int8)
+    scales = int8_row_scales(raw, cols) if scales is None else scales
+    # One row at a time while x stays in L1 (it then runs at the read bandwidth here);
+    # four when x is long enough that re-reading it per row costs more than the row.
+    (_matvec_int8 if cols <= 8192 else _matvec_int8_4rows)(codes, scales, x, out)
+    return out
+
+
+def _matvec_ggml(name: str, fallback):  # type: ignore[no-untyped-def]
+    """q8_0, q4_0 and mxfp4 through VNNI where the CPU has it (q8_0: lm_head and attention 27.7
+    against 15.7 GB/s at 151936 x 2048 here; since its rows prefetch ahead, long rows too: 30.4
+    against 23.7 GB/s at Mixtral's 4096 x 14336 down projection, medians of 15 interleaved
+    rounds), else the float kernel ``fallback(raw, x, out)``."""
+
+    def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_blocks(raw, "q8_0", x, out)
-        _matvec_q8_0(raw, x, _F16_TO_F32, out)
-    elif scheme == "q4_0":
-        if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_blocks(raw, "q4_0", x, out)
-        _matvec_q4_0(raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)
-    elif scheme == "mxfp4":
-        if vnni.HAVE_VNNI and raw.flags.c_contiguous:
-            return vnni.matvec_blocks(raw, "mxfp4", x, out)
-        _matvec_mxfp4(raw, x, _E8M0, out)
-    elif scheme.startswith("int4_g"):
-        group = int(scheme[len("int4_g"):])
+            return vnni.matvec_blocks(raw, name, x, out)
+        fallback(raw, x, out)
+        return out
+
+    return run
+
+
+def _matvec_int4_rows(group: int):  # type: ignore[no-untyped-def]
+    def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         if vnni.HAVE_VNNI and raw.flags.c_contiguous:
             return vnni.matvec_int4(raw, x, group, out)
+        cols = x.shape[0]
         codes = raw[:, : cols // 2]
         params = raw[:, cols // 2:].view(np.uint16)  # rows are 2-byte aligned: no copy
         xsum = x.reshape(cols // group, group).sum(axis=1)
         runs_x = x.reshape(cols // group, 2, group // 32, 16).transpose(0, 2, 1, 3).reshape(-1)
         _matvec_int4(codes, params, np.ascontiguousarray(runs_x), xsum, {32: 0, 64: 1, 128: 2}[group], out)
-    else:
-        raise ValueError(f"no CPU kernel for scheme {scheme!r}")
-    return out
+        return out
+
+    return run
 
 
 def _act(h: np.ndarray, inter: int, activation: str, limit: float | None, alpha: float | None) -> np.ndarray:
@@ -483,18 +500,12 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     quantized weights go token by token through the one-token kernels (decoding a large matrix
     costs more than a few passes over its bytes). ``scales`` as for ``matvec``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    tokens, cols = x.shape
-    if tokens == 1:
+    if x.shape[0] == 1:
         return matvec(raw, scheme, x[0], scales=scales)[None, :]
-    if scheme == "f32":
-        return matmul_t(x, raw.view(np.float32).reshape(raw.shape[0], cols))
-    if scheme == "f16":
-        return matmul_t(x, decode(raw, scheme, cols))
-    if tokens < GEMM_MIN_TOKENS:
+    kernels = cpu_kernels(scheme)
+    if kernels.stepwise and x.shape[0] < GEMM_MIN_TOKENS:
         return np.stack([matvec(raw, scheme, row, scales=scales) for row in x])
-    if scheme == "int8":
-        return _int8_gemm(x, raw, scales)
-    return _bf16_gemm(x, raw, scheme)
+    return kernels.batched(x, raw, scheme, scales)
 
 
 def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -545,7 +556,7 @@ def _int8_gemm(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray | None = None
     return acc.astype(np.float32) * x_scale * w_scale[None, :]
 
 
-def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
     """``x @ W.T`` with ``W`` decoded to bf16 (bf16 weights used in place) and ``x`` rounded to
     bf16, accumulated in float32."""
     import torch
@@ -557,36 +568,47 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     return (torch.from_numpy(x).to(torch.bfloat16) @ w.T).float().numpy()
 
 
+def _f32_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
+    return matmul_t(x, decode(raw, scheme, x.shape[1]))
+
+
 def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False, serial: bool = False) -> np.ndarray:
     """The values [rows, cols] of a matrix stored as ``raw`` rows in ``scheme``, decoded in
     parallel (with ``serial`` on the calling thread alone): float32, or with ``bf16`` their bf16
     bit patterns (uint16, rounded to nearest even). The same values as
     ``ktc.formats.quantize.dequantize``."""
-    rows = raw.shape[0]
-    if scheme == "bf16":
-        bits = raw.view(np.uint16).reshape(rows, cols)
-        return np.ascontiguousarray(bits) if bf16 else (bits.astype(np.uint32) << 16).view(np.float32)
-    if scheme in ("f32", "f16"):
-        values = raw.view(np.float32 if scheme == "f32" else np.float16).reshape(rows, cols)
+    return cpu_kernels(scheme).decode(raw, cols, bf16, serial)
+
+
+def _decode_plain(dtype: type):  # type: ignore[no-untyped-def]
+    def run(raw, cols, bf16, serial):  # type: ignore[no-untyped-def]
+        values = raw.view(dtype).reshape(raw.shape[0], cols)
+        if dtype is np.uint16:  # bf16
+            return np.ascontiguousarray(values) if bf16 else (values.astype(np.uint32) << 16).view(np.float32)
         values = values.astype(np.float32, copy=False)
         return f32_to_bf16_bits(values) if bf16 else values
-    raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8).reshape(rows, -1)
-    out32 = np.empty((rows, cols) if not bf16 else (0, cols), dtype=np.float32)
-    out16 = np.empty((rows, cols) if bf16 else (0, cols), dtype=np.uint16)
-    kernel = (_SERIAL_DECODERS if serial else _DECODERS).get(scheme if not scheme.startswith("int4_g") else "int4")
-    if kernel is None:
-        raise ValueError(f"no decoder for scheme {scheme!r}")
-    if scheme == "int8":
-        kernel(raw, cols, bf16, out32, out16)
-    elif scheme in ("q8_0", "q4_0"):
-        kernel(raw, cols, _F16_TO_F32, bf16, out32, out16)
-    elif scheme == "mxfp4":
-        kernel(raw, cols, _FP4, _E8M0, bf16, out32, out16)
-    else:
-        kernel(raw, cols, int(scheme[len("int4_g"):]), bf16, out32, out16)
-    return out16 if bf16 else out32
+
+    return run
 
 
+def block_decoder(kernel, *tables):  # type: ignore[no-untyped-def]
+    """A table ``decode`` from a Numba decoder ``kernel(raw, cols, *tables, bf16, out32, out16)``
+    that writes float32 values (``out32``) or bf16 bits (``out16``); with ``serial`` its twin
+    that runs on the calling thread."""
+    serial_kernel = _one_thread(kernel)
+
+    def run(raw, cols, bf16, serial):  # type: ignore[no-untyped-def]
+        rows = raw.shape[0]
+        raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8).reshape(rows, -1)
+        out32 = np.empty((rows, cols) if not bf16 else (0, cols), dtype=np.float32)
+        out16 = np.empty((rows, cols) if bf16 else (0, cols), dtype=np.uint16)
+        (serial_kernel if serial else kernel)(raw, cols, *tables, bf16, out32, out16)
+        return out16 if bf16 else out32
+
+    return run
+
+
+@functools.cache
 def _one_thread(kernel):  # type: ignore[no-untyped-def]
     """A twin of a parallel decoder that runs on the calling thread (its prange a range), cached
     under a name of its own (Numba's cache tells functions apart by name, not by flags). For a
@@ -661,8 +683,52 @@ def _decode_int4(raw, cols, group, bf16, out32, out16):  # pragma: no cover - co
                 _put(bf16, out32, out16, r, g * group + half + k, np.float32(c >> 4) * d + m)
 
 
-_DECODERS = {"int8": _decode_int8, "q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "mxfp4": _decode_mxfp4,
-             "int4": _decode_int4}
-_SERIAL_DECODERS = {scheme: _one_thread(kernel) for scheme, kernel in _DECODERS.items()}
+@dataclass(frozen=True)
+class CpuKernels:
+    """A scheme's CPU kernels. ``matvec(raw, x, out, scales)``: one token, ``W @ x`` into
+    ``out`` (returning it). ``decode(raw, cols, bf16, serial)``: the matrix's values, float32 or
+    bf16 bits. ``batched(x, raw, scheme, scales)``: ``x @ W.T`` for ``GEMM_MIN_TOKENS`` tokens
+    or more (decoded to bf16 and multiplied by torch, unless the scheme has better); with
+    ``stepwise`` fewer tokens than that go through ``matvec`` one by one (a quantized matrix costs
+    more to decode than a few passes over its bytes), else straight to ``batched``."""
 
-from . import vnni  # noqa: E402  (the VNNI kernels, used above; they build on formats only)
+    matvec: Callable[..., np.ndarray]
+    decode: Callable[..., np.ndarray]
+    batched: Callable[..., np.ndarray] = _bf16_gemm
+    stepwise: bool = True
+
+
+# Keyed by the registry's scheme names (``ktc.formats.schemes``); a test checks every scheme the
+# registry says runs on the CPU has an entry.
+CPU_KERNELS: dict[str, CpuKernels] = {}
+
+
+def register_cpu(name: str, kernels: CpuKernels) -> None:
+    CPU_KERNELS[name] = kernels
+
+
+def cpu_kernels(scheme: str) -> CpuKernels:
+    try:
+        return CPU_KERNELS[scheme]
+    except KeyError:
+        raise ValueError(f"no CPU kernel for scheme {scheme!r}") from None
+
+
+register_cpu("f32", CpuKernels(_matvec_plain_f32, _decode_plain(np.float32),
+                               lambda x, raw, scheme, scales: matmul_t(x, raw.view(np.float32).reshape(
+                                   raw.shape[0], x.shape[1])), stepwise=False))
+register_cpu("f16", CpuKernels(_matvec_plain_f16, _decode_plain(np.float16), _f32_gemm, stepwise=False))
+register_cpu("bf16", CpuKernels(_matvec_plain_bf16, _decode_plain(np.uint16)))
+register_cpu("int8", CpuKernels(_matvec_int8_rows, block_decoder(_decode_int8),
+                                lambda x, raw, scheme, scales: _int8_gemm(x, raw, scales)))
+register_cpu("q8_0", CpuKernels(_matvec_ggml("q8_0", lambda raw, x, out: _matvec_q8_0(raw, x, _F16_TO_F32, out)),
+                                block_decoder(_decode_q8_0, _F16_TO_F32)))
+register_cpu("q4_0", CpuKernels(_matvec_ggml("q4_0", lambda raw, x, out: _matvec_q4_0(
+    raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)), block_decoder(_decode_q4_0, _F16_TO_F32)))
+register_cpu("mxfp4", CpuKernels(_matvec_ggml("mxfp4", lambda raw, x, out: _matvec_mxfp4(raw, x, _E8M0, out)),
+                                 block_decoder(_decode_mxfp4, _FP4, _E8M0)))
+for _group in (32, 64, 128):
+    register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group),
+                                               block_decoder(_decode_int4, _group)))
+
+from . import kquants, vnni  # noqa: E402,F401  (the VNNI kernels, used above; the K-quants register themselves)

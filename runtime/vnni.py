@@ -24,7 +24,7 @@ from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ktc.formats.quantize import bf16_value
+from ktc.formats.float_bits import bf16_value
 from ktc.formats.schemes import get_scheme
 
 

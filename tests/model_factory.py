@@ -69,7 +69,7 @@ EXTRA_FAMILIES = {
 }
 
 
-def build_hf_model(family: str, seed: int = 0):
+def build_hf_model(family: str, seed: int = 0, **overrides):
     import torch
     import transformers
 
@@ -78,6 +78,7 @@ def build_hf_model(family: str, seed: int = 0):
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                   num_experts_per_tok=TOP_K)
     kwargs.update(spec.kwargs)
+    kwargs.update(overrides)
     config = getattr(transformers, spec.config_class)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -198,10 +199,43 @@ def gguf_tensors(st_folder: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | None = None,
+def random_blocks(scheme_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Bytes [rows, row_bytes] of random blocks of a ggml block scheme with finite, moderate
+    fp16/e8m0 scales (every code byte is valid): K-quants as a GGUF holds them, which the
+    ``gguf`` package cannot quantize."""
+    from ktc.formats.schemes import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * cols // scheme.block_elems, scheme.block_bytes), dtype=np.uint8)
+    # super-blocks scale their sub-blocks by 6-bit factors too: values of about 0.1 either way
+    low, high = (2e-5, 2e-4) if scheme.block_elems == 256 else (1e-3, 1e-2)
+    for at in scheme.half_scales:
+        raw[:, at:at + 2] = rng.uniform(low, high, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    for at in scheme.e8m0_scales:
+        raw[:, at] = rng.integers(120, 130, raw.shape[0], dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _expert_tensor(value: np.ndarray, qtype: str, seed: int):
+    """An expert stack [E, rows, cols] in ggml type ``qtype``: quantized by the gguf package where
+    it can, else random blocks of that type."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    try:
+        return gguf.quants.quantize(value, kind), kind
+    except NotImplementedError:
+        experts, rows, cols = value.shape
+        return random_blocks(qtype.lower(), experts * rows, cols, seed).reshape(experts, rows, -1), kind
+
+
+def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | dict | None = None,
                fuse_gate_up: bool = False) -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
-    (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json)."""
+    (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
+    ``expert_qtype``: the ggml type of the expert stacks, or a type per projection
+    (``{"gate": ..., "up": ..., "down": ...}``)."""
     import gguf
 
     spec = FAMILIES[family]
@@ -258,11 +292,13 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | No
             up_name = gate_name.replace("ffn_gate_exps", "ffn_up_exps")
             fused = np.concatenate([tensors.pop(gate_name), tensors.pop(up_name)], axis=1)
             tensors[gate_name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = fused
-    for name, value in tensors.items():
+    for index, (name, value) in enumerate(tensors.items()):
         value = np.ascontiguousarray(value.astype(np.float32))
         if expert_qtype and "_exps.weight" in name:
-            qtype = gguf.GGMLQuantizationType[expert_qtype]
-            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+            qtype = expert_qtype if isinstance(expert_qtype, str) else \
+                expert_qtype[name.split(".")[-2].split("_")[1]]  # blk.N.ffn_gate_exps.weight -> gate
+            data, kind = _expert_tensor(value, qtype, index)
+            writer.add_tensor(name, data, raw_dtype=kind)
         else:
             writer.add_tensor(name, value)
     writer.write_header_to_file()

@@ -1,0 +1,246 @@
+"""Kernels for ggml's K-quants and IQ4 types (q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs), kept
+at the bytes a GGUF stores (layouts in ``ktc.formats.codec_kquants``): the CPU's one-token and
+decode kernels (Numba) and the device decoder (torch), each registered in the runtime's tables
+under the scheme's name.
+
+One token on the CPU: each block of a row is decoded into a float32 buffer that stays in L1 and
+multiplied by the activations there, 16 lanes at a time (the float path; no integer dot product
+yet). Decoding is bit for bit the ``gguf`` package's (float32 products in its order, no fused
+multiply-add), which the tests check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from ktc.formats.schemes import get_scheme
+
+from .device import register_device
+from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
+
+KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
+# iq4_nl's and iq4_xs's 16 levels (ggml's kvalues_iq4nl).
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _f16(raw, r, at, table):  # pragma: no cover - compiled
+    return table[np.uint16(raw[r, at]) | (np.uint16(raw[r, at + 1]) << np.uint16(8))]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scale_min_k4(raw, r, base, j):  # pragma: no cover - compiled
+    # q4_k/q5_k: the 6-bit scale and minimum of sub-block j from the 12 bytes at base
+    if j < 4:
+        return np.int32(raw[r, base + j] & 63), np.int32(raw[r, base + 4 + j] & 63)
+    sc = (np.int32(raw[r, base + 4 + j]) & 15) | ((np.int32(raw[r, base + j - 4]) >> 6) << 4)
+    mn = (np.int32(raw[r, base + 4 + j]) >> 4) | ((np.int32(raw[r, base + j]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _block(kind, raw, r, base, table, levels, buf):  # pragma: no cover - compiled
+    # The values of the block of type ``kind`` at byte ``base`` of row r, into buf.
+    if kind == 0:  # q2_k: scales[16] qs[64] d dmin
+        d = _f16(raw, r, base + 80, table)
+        dmin = _f16(raw, r, base + 82, table)
+        for i in range(16):
+            s = np.int32(raw[r, base + i])
+            dl = d * np.float32(s & 15)
+            ml = dmin * np.float32(s >> 4)
+            n = i // 8
+            shift = 2 * ((i // 2) % 4)
+            lo = (i % 2) * 16
+            for k in range(16):
+                q = (np.int32(raw[r, base + 16 + n * 32 + lo + k]) >> shift) & 3
+                buf[i * 16 + k] = dl * np.float32(q) - ml
+    elif kind == 1:  # q3_k: hmask[32] qs[64] scales[12] d
+        d = _f16(raw, r, base + 108, table)
+        for i in range(16):
+            low = (np.int32(raw[r, base + 96 + i % 8]) >> (4 * (i // 8))) & 15
+            high = (np.int32(raw[r, base + 104 + i % 4]) >> (2 * (i // 4))) & 3
+            dl = d * np.float32((low | (high << 4)) - 32)
+            for k in range(16):
+                v = i * 16 + k
+                n = v // 128
+                s = (v // 32) % 4
+                l = v % 32
+                q = (np.int32(raw[r, base + 32 + n * 32 + l]) >> (2 * s)) & 3
+                h = (np.int32(raw[r, base + l]) >> (v // 32)) & 1
+                buf[v] = dl * np.float32(q - 4 * (1 - h))
+    elif kind == 2 or kind == 3:  # q4_k: d dmin scales[12] qs[128]; q5_k: qh[32] before qs
+        d = _f16(raw, r, base, table)
+        dmin = _f16(raw, r, base + 2, table)
+        codes = base + 16 if kind == 2 else base + 48
+        for j in range(8):
+            sc, mn = _scale_min_k4(raw, r, base + 4, j)
+            dl = d * np.float32(sc)
+            ml = dmin * np.float32(mn)
+            shift = 4 * (j % 2)
+            for l in range(32):
+                q = (np.int32(raw[r, codes + (j // 2) * 32 + l]) >> shift) & 15
+                if kind == 3:
+                    q |= ((np.int32(raw[r, base + 16 + l]) >> j) & 1) << 4
+                buf[j * 32 + l] = dl * np.float32(q) - ml
+    elif kind == 4:  # q6_k: ql[128] qh[64] scales[16] (int8) d
+        d = _f16(raw, r, base + 208, table)
+        for i in range(16):
+            dl = d * np.float32(np.int8(raw[r, base + 192 + i]))
+            for k in range(16):
+                v = i * 16 + k
+                n = v // 128
+                w = v % 128
+                lq = (np.int32(raw[r, base + n * 64 + w % 64]) >> (4 * (w // 64))) & 15
+                hq = (np.int32(raw[r, base + 128 + n * 32 + w % 32]) >> (2 * (w // 32))) & 3
+                buf[v] = dl * np.float32((lq | (hq << 4)) - 32)
+    elif kind == 5:  # iq4_nl: d qs[16]
+        d = _f16(raw, r, base, table)
+        for j in range(16):
+            c = np.int32(raw[r, base + 2 + j])
+            buf[j] = d * levels[c & 15]
+            buf[j + 16] = d * levels[c >> 4]
+    else:  # iq4_xs: d scales_h(u16) scales_l[4] qs[128]
+        d = _f16(raw, r, base, table)
+        high = np.int32(raw[r, base + 2]) | (np.int32(raw[r, base + 3]) << 8)
+        for ib in range(8):
+            low = (np.int32(raw[r, base + 4 + ib // 2]) >> (4 * (ib % 2))) & 15
+            dl = d * np.float32((low | (((high >> (2 * ib)) & 3) << 4)) - 32)
+            for j in range(16):
+                c = np.int32(raw[r, base + 8 + ib * 16 + j])
+                buf[ib * 32 + j] = dl * levels[c & 15]
+                buf[ib * 32 + 16 + j] = dl * levels[c >> 4]
+
+
+_ROWS_PER_ITEM = 8  # rows per parallel work item: one buffer allocation serves them all
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _matvec(raw, kind, elems, block_bytes, x, table, levels, out):  # pragma: no cover - compiled
+    rows = raw.shape[0]
+    blocks = x.shape[0] // elems
+    for item in prange((rows + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM):
+        buf = np.empty(elems, dtype=np.float32)
+        acc = np.empty(16, dtype=np.float32)
+        for r in range(item * _ROWS_PER_ITEM, min(rows, (item + 1) * _ROWS_PER_ITEM)):
+            acc[:] = 0.0
+            for b in range(blocks):
+                _block(kind, raw, r, b * block_bytes, table, levels, buf)
+                xb = b * elems
+                for j in range(0, elems, 16):
+                    for lane in range(16):
+                        acc[lane] += buf[j + lane] * x[xb + j + lane]
+            out[r] = acc.sum()
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _decode(raw, cols, kind, elems, block_bytes, table, levels, bf16, out32, out16):  # pragma: no cover - compiled
+    # No fastmath: the values are the gguf package's bit for bit (no fused multiply-add).
+    for r in prange(raw.shape[0]):
+        buf = np.empty(elems, dtype=np.float32)
+        for b in range(cols // elems):
+            _block(kind, raw, r, b * block_bytes, table, levels, buf)
+            for j in range(elems):
+                _put(bf16, out32, out16, r, b * elems + j, buf[j])
+
+
+def _cpu(name: str) -> CpuKernels:
+    scheme = get_scheme(name)
+    kind, elems, block_bytes = KINDS[name], scheme.block_elems, scheme.block_bytes
+
+    def matvec(raw, x, out, scales):  # type: ignore[no-untyped-def]
+        _matvec(np.ascontiguousarray(raw, dtype=np.uint8), kind, elems, block_bytes, x, _F16_TO_F32,
+                IQ4_LEVELS, out)
+        return out
+
+    return CpuKernels(matvec, block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS))
+
+
+# ------------------------------------------------------------------------------------------------
+# Device decoders (torch, any device): the same values, computed as the gguf package computes them.
+
+
+def _bits(t: Any, shifts: list[int]) -> Any:
+    """[..., n] uint8 -> [..., len(shifts), n]: each byte shifted right by each shift."""
+    import torch
+
+    return t.unsqueeze(-2) >> torch.tensor(shifts, dtype=torch.uint8, device=t.device).reshape(-1, 1)
+
+
+def _half(t: Any) -> Any:
+    import torch
+
+    return t.contiguous().view(torch.float16).float()
+
+
+def _scale_min(scales: Any) -> tuple[Any, Any]:
+    import torch
+
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def _device_decode(name: str) -> Any:
+    scheme = get_scheme(name)
+
+    def decode(raw: Any, cols: int) -> Any:
+        import torch
+
+        rows = raw.shape[0]
+        b = raw.reshape(-1, scheme.block_bytes)
+        n = b.shape[0]
+        if name == "q2_k":
+            d, dmin = _half(b[:, 80:82]), _half(b[:, 82:84])
+            s = b[:, :16]
+            q = (_bits(b[:, 16:80].reshape(n, 2, 32), [0, 2, 4, 6]) & 3).reshape(n, 16, 16).float()
+            values = (d * (s & 15).float()).reshape(n, 16, 1) * q - (dmin * (s >> 4).float()).reshape(n, 16, 1)
+        elif name == "q3_k":
+            d = _half(b[:, 108:110])
+            sb = b[:, 96:108]
+            low = _bits(sb[:, :8], [0, 4]).reshape(n, 16) & 15
+            high = _bits(sb[:, 8:12], [0, 2, 4, 6]).reshape(n, 16) & 3
+            dl = (d * ((low | (high << 4)).to(torch.int8) - 32).float()).reshape(n, 16, 1)
+            ql = (_bits(b[:, 32:96].reshape(n, 2, 32), [0, 2, 4, 6]) & 3).reshape(n, 16, 16)
+            qh = (_bits(b[:, :32].reshape(n, 1, 32), list(range(8))) & 1).reshape(n, 16, 16) ^ 1
+            values = dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
+        elif name in ("q4_k", "q5_k"):
+            d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+            sc, mn = _scale_min(b[:, 4:16])
+            codes = b[:, 16:] if name == "q4_k" else b[:, 48:]
+            q = (_bits(codes.reshape(n, 4, 32), [0, 4]) & 15).reshape(n, 8, 32)
+            if name == "q5_k":
+                q = q | ((_bits(b[:, 16:48].reshape(n, 1, 32), list(range(8))) & 1).reshape(n, 8, 32) << 4)
+            values = (d * sc).reshape(n, 8, 1) * q.float() - (dmin * mn).reshape(n, 8, 1)
+        elif name == "q6_k":
+            d = _half(b[:, 208:210])
+            dl = (d * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+            ql = (_bits(b[:, :128].reshape(n, 2, 64), [0, 4]) & 15).reshape(n, 8, 32)
+            qh = (_bits(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6]) & 3).reshape(n, 8, 32)
+            q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+            values = dl * q
+        else:
+            levels = torch.tensor(IQ4_LEVELS, device=raw.device)
+            if name == "iq4_nl":
+                dl = _half(b[:, 0:2]).reshape(n, 1, 1)
+                codes = b[:, 2:].reshape(n, 1, 16)
+            else:
+                d = _half(b[:, 0:2])
+                high = b[:, 2:4].contiguous().view(torch.int16).int()
+                low = _bits(b[:, 4:8], [0, 4]).transpose(-1, -2).reshape(n, 8).int() & 15
+                shifts = torch.arange(0, 16, 2, device=raw.device, dtype=torch.int32)
+                ls = (low | (((high >> shifts) & 3) << 4)) - 32
+                dl = (d * ls.float()).reshape(n, 8, 1)
+                codes = b[:, 8:].reshape(n, 8, 16)
+            values = dl * levels[torch.cat([codes & 15, codes >> 4], dim=-1).long()]
+        return values.reshape(rows, cols)
+
+    return decode
+
+
+for _name in KINDS:
+    register_cpu(_name, _cpu(_name))
+    register_device(_name, _device_decode(_name))

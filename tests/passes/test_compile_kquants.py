@@ -1,0 +1,114 @@
+"""GGUF K-quant and IQ4 experts compile byte for byte, and the runtime's experts compute with the
+values the ``gguf`` package decodes from them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import model_factory as mf
+from ktc.compile import compile_bundle
+from ktc.formats.bundle import open_bundle
+from ktc.runtime.experts import ExpertSet
+
+WIDE = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=1, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def wide_qwen3(tmp_path_factory):
+    """A one-layer Qwen3-MoE whose expert rows are whole K-quant super-blocks (256 values)."""
+    folder = str(tmp_path_factory.mktemp("wide") / "st")
+    return mf.write_safetensors(mf.build_hf_model("qwen3_moe", **WIDE), folder)
+
+
+def gguf_experts(path: str) -> dict[str, tuple[np.ndarray, str]]:
+    """proj -> (stored bytes [E, rows, row_bytes], ggml type name) of layer 0's expert stacks."""
+    from gguf import GGUFReader
+
+    out = {}
+    for t in GGUFReader(path).tensors:
+        if t.name.startswith("blk.0.ffn_") and "_exps.weight" in t.name:
+            proj = t.name.split(".")[2].split("_")[1]
+            out[proj] = (np.asarray(t.data).reshape(mf.EXPERTS, -1, np.asarray(t.data).shape[-1]), t.tensor_type.name)
+    return out
+
+
+def decoded(raw: np.ndarray, qtype: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    return quants.dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
+def test_kquant_experts_pass_through_and_run(tmp_path, wide_qwen3, qtype):
+    path = mf.write_gguf(wide_qwen3, str(tmp_path / "m.gguf"), family="qwen3_moe", expert_qtype=qtype)
+    out = str(tmp_path / "m.ktb")
+    compile_bundle(path, out, cpu_scheme=qtype.lower())
+    source = gguf_experts(path)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((3, 256)).astype(np.float32)
+    idx = np.array([[0, 5], [3, 5], [7, 1]], dtype=np.int64)
+    weights = rng.uniform(0.2, 1.0, idx.shape).astype(np.float32)
+    with open_bundle(out) as bundle:
+        for e in range(mf.EXPERTS):
+            gate_up = np.concatenate([source["gate"][0][e], source["up"][0][e]])
+            np.testing.assert_array_equal(bundle.tensor_bytes(f"layers.0.experts.{e}.gate_up"), gate_up.reshape(-1))
+            np.testing.assert_array_equal(bundle.tensor_bytes(f"layers.0.experts.{e}.down"),
+                                          source["down"][0][e].reshape(-1))
+            assert bundle.tensors[f"layers.0.experts.{e}.down"].scheme == qtype.lower()
+        experts = ExpertSet(bundle, 0)
+        for tokens in (slice(0, 1), slice(0, 3)):  # the one-token path and the batched one
+            got = experts.forward(hidden[tokens], idx[tokens], weights[tokens])
+            want = np.zeros_like(got)
+            for t in range(got.shape[0]):
+                for e, w in zip(idx[tokens][t], weights[tokens][t]):
+                    g = decoded(source["gate"][0][e], qtype) @ hidden[tokens][t]
+                    u = decoded(source["up"][0][e], qtype) @ hidden[tokens][t]
+                    want[t] += w * (decoded(source["down"][0][e], qtype) @ (g / (1 + np.exp(-g)) * u))
+            error = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert error < 2e-2, (qtype, tokens, error)
+
+
+@pytest.fixture(scope="module")
+def q4_k_gguf(wide_qwen3, tmp_path_factory):
+    return mf.write_gguf(wide_qwen3, str(tmp_path_factory.mktemp("q4k") / "m.gguf"), family="qwen3_moe",
+                         expert_qtype="Q4_K")
+
+
+def test_plan_and_compile_default_to_the_source_type(q4_k_gguf, tmp_path):
+    from ktc.api import plan
+    from ktc.plan_report import render_plan_text
+
+    made = plan(q4_k_gguf, vram="1GiB", ram="8GiB", reserve="0", max_tokens=256)
+    assert made.options.gpu_schemes == ("q4_k",) and made.options.cpu_schemes == ("q4_k",)
+    assert made.options.from_source == "q4_k"
+    assert "(q4_k: the source's own, passed through as stored)" in render_plan_text(made)
+    given = plan(q4_k_gguf, vram="1GiB", ram="8GiB", reserve="0", max_tokens=256, cpu_schemes=("int8",))
+    assert given.options.cpu_schemes == ("int8",) and given.options.gpu_schemes == ("q4_k",)
+    out = str(tmp_path / "m.ktb")
+    compile_bundle(q4_k_gguf, out)  # no scheme given: the source's own, byte for byte
+    with open_bundle(out) as bundle:
+        assert {t.scheme for n, t in bundle.tensors.items() if ".experts." in n and not n.endswith("bias")} == {"q4_k"}
+
+
+def test_pass_through_scheme_from_a_float_source_is_refused(wide_qwen3, tmp_path):
+    from ktc.api import plan
+    from ktc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="q3_k cannot be made from this model's experts"):
+        compile_bundle(wide_qwen3, str(tmp_path / "m.ktb"), cpu_scheme="q3_k")
+    with pytest.raises(ConfigError, match="iq4_xs cannot be made"):
+        plan(wide_qwen3, vram="1GiB", ram="8GiB", reserve="0", gpu_schemes=("iq4_xs",))
+    assert not (tmp_path / "m.ktb").exists()
+
+
+def test_float_source_quantized_to_k_quants(wide_qwen3, tmp_path):
+    """q4_k, q5_k and q6_k quantize float experts (ktc's port of llama.cpp's quantizers)."""
+    from ktc.formats.quantize import dequantize
+
+    for scheme in ("q4_k", "q6_k"):
+        out = str(tmp_path / f"{scheme}.ktb")
+        compile_bundle(wide_qwen3, out, cpu_scheme=scheme)
+        with open_bundle(out) as bundle:
+            assert bundle.tensors["layers.0.experts.3.down"].scheme == scheme
+            assert dequantize(bundle.tensor("layers.0.experts.3.down"), scheme, 256).shape == (256, 256)
