@@ -44,18 +44,19 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
          ram: str | int | None = None, hardware: str | None = None, reserve: str | int | None = None,
          max_tokens: int = 4096, batch: int = 1, kv_dtype: str = "bf16", prefill_chunk: int = 512,
          profile: str | object | None = None, gpu_schemes: tuple[str, ...] | None = None,
-         cpu_schemes: tuple[str, ...] | None = None, dense_scheme: str = "bf16",
+         cpu_schemes: tuple[str, ...] | None = None, dense_scheme: str = "auto",
          pin_gpu: object = (), pin_cpu: object = (), quality_weight: float = 0.0,
          time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
-         sync_us: float | None = None):
+         sync_us: float | None = None, source_types: bool = False):
     """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
 
     ``vram``/``ram`` take sizes like "24GiB"; ``hardware`` a profile JSON (flags override it).
     ``profile`` is an activation profile path (ktc JSON or a KTransformers/SGLang ``.pt``), an
     ``ActivationProfile``, or None for uniform routing. ``gpu_schemes``/``cpu_schemes`` left
     None: the source's own expert type where it is a block scheme (a GGUF's Q4_K, say: passed
-    through), else bf16 on the GPU and int8 on the CPU (``default_expert_schemes``).
+    through), else bf16 on the GPU and int8 on the CPU (``default_expert_schemes``); with
+    ``source_types`` the source's own types even where they are floats (what llama.cpp loads).
 
     >>> p = ktc.plan("./Qwen3-30B-A3B", vram="24GiB", ram="64GiB", max_tokens=32768)
     >>> p.predicted_ms_per_token, p.placement.gpu_experts_per_layer()
@@ -63,7 +64,7 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
     from ktc.formats.activation_profile import ActivationProfile, load_activation_profile
     from ktc.formats.hardware_profile import make_hardware_profile
     from ktc.passes.planner import (
-        PlannerOptions, Workload, default_expert_schemes, plan_placement, source_expert_scheme,
+        PlannerOptions, Workload, default_expert_schemes, plan_placement,
     )
 
     ir = model if isinstance(model, ModelIR) else load_model(model)
@@ -76,11 +77,14 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
                                              num_experts=ir.config.num_experts)
     else:
         activation = profile if isinstance(profile, ActivationProfile) else None
-    from_source = source_expert_scheme(ir) if gpu_schemes is None or cpu_schemes is None else None
-    defaults = default_expert_schemes(ir)
-    options = PlannerOptions(gpu_schemes=tuple(gpu_schemes or defaults[0]),
-                             cpu_schemes=tuple(cpu_schemes or defaults[1]), dense_scheme=dense_scheme,
-                             from_source=from_source, pin_gpu=_pins(pin_gpu), pin_cpu=_pins(pin_cpu),
+    default_gpu, default_cpu, per_layer = default_expert_schemes(ir, floats=source_types)
+    # Neither list given and the source stores its experts in block schemes: each layer keeps its own.
+    own = not gpu_schemes and not cpu_schemes and bool(per_layer)
+    options = PlannerOptions(gpu_schemes=tuple(gpu_schemes or default_gpu),
+                             cpu_schemes=tuple(cpu_schemes or default_cpu), dense_scheme=dense_scheme,
+                             from_source=", ".join(default_gpu) if own else None,
+                             layer_schemes=per_layer if own else (),
+                             pin_gpu=_pins(pin_gpu), pin_cpu=_pins(pin_cpu),
                              quality_weight=quality_weight, time_limit=time_limit)
     workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     return plan_placement(ir, hw, workload, activation, options)

@@ -279,8 +279,9 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cpu-schemes",
                      help="Comma list of schemes CPU experts may use, e.g. int8,int4. "
                           "[default: the source's own block type; int8 for float sources]"),
-        click.option("--dense-scheme", default="bf16", show_default=True, type=click.Choice(list(SCHEMES)),
-                     help="Scheme of non-expert matrices (what ktc compile --dense-scheme stores)."),
+        click.option("--dense-scheme", default="auto", show_default=True, type=click.Choice(["auto", *SCHEMES]),
+                     help="Scheme of non-expert matrices (what ktc compile --dense-scheme stores); auto "
+                          "keeps a quantized source's own block types and stores float ones in bf16."),
         click.option("--pin-gpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the GPU."),
         click.option("--pin-cpu", multiple=True, metavar="LAYER:EXPERT", help="Keep this expert on the CPU."),
         click.option("--quality-weight", type=FiniteFloat(min=0), default=0.0, show_default=True,
@@ -300,6 +301,10 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
     if not os.path.exists(model):
         raise KtcError("no such file or folder", path=model)
     split = lambda text: tuple(s.strip() for s in text.split(",") if s.strip())  # noqa: E731
+    source_types = bool(kw.get("export_llamacpp")) and model.endswith(".gguf")
+    if source_types and (kw["gpu_schemes"] or kw["cpu_schemes"]):
+        raise KtcError("--export-llamacpp plans at the GGUF's own types, which llama.cpp loads",
+                       hint="drop --gpu-schemes/--cpu-schemes")
     return make_plan(model, vram=kw["vram"], ram=kw["ram"], hardware=kw["hardware"],
                      reserve=kw["reserve"], max_tokens=kw["max_tokens"], batch=kw["batch"],
                      kv_dtype=kw["kv_dtype"], prefill_chunk=kw["prefill_chunk"], profile=kw["profile"],
@@ -309,7 +314,7 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      pin_gpu=kw["pin_gpu"], pin_cpu=kw["pin_cpu"], quality_weight=kw["quality_weight"],
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
-                     sync_us=kw["sync_us"])
+                     sync_us=kw["sync_us"], source_types=source_types)
 
 
 @main.command()
@@ -343,7 +348,7 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
 
     for path in (p for p in (output, html_path) if p):  # before the solve, not after it
         check_writable_target(path)
-    result = _plan_from_flags(model, kw)
+    result = _plan_from_flags(model, {**kw, "export_llamacpp": export_llamacpp})
     out = result.to_json()
     if html_path:
         _write_text(html_path, render_plan_html(result))
@@ -425,10 +430,11 @@ def _given_flags(*names: str) -> list[str]:
 @click.option("--gpu-schemes", "--gpu-scheme", "gpu_scheme",
               help="Scheme(s) of GPU experts, as --cpu-schemes. [default: the source's own block "
                    "type; bf16 for float sources]")
-@click.option("--dense-scheme", type=click.Choice(list(SCHEMES)),
+@click.option("--dense-scheme", type=click.Choice(["auto", *SCHEMES]),
               help="Scheme of non-expert matrices (attention, shared experts, lm_head, embeddings); "
                    "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32. "
-                   "[default: the plan's, else bf16]")
+                   "auto keeps a quantized source's own block types (a Q4_K_M GGUF's Q4_K/Q6_K, byte "
+                   "for byte) and stores float matrices in bf16. [default: the plan's, else auto]")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes building experts; each writes its experts into the bundle. "
                    "Pays off on large models (start-up about 1 s); the bytes do not depend on it.")

@@ -15,7 +15,7 @@ from typing import Any
 from ktc import __version__
 from ktc.errors import ConfigError, FormatError, KtcError
 from ktc.formats.bundle import FORMAT_MAJOR, FORMAT_MINOR
-from ktc.formats.schemes import get_scheme
+from ktc.formats.schemes import DENSE_AUTO, dense_scheme_name, expert_scheme_name, expert_schemes
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
 from ktc.passes.emit import BuildOptions, Emit, EmitResult, remove_stale_temporaries
 from ktc.passes.layout import ChooseSchemes, LayOut, RunFile
@@ -139,7 +139,7 @@ def load_plan_file(path: str, ir: ModelIR, data: dict[str, Any] | None = None
                               f"{len(moe.experts)}", path=path)
         for where in row:
             try:
-                get_scheme(where.scheme)
+                expert_schemes(where.scheme)
             except KeyError as exc:
                 raise ConfigError(str(exc.args[0]), path=path) from None
     if "workload" in fields:
@@ -153,9 +153,18 @@ def load_plan_file(path: str, ir: ModelIR, data: dict[str, Any] | None = None
 
 
 def get_scheme_checked(name: str) -> str:
-    """The scheme's canonical name, or a ``ConfigError`` that lists the known ones."""
+    """An expert scheme's canonical name (``expert_scheme_name``), or a ``ConfigError`` that
+    lists the known ones."""
     try:
-        return get_scheme(name).name
+        return expert_scheme_name(name)
+    except KeyError as exc:
+        raise ConfigError(str(exc.args[0])) from None
+
+
+def dense_scheme_checked(name: str) -> str:
+    """``auto`` or a scheme's canonical name, else a ``ConfigError``."""
+    try:
+        return dense_scheme_name(name)
     except KeyError as exc:
         raise ConfigError(str(exc.args[0])) from None
 
@@ -175,18 +184,24 @@ def plan_dense_scheme(data: dict[str, Any], path: str) -> str | None:
     options = Fields(Fields(data, path, "plan").mapping("options", default={}), path, "plan's options")
     if "dense_scheme" not in options:
         return None
-    return get_scheme_checked(options.string("dense_scheme"))
+    return dense_scheme_checked(options.string("dense_scheme"))
 
 
-def all_on_cpu(ir: ModelIR, scheme: str) -> Placement:
-    from ktc.passes.planner import check_source_allows
+def all_on_cpu(ir: ModelIR, scheme: str | None) -> Placement:
+    """Every expert on the CPU in ``scheme``; None: each layer's experts in the source's own
+    block schemes where it has them (passed through), else int8."""
+    from ktc.passes.planner import check_source_allows, default_expert_schemes
 
-    chosen = get_scheme(scheme)
-    if "cpu" not in chosen.devices:
-        raise ConfigError(f"scheme {chosen.name} has no CPU kernels in this ktc", hint="pick another --cpu-scheme")
-    check_source_allows(ir, chosen)
-    where = ExpertPlacement(Device.CPU, chosen.name)
-    return Placement(ir.moe_layer_indices, tuple(tuple(where for _ in layer.experts) for layer in ir.moe_layers))
+    _, _, per_layer = default_expert_schemes(ir)
+    names = per_layer if scheme is None and per_layer else (scheme or "int8",) * len(ir.moe_layers)
+    for name in set(names):
+        for part in expert_schemes(name):
+            if "cpu" not in part.devices:
+                raise ConfigError(f"scheme {part.name} has no CPU kernels in this ktc", hint="pick another --cpu-scheme")
+        check_source_allows(ir, name, every_layer=True)
+    return Placement(ir.moe_layer_indices, tuple(
+        tuple(ExpertPlacement(Device.CPU, expert_scheme_name(name)) for _ in layer.experts)
+        for name, layer in zip(names, ir.moe_layers)))
 
 
 def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
@@ -227,10 +242,10 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
     gpu_schemes = scheme_list(gpu_scheme) if gpu_scheme else None
     plan_data = read_plan_file(plan_path) if plan_path else None
     planned_dense = None if plan_data is None else plan_dense_scheme(plan_data, plan_path or "")
-    if planned_dense and dense_scheme and get_scheme_checked(dense_scheme) != planned_dense:
+    if planned_dense and dense_scheme and dense_scheme_checked(dense_scheme) != planned_dense:
         raise ConfigError(f"the plan was made for dense scheme {planned_dense}, not {dense_scheme}",
                           path=plan_path, hint="drop --dense-scheme (the plan's is used), or plan again")
-    dense_scheme = planned_dense or get_scheme_checked(dense_scheme or "bf16")
+    dense_scheme = planned_dense or dense_scheme_checked(dense_scheme or DENSE_AUTO)
     if not (plan_path or plan_kwargs) and cpu_schemes and len(cpu_schemes) > 1:
         raise ConfigError(f"with every expert on the CPU there is one CPU scheme, not {len(cpu_schemes)}",
                           hint="give one, or a budget (--vram) so the planner chooses among them")
@@ -251,9 +266,7 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
             section = {"source": "planner", **{k: v for k, v in made.to_json().items()
                                                if k not in _TIMING_KEYS and k != "placement"}}
         else:
-            from ktc.passes.planner import default_expert_schemes
-
-            placement = all_on_cpu(ir, (cpu_schemes or default_expert_schemes(ir)[1])[0])
+            placement = all_on_cpu(ir, cpu_schemes[0] if cpu_schemes else None)
             section = {"source": "all experts on the CPU"}
         section["placement"] = {str(layer): [f"{p.device.value}:{p.scheme}" for p in row]
                                 for layer, row in zip(placement.layers, placement.experts)}
@@ -276,10 +289,10 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                 "ktc_version": __version__,
                 "source_format": ir.source.format,
                 "source_files": _source_files(ir, hash_sources),
-                "options": {"dense_scheme": get_scheme(dense_scheme).name, "compress": compress},
+                "options": {"dense_scheme": dense_scheme, "compress": compress},
             },
             "run": {**run_files.manifest_section(), "workload": workload,
-                    "dense_scheme": get_scheme(dense_scheme).name},
+                    "dense_scheme": dense_scheme},
         }
 
     options = BuildOptions(compress=compress, report_error=report_error, allow_nonfinite=allow_nonfinite)

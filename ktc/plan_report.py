@@ -28,9 +28,10 @@ def _speedup(plan: Plan, ms: float | None) -> str:
 def _from_source(plan: Plan, schemes: tuple[str, ...] | None = None) -> str:
     """A note for a scheme list that is the source's own expert type (the default)."""
     own = plan.options.from_source
-    if not own or (schemes is not None and schemes != (own,)):
+    if not own or (schemes is not None and ", ".join(schemes) != own):
         return ""
-    return f" ({own}: the source's own, passed through as stored)"
+    per_layer = " layer by layer" if len(set(plan.options.layer_schemes)) > 1 else ""
+    return f" ({own}: the source's own, passed through as stored{per_layer})"
 
 
 def render_plan_text(plan: Plan) -> str:
@@ -329,26 +330,36 @@ def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
     a whole layer's experts sit on one device. Solved exactly with the same cost model."""
     usage = plan.usage
     layers, experts = usage.shape
-    gpu_opt = next(o for o in _problem_options(plan) if o.device == GPU)
-    cpu_opt = next(o for o in _problem_options(plan) if o.device == CPU)
-    # One item per layer: its usage-weighted expert traffic at the first GPU / CPU scheme.
-    items = (
-        PlacementOption(GPU, gpu_opt.scheme, gpu_opt.vram_bytes * experts, 0, gpu_opt.seconds_per_use),
-        PlacementOption(CPU, cpu_opt.scheme, 0, cpu_opt.ram_bytes * experts, cpu_opt.seconds_per_use),
-    )
+    # One item per layer and device: its usage-weighted expert traffic at the first GPU / CPU
+    # scheme allowed, or at the layer's own where the plan keeps each layer's (llama.cpp loads a
+    # GGUF's tensors at their stored types).
+    options = _problem_options(plan)
+    own = plan.options.layer_schemes or (None,) * layers
+    items: list[PlacementOption] = []
+    allowed = np.zeros((layers, 1, 0), dtype=bool)
+    for layer, scheme in enumerate(own):
+        for device in (GPU, CPU):
+            o = next((o for o in options if o.device == device and o.scheme == scheme),
+                     next(o for o in options if o.device == device))
+            item = PlacementOption(device, o.scheme, o.vram_bytes * experts, o.ram_bytes * experts,
+                                   o.seconds_per_use)
+            if item not in items:
+                items.append(item)
+                allowed = np.concatenate([allowed, np.zeros((layers, 1, 1), dtype=bool)], axis=2)
+            allowed[layer, 0, items.index(item)] = True
     fixed_vram = sum(v for k, v in plan.memory.vram if k != "gpu_experts")
     fixed_ram = sum(v for k, v in plan.memory.ram if k != "cpu_experts")
     transfer = 4 * plan.workload.batch * plan.model.hidden_size / plan.hardware.pcie_bandwidth
     problem = PlacementProblem(
-        usage=usage.sum(axis=1, keepdims=True), options=items,
-        allowed=np.ones((layers, 1, 2), dtype=bool),
+        usage=usage.sum(axis=1, keepdims=True), options=tuple(items), allowed=allowed,
         vram_budget=plan.memory.vram_budget - fixed_vram, ram_budget=plan.memory.ram_budget - fixed_ram,
         sync_seconds=np.full(layers, plan.hardware.sync_seconds + transfer))
     try:
         solution = solve_placement(problem)
     except KtcError as exc:
         raise KtcError("no whole-layer placement fits: " + exc.message) from None
-    cpu_layers = tuple(layer for layer, c in zip(plan.placement.layers, solution.choice[:, 0]) if c == 1)
+    cpu_layers = tuple(layer for layer, c in zip(plan.placement.layers, solution.choice[:, 0])
+                       if items[c].device == CPU)
     if cpu_layers and cpu_layers == plan.placement.layers[:len(cpu_layers)]:
         # The first MoE layers on the CPU: llama.cpp's own flag (it counts every layer from 0).
         rules = f"-ngl 999 --n-cpu-moe {cpu_layers[-1] + 1}"
@@ -362,7 +373,7 @@ def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
 
 
 def _problem_options(plan: Plan) -> tuple[PlacementOption, ...]:
-    from ktc.formats.schemes import expert_footprint, get_scheme
+    from ktc.formats.schemes import expert_footprint
     from ktc.passes.planner import expert_shape_from_facts
 
     shape = expert_shape_from_facts(plan.model)
@@ -370,7 +381,7 @@ def _problem_options(plan: Plan) -> tuple[PlacementOption, ...]:
     for device, names, bw in ((GPU, plan.options.gpu_schemes, plan.hardware.gpu_bandwidth),
                               (CPU, plan.options.cpu_schemes, plan.hardware.cpu_bandwidth)):
         for name in names:
-            fp = expert_footprint(shape, get_scheme(name))
+            fp = expert_footprint(shape, name)
             out.append(PlacementOption(device, name, fp.stored_bytes if device == GPU else 0,
                                        fp.stored_bytes if device == CPU else 0, fp.data_bytes / bw))
     return tuple(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ktc.formats.hardware_profile import format_bytes
-from ktc.ir import ModelIR, TensorRole
+from ktc.ir import ModelIR, TensorRef, TensorRole
 
 # Roles outside the routed experts that get their own line; the rest is "other".
 _ROLE_KEYS = {
@@ -36,6 +36,9 @@ class ModelSummary:
     expert_bytes: int
     kv_bytes_per_token: int
     attention: str
+    # Per component, how many of its tensors are stored in each type ("Q4_K", "BF16",
+    # "F8_E4M3 + 128x128 scales"...).
+    types: dict[str, dict[str, int]]
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -56,15 +59,35 @@ class ModelSummary:
             "expert_bytes": self.expert_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "attention": self.attention,
+            "types": {k: dict(v) for k, v in self.types.items()},
         }
+
+
+def _type_name(ref: TensorRef) -> str:
+    if ref.scale is None:
+        return ref.dtype
+    block = "x".join(str(n) for n in ref.scale_block) if ref.scale_block else "block"
+    return f"{ref.dtype} + {block} scales"
 
 
 def summarize(ir: ModelIR) -> ModelSummary:
     """Sizes by component at the source dtype, one expert's bytes and the KV cost per token."""
     totals = dict.fromkeys(BYTE_KEYS, 0)
+    types: dict[str, dict[str, int]] = {k: {} for k in BYTE_KEYS}
+
+    def count(key: str, ref: TensorRef) -> None:
+        if len(ref.shape) >= 2:  # matrices: norms and biases are float everywhere
+            types[key][_type_name(ref)] = types[key].get(_type_name(ref), 0) + 1
+
     for layer in ir.moe_layers:
         totals["routed_experts"] += sum(e.nbytes for e in layer.experts)
         totals["shared_experts"] += sum(e.nbytes for e in layer.shared_experts)
+        for expert in layer.experts:
+            for ref in (expert.gate, expert.up, expert.down):
+                count("routed_experts", ref)
+        for shared in layer.shared_experts:
+            for ref in shared.tensors:
+                count("shared_experts", ref)
         for ref in (layer.shared_expert_gate,):
             if ref is not None:
                 totals["shared_experts"] += ref.nbytes
@@ -73,6 +96,7 @@ def summarize(ir: ModelIR) -> ModelSummary:
                 totals["other"] += ref.nbytes
     for tensor in ir.dense:
         totals[_ROLE_KEYS.get(tensor.role, "other")] += tensor.ref.nbytes
+        count(_ROLE_KEYS.get(tensor.role, "other"), tensor.ref)
     first = ir.moe_layers[0].experts[0] if ir.moe_layers else None
     cfg = ir.config
     return ModelSummary(
@@ -93,6 +117,7 @@ def summarize(ir: ModelIR) -> ModelSummary:
         expert_bytes=first.nbytes if first else 0,
         kv_bytes_per_token=cfg.kv_bytes_per_token(2),
         attention=cfg.attention.value,
+        types={k: v for k, v in types.items() if v},
     )
 
 
@@ -125,5 +150,8 @@ def render_text(s: ModelSummary) -> str:
         "bytes         " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(b[k])}" for k in b),
         f"total         {format_bytes(sum(b.values()))}",
         f"KV cache      {format_bytes(s.kv_bytes_per_token)} per token at 16 bits ({s.attention.upper()})",
+        "stored as     " + "; ".join(f"{k.replace('_', ' ')} " + ", ".join(
+            f"{name} x{n}" for name, n in sorted(v.items(), key=lambda item: -item[1]))
+            for k, v in s.types.items()),
     ]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from ktc.errors import InternalError, KtcError
 from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json, new_block_hasher
 from ktc.formats.dequant import to_float32, to_float32_rows
 from ktc.formats.quantize import check_finite, convert, dequantize, quantize
+from ktc.formats.schemes import get_scheme
 from ktc.ir import ModelIR
 
 from .base import Pass, PassContext
@@ -148,7 +149,7 @@ def _dense_chunks(job: TensorJob, finite: bool = True) -> Iterator[bytes]:
         step = max(ref.scale_block[0], step // ref.scale_block[0] * ref.scale_block[0])
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        if ref.scale is None and ref.dtype.lower() == job.scheme and len(ref.shape) == 2:
+        if ref.scale is None and ref.dtype in get_scheme(job.scheme).sources and len(ref.shape) == 2:
             from ktc.ir import Slice
 
             raw = np.ascontiguousarray(ref.with_view(Slice(0, start, stop)).load())
@@ -497,24 +498,26 @@ def _expert_results(experts: list[BlockJob], jobs: int, options: BuildOptions,
         return pool.submit(_build_and_write, experts[i], options, direct[0], direct[1][i])
 
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init,
-                             initargs=(os.getpid(),)) as pool:
-        pending: deque = deque()
-        try:
-            pending.extend(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
-            following = len(pending)
-            while pending:
-                result = pending.popleft().result()
-                if following < len(experts):
-                    pending.append(submit(pool, following))
-                    following += 1
-                yield result
-        except BaseException:
-            # A failure, SIGTERM or Ctrl-C: stop the workers now instead of letting them finish
-            # the experts in flight into a file that is about to be removed.
-            if pending:
-                _stop_workers(pool)
-            raise
+    # Not a with-block: its exit waits for the pool's manager thread, and a signal that arrives
+    # while the first submit starts that thread leaves it created but not started, which the
+    # wait then turns into a RuntimeError in place of the Ctrl-C or SIGTERM.
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),))
+    pending: deque = deque()
+    try:
+        pending.extend(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
+        following = len(pending)
+        while pending:
+            result = pending.popleft().result()
+            if following < len(experts):
+                pending.append(submit(pool, following))
+                following += 1
+            yield result
+    except BaseException:
+        # A failure, SIGTERM or Ctrl-C: stop the workers now instead of letting them finish
+        # the experts in flight into a file that is about to be removed.
+        _stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _stop_workers(pool: Any) -> None:

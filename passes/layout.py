@@ -12,7 +12,8 @@ from typing import ClassVar
 
 from ktc.errors import ConfigError, InternalError
 from ktc.formats.schemes import (
-    EXPERT_ALIGN, TENSOR_ALIGN, align, get_scheme, non_expert_scheme,
+    EXPERT_ALIGN, TENSOR_ALIGN, align, dense_scheme_name, expert_scheme_name, expert_schemes, get_scheme,
+    non_expert_scheme,
 )
 from ktc.ir import Device, Expert, ModelIR, Placement, QuantPlan, TensorRef, TensorRole
 
@@ -99,11 +100,11 @@ def expert_block(expert: Expert, device: Device, scheme: str) -> BlockJob:
     """An expert's block: gate and up fused, down, then float32 biases; tensors aligned to 64,
     the block to a page. The same order and sizes as ``formats.schemes.expert_footprint``."""
     inter, hidden = expert.gate.shape  # choose_schemes has checked that the scheme fits
-    s = get_scheme(scheme)
+    gate_up, down = expert_schemes(scheme)
     prefix = f"layers.{expert.layer}.experts.{expert.index}."
     specs: list[tuple[str, tuple[int, ...], str, tuple[TensorRef, ...], str]] = [
-        ("gate_up", (2 * inter, hidden), s.name, (expert.gate, expert.up), LAYOUT_GATE_UP),
-        ("down", (hidden, inter), s.name, (expert.down,), LAYOUT_ROWS),
+        ("gate_up", (2 * inter, hidden), gate_up.name, (expert.gate, expert.up), LAYOUT_GATE_UP),
+        ("down", (hidden, inter), down.name, (expert.down,), LAYOUT_ROWS),
     ]
     if expert.gate_bias is not None and expert.up_bias is not None:
         specs.append(("gate_up_bias", (2 * inter,), "f32", (expert.gate_bias, expert.up_bias), LAYOUT_GATE_UP))
@@ -119,7 +120,7 @@ def expert_block(expert: Expert, device: Device, scheme: str) -> BlockJob:
     segment = DEVICE if device is Device.GPU else HOST
     return BlockJob("expert", f"layers.{expert.layer}.experts.{expert.index}", segment,
                     align(offset, EXPERT_ALIGN), tuple(tensors), expert.layer, expert.index,
-                    device.value, s.name)
+                    device.value, expert_scheme_name(scheme))
 
 
 def _tensor_block(name: str, ref: TensorRef, role: str, segment: str, scheme: str,
@@ -176,7 +177,7 @@ def non_expert_tensors(ir: ModelIR) -> Iterator[NonExpertTensor]:
                                       layer.layer, router, False)
 
 
-def choose_schemes(ir: ModelIR, placement: Placement, dense_scheme: str = "bf16") -> QuantPlan:
+def choose_schemes(ir: ModelIR, placement: Placement, dense_scheme: str = "auto") -> QuantPlan:
     """Every stored tensor's scheme: experts as placed, non-expert tensors by
     ``formats.schemes.non_expert_scheme``. Refuses a placement made for another model and a
     scheme that does not fit an expert's rows."""
@@ -185,19 +186,20 @@ def choose_schemes(ir: ModelIR, placement: Placement, dense_scheme: str = "bf16"
     for row, layer in zip(placement.experts, ir.moe_layers):
         for where, expert in zip(row, layer.experts):
             _check_fits(expert, where.scheme)
-        rows.append(tuple(get_scheme(where.scheme).name for where in row))
-    tensors = tuple((t.name, non_expert_scheme(t.ref.shape, router=t.router, dense_scheme=dense_scheme))
+        rows.append(tuple(expert_scheme_name(where.scheme) for where in row))
+    tensors = tuple((t.name, non_expert_scheme(t.ref.shape, router=t.router, dense_scheme=dense_scheme,
+                                               source_dtype=t.ref.dtype))
                     for t in non_expert_tensors(ir))
-    return QuantPlan(placement.layers, tuple(rows), tensors, get_scheme(dense_scheme).name)
+    return QuantPlan(placement.layers, tuple(rows), tensors, dense_scheme_name(dense_scheme))
 
 
 def _check_fits(expert: Expert, scheme: str) -> None:
     inter, hidden = expert.gate.shape
-    s = get_scheme(scheme)
-    if not (s.fits(hidden) and s.fits(inter)):
-        raise ConfigError(f"scheme {s.name} needs rows that are a multiple of {s.block_elems} values; "
-                          f"layer {expert.layer} expert {expert.index} has rows of {hidden} and {inter}",
-                          hint="choose another scheme for this model")
+    for s, cols in zip(expert_schemes(scheme), (hidden, inter)):
+        if not s.fits(cols):
+            raise ConfigError(f"scheme {s.name} needs rows that are a multiple of {s.block_elems} values; "
+                              f"layer {expert.layer} expert {expert.index} has rows of {hidden} and {inter}",
+                              hint="choose another scheme for this model")
 
 
 def plan_layout(ir: ModelIR, placement: Placement, quant: QuantPlan,
@@ -245,7 +247,7 @@ class ChooseSchemes(Pass):
     requires: ClassVar[frozenset[str]] = frozenset({"experts", "placement"})
     produces: ClassVar[frozenset[str]] = frozenset({"quant"})
 
-    def __init__(self, dense_scheme: str = "bf16") -> None:
+    def __init__(self, dense_scheme: str = "auto") -> None:
         self.dense_scheme = dense_scheme
 
     def run(self, ir: ModelIR | None, ctx: PassContext) -> ModelIR:
@@ -258,7 +260,7 @@ class ChooseSchemes(Pass):
         if quant is None or placement is None:
             raise InternalError("quantize produced no schemes")
         for row, schemes in zip(placement.experts, quant.experts):
-            if tuple(get_scheme(p.scheme).name for p in row) != schemes:
+            if tuple(expert_scheme_name(p.scheme) for p in row) != schemes:
                 raise InternalError("expert schemes differ from the placement's")
         stored = {t.name for t in non_expert_tensors(ir)}
         if {name for name, _ in quant.tensors} != stored:

@@ -140,18 +140,17 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
     if problem.quality_weight == 0:
         # Speed alone decides: an option with no fewer bytes on the same device and no less
         # speed than another can be left out of the search (polish may still pick it when it
-        # costs no time), which keeps the program small when several schemes are allowed.
-        keep = np.ones(len(problem.options), dtype=bool)
+        # costs no time), which keeps the program small when several schemes are allowed. Only
+        # for experts where the better option is allowed too (options may be allowed per layer).
+        allowed_all = problem.allowed.copy()
         for i, a in enumerate(problem.options):
             for j, b in enumerate(problem.options):
-                if i != j and a.device == b.device and keep[j] and (
+                if i != j and a.device == b.device and (
                         b.vram_bytes <= a.vram_bytes and b.ram_bytes <= a.ram_bytes
                         and b.seconds_per_use <= a.seconds_per_use
                         and (b.vram_bytes, b.ram_bytes, b.seconds_per_use, j)
                         < (a.vram_bytes, a.ram_bytes, a.seconds_per_use, i)):
-                    keep[i] = False
-                    break
-        allowed_all = problem.allowed & keep
+                    allowed_all[..., i] &= ~problem.allowed[..., j]
     # Groups of interchangeable experts: same layer, same usage, same allowed options.
     groups: list[tuple[int, float, np.ndarray, list[int]]] = []
     for layer in range(n_layers):

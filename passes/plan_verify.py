@@ -51,7 +51,7 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
     vram = ram = 0
     gpu_read = 0
     for ref, on_cpu, router in _tensor_refs(ir):
-        size = non_expert_bytes(ref.shape, router=router, dense_scheme=options.dense_scheme)
+        size = non_expert_bytes(ref.shape, router=router, dense_scheme=options.dense_scheme, source_dtype=ref.dtype)
         if on_cpu:
             ram += size
         else:

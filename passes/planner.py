@@ -23,7 +23,8 @@ from ktc.errors import BudgetError, ConfigError, FormatError, InternalError
 from ktc.formats.activation_profile import ActivationProfile, uniform_profile
 from ktc.formats.hardware_profile import HardwareProfile, format_bytes
 from ktc.formats.schemes import (
-    ExpertShape, Scheme, expert_footprint, get_scheme, non_expert_bytes, source_scheme,
+    ExpertShape, dense_scheme_name, expert_footprint, expert_scheme_error, expert_scheme_name, expert_schemes,
+    non_expert_bytes, source_scheme,
 )
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
 
@@ -65,9 +66,11 @@ class PlannerOptions:
 
     gpu_schemes: tuple[str, ...] = ("bf16",)
     cpu_schemes: tuple[str, ...] = ("int8",)
-    dense_scheme: str = "bf16"
-    # Set when the schemes were not given and are the source's own expert type (passed through).
+    dense_scheme: str = "auto"
+    # Set when the schemes were not given and are the source's own expert types (passed through):
+    # their names, and per MoE layer the one each layer keeps.
     from_source: str | None = None
+    layer_schemes: tuple[str, ...] = ()
     pin_gpu: tuple[tuple[int, int], ...] = ()
     pin_cpu: tuple[tuple[int, int], ...] = ()
     # Seconds per step worth one unit of usage-weighted nominal error. 0: speed alone decides,
@@ -79,18 +82,19 @@ class PlannerOptions:
         if not self.gpu_schemes or not self.cpu_schemes:
             raise ConfigError("give at least one GPU scheme and one CPU scheme")
         try:  # canonical names, so "int4" and "int4_g128" are one scheme everywhere
-            object.__setattr__(self, "gpu_schemes", tuple(get_scheme(n).name for n in self.gpu_schemes))
-            object.__setattr__(self, "cpu_schemes", tuple(get_scheme(n).name for n in self.cpu_schemes))
-            object.__setattr__(self, "dense_scheme", get_scheme(self.dense_scheme).name)
+            object.__setattr__(self, "gpu_schemes", tuple(expert_scheme_name(n) for n in self.gpu_schemes))
+            object.__setattr__(self, "cpu_schemes", tuple(expert_scheme_name(n) for n in self.cpu_schemes))
+            object.__setattr__(self, "dense_scheme", dense_scheme_name(self.dense_scheme))
         except KeyError as exc:
             raise ConfigError(str(exc.args[0])) from None
         if len(set(self.gpu_schemes)) != len(self.gpu_schemes) or len(set(self.cpu_schemes)) != len(self.cpu_schemes):
             raise ConfigError("a scheme is listed twice for one device")
         for device, names in (("gpu", self.gpu_schemes), ("cpu", self.cpu_schemes)):
             for name in names:
-                if device not in get_scheme(name).devices:
-                    raise ConfigError(f"scheme {name} has no {device.upper()} kernels in this ktc",
-                                      hint=f"pick another --{device}-schemes")
+                for scheme in expert_schemes(name):
+                    if device not in scheme.devices:
+                        raise ConfigError(f"scheme {scheme.name} has no {device.upper()} kernels in this ktc",
+                                          hint=f"pick another --{device}-schemes")
         both = set(self.pin_gpu) & set(self.pin_cpu)
         if both:
             layer, expert = sorted(both)[0]
@@ -289,7 +293,7 @@ def non_expert_memory(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[st
         if tensor.layer is not None and tensor.layer >= ir.config.num_layers:
             continue
         nbytes = non_expert_bytes(tensor.ref.shape, router=tensor.role is TensorRole.ROUTER,
-                                  dense_scheme=scheme)
+                                  dense_scheme=scheme, source_dtype=tensor.ref.dtype)
         if tensor.role is TensorRole.EMBEDDING:
             is_input = any(k in tensor.ref.name for k in ("embed_tokens", "token_embd", "wte"))
             if is_input and not ir.config.tie_word_embeddings:
@@ -305,7 +309,8 @@ def non_expert_memory(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[st
         if layer.shared_expert_gate is not None:
             vram["shared_experts"] += non_expert_bytes(layer.shared_expert_gate.shape, router=True,
                                                        dense_scheme=scheme)
-        vram["shared_experts"] += sum(non_expert_bytes(t.shape, router=False, dense_scheme=scheme)
+        vram["shared_experts"] += sum(non_expert_bytes(t.shape, router=False, dense_scheme=scheme,
+                                                       source_dtype=t.dtype)
                                       for e in layer.shared_experts for t in e.tensors)
     return vram, ram, sum(vram.values())
 
@@ -342,35 +347,70 @@ class PlanningContext:
     moe_layers: tuple[int, ...]
 
 
-def source_expert_scheme(ir: ModelIR) -> str | None:
-    """The block scheme every routed expert's weights are already stored in (a GGUF's Q4_K, a
-    checkpoint's MXFP4...), which the compiler passes through unchanged; None for float experts
-    or experts of mixed types."""
-    names = set()
+def source_layer_schemes(ir: ModelIR, *, floats: bool = False) -> tuple[str | None, ...]:
+    """Per MoE layer, the expert scheme its experts are already stored in, which the compiler
+    passes through unchanged: a GGUF's ``q4_k``, or ``q4_k+q6_k`` where its ``ffn_down`` is Q6_K
+    (Q4_K_M), gpt-oss's MXFP4 (repacked losslessly); None for float experts (unless ``floats``)
+    or mixed types."""
+    def own(ref: Any) -> str | None:
+        if ref.dtype == "MXFP4_BLOCKS" and ref.scale is not None:
+            return "mxfp4"
+        scheme = source_scheme(ref.dtype) if ref.scale is None else None
+        return scheme.name if scheme is not None and (floats or not scheme.plain) else None
+
+    result = []
     for layer in ir.moe_layers:
-        for expert in layer.experts:
-            for ref in (expert.gate, expert.up, expert.down):
-                if ref.dtype == "MXFP4_BLOCKS" and ref.scale is not None:  # gpt-oss: repacked losslessly
-                    names.add("mxfp4")
-                    continue
-                scheme = source_scheme(ref.dtype) if ref.scale is None else None
-                names.add(scheme.name if scheme is not None and not scheme.plain else None)
+        names = {(own(e.gate), own(e.up), own(e.down)) for e in layer.experts}
+        if len(names) != 1:
+            result.append(None)
+            continue
+        gate, up, down = names.pop()
+        ok = gate is not None and gate == up and down is not None
+        result.append(None if not ok else expert_scheme_name(f"{gate}+{down}"))
+    return tuple(result)
+
+
+def source_expert_scheme(ir: ModelIR) -> str | None:
+    """The one expert scheme every MoE layer's experts are stored in (``source_layer_schemes``)."""
+    names = set(source_layer_schemes(ir))
     return names.pop() if len(names) == 1 and None not in names else None
 
 
-def default_expert_schemes(ir: ModelIR) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(GPU, CPU) schemes when none are given: the source's own block scheme on both devices
-    (passed through, no requantizing), else bf16 on the GPU and int8 on the CPU."""
-    own = source_expert_scheme(ir)
-    return ((own,), (own,)) if own else (("bf16",), ("int8",))
+def default_expert_schemes(ir: ModelIR, *, floats: bool = False
+                           ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(GPU schemes, CPU schemes, per-layer schemes) when none are given: where every layer's
+    experts are stored in block schemes (with ``floats``, in any scheme), those (passed through,
+    no requantizing; each layer keeps its own), else bf16 on the GPU and int8 on the CPU with
+    no per-layer restriction."""
+    own = source_layer_schemes(ir, floats=floats)
+    if own and None not in own:
+        names = tuple(dict.fromkeys(n for n in own if n is not None))
+        return names, names, tuple(n for n in own if n is not None)
+    return ("bf16",), ("int8",), ()
 
 
-def check_source_allows(ir: ModelIR, scheme: Scheme) -> None:
-    """A scheme with no quantizer is only the source's own bytes, passed through."""
-    if scheme.quantize is None and source_expert_scheme(ir) != scheme.name:
-        raise ConfigError(f"scheme {scheme.name} cannot be made from this model's experts: ktc has no "
-                          f"{scheme.name} quantizer, it passes {', '.join(scheme.sources)} tensors through",
-                          hint="pick a scheme ktc quantizes to (see ktc plan --help)")
+def _passes_through(name: str, own: str | None) -> bool:
+    """Whether expert scheme ``name`` can be made for a layer stored in ``own``: each of its
+    matrices' schemes has a quantizer, or is the source's own for that matrix."""
+    mine = expert_schemes(name)
+    theirs = expert_schemes(own) if own else (None, None)
+    return all(s.quantize is not None or s is o for s, o in zip(mine, theirs))
+
+
+def check_source_allows(ir: ModelIR, name: str, *, every_layer: bool = False) -> None:
+    """An expert scheme with a matrix scheme that has no quantizer is only the source's own
+    bytes, passed through: some layer (with ``every_layer``, every one) must store its experts
+    that way."""
+    owns = source_layer_schemes(ir)
+    fits = [_passes_through(name, own) for own in owns]
+    if all(fits) or (any(fits) and not every_layer):
+        return
+    missing = next(s for s in expert_schemes(name) if s.quantize is None)
+    where = "this model's experts" if not any(fits) else \
+        f"layer {ir.moe_layer_indices[fits.index(False)]}'s experts ({owns[fits.index(False)] or 'float'})"
+    raise ConfigError(f"scheme {missing.name} cannot be made from {where}: ktc has no "
+                      f"{missing.name} quantizer, it passes {', '.join(missing.sources)} tensors through",
+                      hint="pick a scheme ktc quantizes to (see ktc plan --help)")
 
 
 def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[PlacementOption, ...]:
@@ -379,20 +419,21 @@ def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[Pl
     for device, names, bandwidth in ((GPU, opts.gpu_schemes, hw.gpu_bandwidth),
                                      (CPU, opts.cpu_schemes, hw.cpu_bandwidth)):
         for name in names:
-            scheme = get_scheme(name)
-            check_source_allows(ir, scheme)
-            if not (scheme.fits(shape.hidden) and scheme.fits(shape.intermediate)):
-                raise ConfigError(f"scheme {scheme.name} needs rows that are a multiple of "
-                                  f"{scheme.block_elems} values; this model's experts have rows of "
-                                  f"{shape.hidden} and {shape.intermediate}",
-                                  hint="pick another --gpu-schemes / --cpu-schemes")
-            fp = expert_footprint(shape, scheme)
+            check_source_allows(ir, name)
+            gate_up, down = expert_schemes(name)
+            for scheme, cols in ((gate_up, shape.hidden), (down, shape.intermediate)):
+                if not scheme.fits(cols):
+                    raise ConfigError(f"scheme {scheme.name} needs rows that are a multiple of "
+                                      f"{scheme.block_elems} values; this model's experts have rows of "
+                                      f"{shape.hidden} and {shape.intermediate}",
+                                      hint="pick another --gpu-schemes / --cpu-schemes")
+            fp = expert_footprint(shape, name)
             result.append(PlacementOption(
-                device=device, scheme=scheme.name,
+                device=device, scheme=name,
                 vram_bytes=fp.stored_bytes if device == GPU else 0,
                 ram_bytes=fp.stored_bytes if device == CPU else 0,
                 seconds_per_use=fp.data_bytes / bandwidth,
-                error=scheme.error))
+                error=expert_scheme_error(name)))
     return tuple(result)
 
 
@@ -422,6 +463,16 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
     options = _options(ir, hw, opts)
     usage = usage_probability(profile, cfg.top_k, workload.batch)
     allowed = np.ones((len(layers), cfg.num_experts, len(options)), dtype=bool)
+    own = source_layer_schemes(ir)
+    for i, option in enumerate(options):  # a scheme without a quantizer only where it is the source's
+        for li, layer_own in enumerate(own):
+            if not _passes_through(option.scheme, layer_own):
+                allowed[li, :, i] = False
+    if opts.layer_schemes:  # the source's own, layer by layer
+        if len(opts.layer_schemes) != len(layers):
+            raise ConfigError(f"{len(opts.layer_schemes)} per-layer schemes for {len(layers)} MoE layers")
+        for i, option in enumerate(options):
+            allowed[:, :, i] &= np.array([option.scheme == s for s in opts.layer_schemes])[:, None]
     on_gpu = np.array([o.device == GPU for o in options])
     for pins, device_mask in ((opts.pin_gpu, on_gpu), (opts.pin_cpu, ~on_gpu)):
         for layer, expert in pins:
@@ -522,13 +573,22 @@ def largest_feasible_max_tokens(ctx: PlanningContext, hw: HardwareProfile,
 # Baselines: what users do today, under the same memory and cost model
 
 
-def _fill(gpu_mask: np.ndarray, pair: tuple[int, int]) -> np.ndarray:
+# A baseline's schemes: (GPU option, CPU option) indices, each one for every layer or an array of
+# one per MoE layer (where options are allowed per layer: a source's own types, layer by layer).
+Pair = tuple[Any, Any]
+
+
+def _per_expert(index: Any) -> Any:
+    return np.asarray(index).reshape(-1, 1) if np.ndim(index) else index
+
+
+def _fill(gpu_mask: np.ndarray, pair: Pair) -> np.ndarray:
     """Choice array: option ``pair[0]`` (a GPU one) where ``gpu_mask``, else ``pair[1]`` (CPU)."""
-    return np.where(gpu_mask, pair[0], pair[1])
+    return np.where(gpu_mask, _per_expert(pair[0]), _per_expert(pair[1]))
 
 
 def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray],
-                      pair: tuple[int, int]) -> tuple[int, np.ndarray] | None:
+                      pair: Pair) -> tuple[int, np.ndarray] | None:
     """The last of increasingly GPU-heavy masks that fits (masks[0] is the CPU-only extreme)."""
     best = None
     for i, mask in enumerate(masks):
@@ -540,7 +600,7 @@ def _largest_feasible(problem: PlacementProblem, masks: list[np.ndarray],
     return best
 
 
-def baseline_uniform(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[str, np.ndarray] | None:
+def baseline_uniform(problem: PlacementProblem, pair: Pair) -> tuple[str, np.ndarray] | None:
     """KTransformers' --kt-num-gpu-experts N: experts 0..N-1 of every layer on the GPU."""
     n_layers, n_experts = problem.shape
     masks = [np.broadcast_to(np.arange(n_experts) < n, (n_layers, n_experts)) for n in range(n_experts + 1)]
@@ -548,24 +608,27 @@ def baseline_uniform(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[
     return (f"--kt-num-gpu-experts {found[0]}", found[1]) if found else None
 
 
-def baseline_global_topk(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[str, np.ndarray] | None:
+def baseline_global_topk(problem: PlacementProblem, pair: Pair) -> tuple[str, np.ndarray] | None:
     """KTransformers' generate_gpu_experts_masks: the k most used experts of the whole model."""
     order = np.argsort(-problem.usage, axis=None, kind="stable")
     n = problem.usage.size
-    gpu_opt, cpu_opt = problem.options[pair[0]], problem.options[pair[1]]
-    # The largest k that fits, computed directly rather than by trying every k.
-    k_vram = problem.vram_budget // gpu_opt.vram_bytes if gpu_opt.vram_bytes else n
-    k_ram = n - (problem.ram_budget // cpu_opt.ram_bytes if cpu_opt.ram_bytes else n)
-    k = int(min(n, max(k_vram, 0)))
-    if k < max(k_ram, 0):
+    # The largest k that fits, computed directly rather than by trying every k: the GPU bytes of
+    # the k most used experts, and the CPU bytes of the rest.
+    vram = np.array([o.vram_bytes for o in problem.options])[_fill(np.ones(problem.shape, bool), pair)]
+    ram = np.array([o.ram_bytes for o in problem.options])[_fill(np.zeros(problem.shape, bool), pair)]
+    vram_first = np.concatenate([[0], np.cumsum(vram.reshape(-1)[order])])
+    ram_rest = ram.sum() - np.concatenate([[0], np.cumsum(ram.reshape(-1)[order])])
+    fits = (vram_first <= problem.vram_budget) & (ram_rest <= problem.ram_budget)
+    if not fits.any():
         return None
+    k = int(np.nonzero(fits)[0][-1])
     mask = np.zeros(n, dtype=bool)
     mask[order[:k]] = True
     choice = _fill(mask.reshape(problem.shape), pair)
     return (f"top {k} experts", choice) if is_feasible(problem, choice) else None
 
 
-def baseline_n_cpu_moe(problem: PlacementProblem, pair: tuple[int, int]) -> tuple[str, np.ndarray] | None:
+def baseline_n_cpu_moe(problem: PlacementProblem, pair: Pair) -> tuple[str, np.ndarray] | None:
     """llama.cpp's --n-cpu-moe N: all experts of the first N MoE layers on the CPU."""
     n_layers, n_experts = problem.shape
     masks = [np.broadcast_to((np.arange(n_layers) >= n)[:, None], (n_layers, n_experts))
@@ -582,14 +645,29 @@ BASELINES = (
 )
 
 
-def scheme_pairs(problem: PlacementProblem) -> list[tuple[int, int]]:
-    """Every (GPU option, CPU option) pair: one scheme per device, as the baselines' tools use."""
+def scheme_pairs(problem: PlacementProblem) -> list[Pair]:
+    """Every (GPU option, CPU option) pair: one scheme per device, as the baselines' tools use.
+    Where options are allowed per layer (a source's own types, layer by layer), one pair of
+    per-layer arrays: each layer's fastest allowed option on each device."""
     gpu = [i for i, o in enumerate(problem.options) if o.device == GPU]
     cpu = [i for i, o in enumerate(problem.options) if o.device == CPU]
-    return [(g, c) for g in gpu for c in cpu]
+    in_layer = problem.allowed.any(axis=1)  # [layers, options]
+    if in_layer.all():
+        return [(g, c) for g in gpu for c in cpu]
+
+    def fastest(indices: list[int]) -> np.ndarray:
+        return np.array([min((i for i in indices if in_layer[layer, i]),
+                             key=lambda i: problem.options[i].seconds_per_use, default=indices[0])
+                         for layer in range(in_layer.shape[0])])
+
+    return [(fastest(gpu), fastest(cpu))]
 
 
-def best_baseline(problem: PlacementProblem, method: Any) -> tuple[str, np.ndarray, tuple[int, int]] | None:
+def _pair_key(pair: Pair) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(np.atleast_1d(index).tolist()) for index in pair)
+
+
+def best_baseline(problem: PlacementProblem, method: Any) -> tuple[str, np.ndarray, Pair] | None:
     """A baseline at its best single scheme per device (the fastest feasible over every pair of
     allowed schemes), so that it differs from ktc's plan by its placement, not by the order of
     the scheme lists."""
@@ -655,22 +733,23 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
     ev = evaluate(problem, solution.choice)
     if not is_feasible(problem, solution.choice):
         raise InternalError("the solver returned a placement that breaks the budgets or pins")
-    def result(name: str, description: str, setting: str, choice: np.ndarray,
-               pair: tuple[int, int]) -> BaselineResult:
-        g, c = problem.options[pair[0]], problem.options[pair[1]]
+    def result(name: str, description: str, setting: str, choice: np.ndarray, pair: Pair) -> BaselineResult:
+        g, c = ("/".join(dict.fromkeys(problem.options[i].scheme for i in np.atleast_1d(index).tolist()))
+                for index in pair)
         ms = 1e3 * (ctx.constant_seconds + evaluate(problem, choice).expert_seconds)
-        return BaselineResult(name, description, True, ms, int((choice == pair[0]).sum()), setting,
-                              to_placement(ctx, choice), f"gpu {g.scheme}, cpu {c.scheme}")
+        on_gpu = int(np.array([o.device == GPU for o in problem.options])[choice].sum())
+        return BaselineResult(name, description, True, ms, on_gpu, setting, to_placement(ctx, choice),
+                              f"gpu {g}, cpu {c}")
 
     baselines = []
-    baseline_pairs: list[tuple[int, int]] = []
+    baseline_pairs: list[Pair] = []
     for name, description, method in BASELINES:
         found = best_baseline(problem, method)
         if found is None:
             baselines.append(BaselineResult(name, description, False, None, 0, "does not fit"))
             continue
         baselines.append(result(name, description, *found))
-        baseline_pairs += [found[2]] if found[2] not in baseline_pairs else []
+        baseline_pairs += [found[2]] if _pair_key(found[2]) not in map(_pair_key, baseline_pairs) else []
     single = None
     if len(scheme_pairs(problem)) > 1:
         # At the pairs the baselines chose (every pair when none fits): one or two solves of a

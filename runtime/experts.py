@@ -18,6 +18,7 @@ import numpy as np
 from ktc.errors import KtcError
 from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
+from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
 from . import vnni
 from .device import check_device, matmul, upload
@@ -34,6 +35,11 @@ def tensor_float32(bundle: Bundle, name: str) -> np.ndarray:
     rows = t.shape[0] if len(t.shape) > 1 else 1
     flat = raw.view(np.uint8).reshape(rows, -1)
     return dequantize(flat, t.scheme, cols).reshape(t.shape)
+
+
+def _expert_scheme(bundle: Bundle, prefix: str) -> str:
+    """The expert scheme (``formats.schemes.expert_schemes``) of the expert at ``prefix``."""
+    return expert_scheme_name(f"{bundle.tensors[prefix + 'gate_up'].scheme}+{bundle.tensors[prefix + 'down'].scheme}")
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,7 @@ class ExpertSet:
                 gpu.append(e)
                 continue
             self.cpu[e] = _CpuExpert(
-                bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"),
-                bundle.tensors[name + "gate_up"].scheme,
+                bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"), _expert_scheme(bundle, name),
                 tensor_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
                 tensor_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
         # Every CPU expert in a scheme that has a multi-expert kernel (int8; on a VNNI CPU any
@@ -135,8 +140,7 @@ class ExpertSet:
         parts: dict[str, tuple[list, list, list, list, list]] = {}
         for e in experts:
             name = f"{prefix}experts.{e}."
-            meta = bundle.tensors[name + "gate_up"]
-            ids, gate_up, down, gu_bias, d_bias = parts.setdefault(meta.scheme, ([], [], [], [], []))
+            ids, gate_up, down, gu_bias, d_bias = parts.setdefault(_expert_scheme(bundle, name), ([], [], [], [], []))
             ids.append(e)
             for target, suffix in ((gate_up, "gate_up"), (down, "down")):
                 t = bundle.tensors[name + suffix]
@@ -158,9 +162,10 @@ class ExpertSet:
         for e, tokens, weights in work:
             scheme, i = self._device_index[e]
             stack = self._device_weights[scheme]
+            gate_up_scheme, down_scheme = (s.name for s in expert_schemes(scheme))
             inter = stack.gate_up.shape[1] // 2
             rows = torch.from_numpy(tokens).to(self.device)
-            h = matmul(x_all[rows], stack.gate_up[i], scheme, self.hidden_size, self._compute_dtype)
+            h = matmul(x_all[rows], stack.gate_up[i], gate_up_scheme, self.hidden_size, self._compute_dtype)
             if stack.gate_up_bias is not None:
                 h = h + stack.gate_up_bias[i]
             gate, up = h[:, :inter], h[:, inter:]
@@ -171,7 +176,7 @@ class ExpertSet:
                 a = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
             else:
                 a = torch.nn.functional.silu(gate) * up
-            y = matmul(a, stack.down[i], scheme, inter, self._compute_dtype)
+            y = matmul(a, stack.down[i], down_scheme, inter, self._compute_dtype)
             if stack.down_bias is not None:
                 y = y + stack.down_bias[i]
             out.index_add_(0, rows, y * torch.from_numpy(weights).to(self.device)[:, None])

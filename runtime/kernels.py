@@ -21,6 +21,7 @@ from numba import njit, prange
 
 from ktc.formats.dequant import FP4_E2M1_VALUES
 from ktc.formats.float_bits import F16_TO_F32, bf16_bits, bf16_value, f32_to_bf16_bits
+from ktc.formats.schemes import expert_schemes
 
 _F16_TO_F32 = F16_TO_F32
 # e2m1 code -> value, and e8m0 exponent byte -> 2^(e - 127) (OCP Microscaling v1.0).
@@ -460,13 +461,15 @@ def expert_forward(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: np.nda
                    activation: str = "silu", gate_up_bias: np.ndarray | None = None,
                    down_bias: np.ndarray | None = None, limit: float | None = None,
                    alpha: float | None = None) -> np.ndarray:
-    """One token through one expert: ``down(act(gate x + b) * (up x + b)) + b`` (float32 [hidden])."""
+    """One token through one expert: ``down(act(gate x + b) * (up x + b)) + b`` (float32 [hidden]).
+    ``scheme``: an expert scheme (one scheme, or ``gate_up+down``)."""
     inter = gate_up.shape[0] // 2
+    scheme, down_scheme = (s.name for s in expert_schemes(scheme))
     h = matvec(gate_up, scheme, x)
     if gate_up_bias is not None:
         h += gate_up_bias
     a = _act(h, inter, activation, limit, alpha).astype(np.float32)
-    y = matvec(down, scheme, a)
+    y = matvec(down, down_scheme, a)
     if down_bias is not None:
         y += down_bias
     return y
@@ -479,11 +482,12 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
     """Tokens ``x`` [T, hidden] routed to one expert, each product through ``linear``."""
     x = np.asarray(x, dtype=np.float32)
     inter = gate_up.shape[0] // 2
+    scheme, down_scheme = (s.name for s in expert_schemes(scheme))
     h = linear(x, gate_up, scheme)
     if gate_up_bias is not None:
         h += gate_up_bias
     a = _act(h, inter, activation, limit, alpha).astype(np.float32)
-    y = linear(a, down, scheme)
+    y = linear(a, down, down_scheme)
     if down_bias is not None:
         y += down_bias
     return y

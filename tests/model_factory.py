@@ -217,25 +217,35 @@ def random_blocks(scheme_name: str, rows: int, cols: int, seed: int = 0) -> np.n
     return raw.reshape(rows, -1)
 
 
-def _expert_tensor(value: np.ndarray, qtype: str, seed: int):
-    """An expert stack [E, rows, cols] in ggml type ``qtype``: quantized by the gguf package where
-    it can, else random blocks of that type."""
+def _quantized_tensor(value: np.ndarray, qtype: str, seed: int):
+    """A tensor (2-D, or an expert stack [E, rows, cols]) in ggml type ``qtype``: quantized by the
+    gguf package where it can, else by ktc's quantizer of that type (q4_k, q5_k, q6_k: llama.cpp's
+    algorithm), else random blocks of that type."""
     import gguf
+
+    from ktc.formats.quantize import quantize
+    from ktc.formats.schemes import get_scheme
 
     kind = gguf.GGMLQuantizationType[qtype]
     try:
         return gguf.quants.quantize(value, kind), kind
     except NotImplementedError:
-        experts, rows, cols = value.shape
-        return random_blocks(qtype.lower(), experts * rows, cols, seed).reshape(experts, rows, -1), kind
+        cols = value.shape[-1]
+        flat = value.reshape(-1, cols)
+        if get_scheme(qtype.lower()).quantize is not None:
+            raw = quantize(flat, qtype.lower())
+        else:
+            raw = random_blocks(qtype.lower(), flat.shape[0], cols, seed)
+        return raw.reshape(*value.shape[:-1], -1), kind
 
 
-def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | dict | None = None,
-               fuse_gate_up: bool = False) -> str:
+def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
+               dense_qtype: dict | None = None, fuse_gate_up: bool = False) -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
     (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
-    ``expert_qtype``: the ggml type of the expert stacks, or a type per projection
-    (``{"gate": ..., "up": ..., "down": ...}``)."""
+    ``expert_qtype``: the ggml type of the expert stacks, a type per projection
+    (``{"gate": ..., "up": ..., "down": ...}``), or a function of (layer, projection).
+    ``dense_qtype``: ggml types of other matrices by name suffix (``{"attn_v.weight": "Q6_K"}``)."""
     import gguf
 
     spec = FAMILIES[family]
@@ -294,10 +304,15 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype: str | di
             tensors[gate_name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = fused
     for index, (name, value) in enumerate(tensors.items()):
         value = np.ascontiguousarray(value.astype(np.float32))
+        dense = next((q for suffix, q in (dense_qtype or {}).items() if name.endswith(suffix)), None)
         if expert_qtype and "_exps.weight" in name:
-            qtype = expert_qtype if isinstance(expert_qtype, str) else \
-                expert_qtype[name.split(".")[-2].split("_")[1]]  # blk.N.ffn_gate_exps.weight -> gate
-            data, kind = _expert_tensor(value, qtype, index)
+            proj = name.split(".")[-2].split("_")[1]  # blk.N.ffn_gate_exps.weight -> gate
+            qtype = (expert_qtype if isinstance(expert_qtype, str) else expert_qtype[proj]
+                     if isinstance(expert_qtype, dict) else expert_qtype(int(name.split(".")[1]), proj))
+            data, kind = _quantized_tensor(value, qtype, index)
+            writer.add_tensor(name, data, raw_dtype=kind)
+        elif dense and value.ndim == 2:
+            data, kind = _quantized_tensor(value, dense, index)
             writer.add_tensor(name, data, raw_dtype=kind)
         else:
             writer.add_tensor(name, value)

@@ -112,3 +112,104 @@ def test_float_source_quantized_to_k_quants(wide_qwen3, tmp_path):
         with open_bundle(out) as bundle:
             assert bundle.tensors["layers.0.experts.3.down"].scheme == scheme
             assert dequantize(bundle.tensor("layers.0.experts.3.down"), scheme, 256).shape == (256, 256)
+
+
+# llama.cpp's Q4_K_M mix, at a small scale: gate and up Q4_K, ffn_down Q6_K in some layers and
+# Q4_K in others, attention Q4_K with attn_v Q6_K, output Q6_K, the token embedding Q4_K.
+Q4_K_M_DENSE = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K",
+                "attn_output.weight": "Q4_K", "output.weight": "Q6_K", "token_embd.weight": "Q4_K"}
+
+
+def q4_k_m_experts(layer: int, proj: str) -> str:
+    return "Q6_K" if proj == "down" and layer == 0 else "Q4_K"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    """A two-layer Qwen3-MoE at K-quant widths with a tokenizer, its float twin, and its GGUF
+    quantized as llama.cpp's Q4_K_M mixes types."""
+    root = tmp_path_factory.mktemp("q4km")
+    model = mf.build_hf_model("qwen3_moe", **{**WIDE, "num_hidden_layers": 2, "vocab_size": 300}).eval()
+    folder = str(root / "st")
+    model.save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 300)
+    path = mf.write_gguf(folder, str(root / "m-Q4_K_M.gguf"), family="qwen3_moe",
+                         expert_qtype=q4_k_m_experts, dense_qtype=Q4_K_M_DENSE)
+    return model, path
+
+
+def test_q4_k_m_compiles_byte_for_byte_and_runs(q4_k_m, tmp_path):
+    import torch
+    from gguf import GGUFReader
+
+    from ktc.runtime.hf import from_bundle
+    from ktc.runtime.linear import HostLinear
+
+    model, path = q4_k_m
+    out = str(tmp_path / "m.ktb")
+    compile_bundle(path, out)  # defaults: every tensor at the file's own type
+    stored = {t.name: (np.asarray(t.data), t.tensor_type.name) for t in GGUFReader(path).tensors}
+    with open_bundle(out) as bundle:
+        sources = {t.name: t.source for t in bundle.tensors.values() if getattr(t, "source", None)}
+        kept = 0
+        for name, t in bundle.tensors.items():
+            source = sources.get(name)
+            if source in stored and stored[source][1] in ("Q4_K", "Q6_K"):
+                assert t.scheme == stored[source][1].lower(), name
+                np.testing.assert_array_equal(bundle.tensor_bytes(name), stored[source][0].reshape(-1))
+                kept += 1
+        assert kept == 2 * 4 + 1 + 1  # four attention matrices a layer, output, token_embd
+        for layer, down in ((0, "q6_k"), (1, "q4_k")):
+            e = 5
+            assert bundle.tensors[f"layers.{layer}.experts.{e}.gate_up"].scheme == "q4_k"
+            assert bundle.tensors[f"layers.{layer}.experts.{e}.down"].scheme == down
+            gate, up = stored[f"blk.{layer}.ffn_gate_exps.weight"][0], stored[f"blk.{layer}.ffn_up_exps.weight"][0]
+            np.testing.assert_array_equal(bundle.tensor_bytes(f"layers.{layer}.experts.{e}.gate_up"),
+                                          np.concatenate([gate[e], up[e]]).reshape(-1))
+            np.testing.assert_array_equal(bundle.tensor_bytes(f"layers.{layer}.experts.{e}.down"),
+                                          stored[f"blk.{layer}.ffn_down_exps.weight"][0][e].reshape(-1))
+    ids = torch.randint(3, 290, (1, 16), generator=torch.Generator().manual_seed(0))
+    with from_bundle(out) as km:
+        assert {m.scheme for m in km.model.modules() if isinstance(m, HostLinear)} == {"q4_k", "q6_k"}
+        with torch.no_grad():
+            got = km.model(ids, **{km.cache_argument: km.new_cache()}).logits
+            want = model(ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 0.3  # 4-bit weights, a rough bound
+
+
+def test_q4_k_m_plans_at_its_own_types(q4_k_m):
+    from ktc.api import plan
+    from ktc.formats.schemes import expert_footprint
+    from ktc.passes.planner import expert_shape
+    from ktc.plan_report import llamacpp_plan, render_plan_text
+
+    _, path = q4_k_m
+    made = plan(path, vram="1GiB", ram="8GiB", reserve="0", max_tokens=256)
+    assert made.options.gpu_schemes == ("q4_k+q6_k", "q4_k") and made.options.layer_schemes == ("q4_k+q6_k", "q4_k")
+    for layer, row in zip(made.placement.layers, made.placement.experts):
+        assert {p.scheme for p in row} == {"q4_k+q6_k" if layer == 0 else "q4_k"}
+    assert "the source's own, passed through as stored layer by layer" in render_plan_text(made)
+    # the attention in its own types: Q4_K and Q6_K bytes, not bf16
+    attention = dict(made.memory.vram)["attention"]
+    assert attention < 0.45 * 2 * (256 * 256 * 3 + 128 * 256 * 2) * 2  # well under bf16's 2 bytes a weight
+    cpp = llamacpp_plan(made)
+    assert cpp.predicted_ms_per_step > 0
+    from ktc.api import load_model
+
+    shape = expert_shape(load_model(path))
+    assert expert_footprint(shape, "q4_k+q6_k").data_bytes == 2 * 256 * 256 // 256 * 144 + 256 * 256 // 256 * 210
+
+
+def test_export_llamacpp_plans_at_the_gguf_types(q4_k_m):
+    from click.testing import CliRunner
+
+    from ktc.cli import main
+
+    _, path = q4_k_m
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", path, "--vram", "3500KiB", "--ram", "8GiB", "--reserve", "0",
+                                  "--max-tokens", "16", "--export-llamacpp"])
+    assert result.exit_code == 0, result.output
+    assert "q4_k+q6_k, q4_k: the source's own" in result.output and "llama.cpp: -ngl 999" in result.output
+    refused = runner.invoke(main, ["plan", path, "--vram", "3500KiB", "--export-llamacpp", "--gpu-schemes", "bf16"])
+    assert refused.exit_code != 0 and "plans at the GGUF's own types" in refused.output
