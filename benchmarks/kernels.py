@@ -3,13 +3,14 @@ interleaved rounds, each round measuring the bandwidth first).
 
 1. One token through one expert at Mixtral-8x7B's shape (hidden 4096, expert 14336), per scheme:
    weight bytes read per second as a fraction of the roofline (targets: int8 and q8_0 75%,
-   int4, q4_0 and mxfp4 60%).
+   int4, q4_0, mxfp4 and the K-quants q4_k, q5_k, q6_k and iq4_xs 60%; iq4_xs, which ktc does
+   not quantize to, from random blocks: its speed does not depend on the values).
 2. A whole MoE layer at Qwen3-30B-A3B's shape (hidden 2048, expert 768, 8 of 128 experts), int8,
    q8_0 and q4_0, routing and dispatch included (target 60%), with the time beside the kernels
    (routing, activation quantization and function, combination, the rest) timed separately
    (target: under 5% of the layer).
 3. 64 tokens through one expert against torch bf16 ``F.linear`` on the same weights dequantized
-   (target: at least torch's throughput).
+   (int8, q4_0 and q4_k; target: at least torch's throughput).
 
     python benchmarks/kernels.py [--threads 2] [--quick]
 """
@@ -113,13 +114,25 @@ def main() -> int:
     w_gate_up = (rng.standard_normal((2 * inter, hidden), dtype=np.float32) * 0.02)
     w_down = (rng.standard_normal((hidden, inter), dtype=np.float32) * 0.02)
     x = rng.standard_normal(hidden).astype(np.float32)
-    targets = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60}
+    targets = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60,
+               "q4_k": 0.60, "q5_k": 0.60, "q6_k": 0.60, "iq4_xs": 0.60}
+
+    def stored(w: np.ndarray, scheme: str) -> np.ndarray:
+        from ktc.formats.schemes import get_scheme
+
+        if get_scheme(scheme).quantize is not None:
+            return quantize(w, scheme)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from model_factory import random_blocks
+
+        return random_blocks(scheme, *w.shape)
+
     met = True
     rounds = 3 * repeat
     print(f"1. one token, expert {hidden}x{inter}: {rounds} rounds, each measuring the read bandwidth "
           "and then every scheme; medians (this shared machine's bandwidth drifts by up to 2x within "
           "minutes, so a time is compared with the bandwidth of its own round):")
-    experts = {scheme: (quantize(w_gate_up, scheme), quantize(w_down, scheme)) for scheme in targets}
+    experts = {scheme: (stored(w_gate_up, scheme), stored(w_down, scheme)) for scheme in targets}
     rows: dict[str, list[tuple[float, float, float]]] = {scheme: [] for scheme in targets}  # (fraction, s, bw)
     for scheme, (gate_up, down) in experts.items():
         expert_forward(gate_up, down, scheme, x)  # compile or load the kernels outside the timing
@@ -192,7 +205,7 @@ def main() -> int:
 
     torch.set_num_threads(threads)
     xs = rng.standard_normal((64, hidden)).astype(np.float32)
-    for scheme in ("int8", "q4_0"):
+    for scheme in ("int8", "q4_0", "q4_k"):
         gate_up, down = quantize(w_gate_up, scheme), quantize(w_down, scheme)
         wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)
         wd = torch.from_numpy(dequantize(down, scheme, inter)).to(torch.bfloat16)

@@ -123,6 +123,9 @@ def pair_companions(tensors: dict[str, TensorRef], path: str,
         if ref.dtype in ("F8_E4M3", "F8_E5M2"):
             scale = tensors.get(name + FP8_SCALE_SUFFIX)
             if scale is None:
+                if quant.get("weight_block_size"):  # the config says every FP8 weight has block scales
+                    raise FormatError(f"an FP8 weight without its scale tensor {name + FP8_SCALE_SUFFIX}",
+                                      path=path, tensor=name, hint="the checkpoint is incomplete")
                 continue  # per-tensor fp8 without scales: values are taken as stored
             if len(block) != len(ref.stored_shape):
                 raise FormatError(f"FP8 block size {block} does not fit shape {ref.stored_shape}",

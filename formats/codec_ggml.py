@@ -13,6 +13,9 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, prange
 
+from ktc.errors import FormatError
+from ktc.ir import TensorRef
+
 from .float_bits import store_half
 from .schemes import Scheme, register
 
@@ -122,6 +125,24 @@ def _blocks_of_32(kernel):  # type: ignore[no-untyped-def]
     return quantize
 
 
+def _mxfp4_from_gpt_oss(ref: TensorRef, start: int = 0, stop: int | None = None, finite: bool = True) -> np.ndarray:
+    """gpt-oss MXFP4 (``*_blocks`` with ``*_scales``; byte j holds values 2j and 2j+1) -> ggml
+    MXFP4 blocks (scale byte, then byte j: values j and j+16). The codes and exponents are the
+    same; only their order changes."""
+    if ref.scale is None:
+        raise FormatError("MXFP4 blocks without their scales tensor", tensor=ref.name)
+    stop = ref.shape[0] if stop is None else stop
+    scales = np.asarray(ref.scale.load())[start:stop]
+    if finite and (bad := int(np.count_nonzero(scales == 0xFF))):  # e8m0's NaN
+        raise FormatError(f"{bad} of {scales.size} MXFP4 block scales are NaN", tensor=ref.name,
+                          hint="fix the checkpoint, or compile it anyway with --allow-nonfinite")
+    blocks = np.asarray(ref.load())[start:stop]
+    rows = blocks.shape[0]
+    nib = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(rows, -1, 32)
+    packed = nib[..., :16] | (nib[..., 16:] << 4)
+    return np.concatenate([scales.reshape(rows, -1, 1), packed], axis=-1).reshape(rows, -1)
+
+
 def _quantize_mxfp4(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     from gguf import GGMLQuantizationType, quants
 
@@ -138,6 +159,7 @@ register(
            quantize=_blocks_of_32(_q4_0_kernel), dequantize=gguf_dequantize("Q4_0"),
            description="ggml Q4_0: fp16 scale + 32 4-bit values per block"),
     Scheme("mxfp4", 4.25, 32, 17, gguf_type="MXFP4", sources=("MXFP4",), error=1.1e-1, e8m0_scales=(0,),
+           scaled_sources=("MXFP4_BLOCKS",), from_scaled=_mxfp4_from_gpt_oss,
            quantize=_quantize_mxfp4, dequantize=gguf_dequantize("MXFP4"),
            description="ggml MXFP4: e8m0 exponent + 32 e2m1 values per block"),
 )

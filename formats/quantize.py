@@ -56,16 +56,6 @@ def dequantize(raw: np.ndarray, scheme: Scheme | str, cols: int) -> np.ndarray:
     return scheme.dequantize(np.ascontiguousarray(raw, dtype=np.uint8), cols)
 
 
-def _mxfp4_blocks_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """gpt-oss MXFP4 (byte j: values 2j and 2j+1) -> ggml MXFP4 blocks (scale byte, then byte j:
-    values j and j+16). The codes and exponents are the same; only their order changes."""
-    rows = blocks.shape[0]
-    nib = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(rows, -1, 32)
-    packed = nib[..., :16] | (nib[..., 16:] << 4)
-    out = np.concatenate([scales.reshape(rows, -1, 1), packed], axis=-1)
-    return out.reshape(rows, -1)
-
-
 def convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None = None, *,
             finite: bool = True) -> np.ndarray:
     """A 2-D source tensor in ``scheme``: the stored bytes when the source already is that
@@ -83,12 +73,8 @@ def _convert(ref: TensorRef, scheme: Scheme | str, out: np.ndarray | None, finit
         if finite:
             check_finite(raw, ref.name, ref.dtype)
         return raw.view(np.uint8).reshape(ref.shape[0], -1)
-    if ref.dtype == "MXFP4_BLOCKS" and scheme.name == "mxfp4" and ref.scale is not None:
-        scales = np.asarray(ref.scale.load())
-        if finite and (bad := int(np.count_nonzero(scales == 0xFF))):  # e8m0's NaN
-            raise FormatError(f"{bad} of {scales.size} MXFP4 block scales are NaN", tensor=ref.name,
-                              hint="fix the checkpoint, or compile it anyway with --allow-nonfinite")
-        return _mxfp4_blocks_to_ggml(np.asarray(ref.load()), scales)
+    if ref.scale is not None and ref.dtype in scheme.scaled_sources and scheme.from_scaled is not None:
+        return scheme.from_scaled(ref, 0, ref.shape[0], finite)
     values = to_float32(ref)
     if finite:
         check_finite(values, ref.name)

@@ -42,6 +42,11 @@ class Scheme:
     row_extra_bytes: int = 0
     gguf_type: str | None = None  # byte-compatible ggml type, when there is one
     sources: tuple[str, ...] = ()
+    # Source types stored with a separate scale tensor that convert to this scheme exactly
+    # (FP8 with block scales, gpt-oss's MXFP4 blocks): ``from_scaled(ref, start, stop, finite)``
+    # gives rows start:stop of such a tensor in this scheme.
+    scaled_sources: tuple[str, ...] = ()
+    from_scaled: Callable[..., np.ndarray] | None = field(default=None, compare=False, repr=False)
     half_scales: tuple[int, ...] = ()
     e8m0_scales: tuple[int, ...] = ()
     devices: frozenset[str] = frozenset({"cpu", "gpu"})
@@ -118,9 +123,10 @@ def expert_scheme_error(name: str) -> float:
     return (2 * gate_up.error + down.error) / 3
 
 
-def source_scheme(dtype: str) -> Scheme | None:
-    """The scheme whose bytes a source tensor stored as ``dtype`` already is (passed through)."""
-    return next((s for s in SCHEMES.values() if dtype in s.sources), None)
+def source_scheme(dtype: str, *, scaled: bool = False) -> Scheme | None:
+    """The scheme whose bytes a source tensor stored as ``dtype`` already is (passed through);
+    with ``scaled``, for a tensor with a separate scale tensor (converted exactly)."""
+    return next((s for s in SCHEMES.values() if dtype in (s.scaled_sources if scaled else s.sources)), None)
 
 
 def align(n: int, to: int) -> int:
@@ -199,7 +205,7 @@ def non_expert_scheme(shape: tuple[int, ...], *, router: bool, dense_scheme: str
         return "f32"
     cols = math.prod(shape[1:])
     if dense_scheme == DENSE_AUTO:
-        own = source_scheme(source_dtype) if source_dtype else None
+        own = (source_scheme(source_dtype) or source_scheme(source_dtype, scaled=True)) if source_dtype else None
         keep = own is not None and not own.plain and len(shape) == 2 and own.fits(cols)
         return own.name if keep and own is not None else DENSE_FALLBACK
     scheme = get_scheme(dense_scheme)
@@ -217,4 +223,4 @@ def non_expert_bytes(shape: tuple[int, ...], *, router: bool, dense_scheme: str,
 
 
 # The codecs, each registering its schemes (imported last: they import this module).
-from . import codec_float, codec_ggml, codec_int, codec_kquants  # noqa: E402,F401
+from . import codec_float, codec_fp8, codec_ggml, codec_int, codec_kquants  # noqa: E402,F401

@@ -149,7 +149,11 @@ def _dense_chunks(job: TensorJob, finite: bool = True) -> Iterator[bytes]:
         step = max(ref.scale_block[0], step // ref.scale_block[0] * ref.scale_block[0])
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        if ref.scale is None and ref.dtype in get_scheme(job.scheme).sources and len(ref.shape) == 2:
+        scheme = get_scheme(job.scheme)
+        if ref.scale is not None and ref.dtype in scheme.scaled_sources and scheme.from_scaled is not None:
+            yield scheme.from_scaled(ref, start, stop, finite).tobytes()  # FP8 with block scales: exact
+            continue
+        if ref.scale is None and ref.dtype in scheme.sources and len(ref.shape) == 2:
             from ktc.ir import Slice
 
             raw = np.ascontiguousarray(ref.with_view(Slice(0, start, stop)).load())

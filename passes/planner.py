@@ -350,12 +350,10 @@ class PlanningContext:
 def source_layer_schemes(ir: ModelIR, *, floats: bool = False) -> tuple[str | None, ...]:
     """Per MoE layer, the expert scheme its experts are already stored in, which the compiler
     passes through unchanged: a GGUF's ``q4_k``, or ``q4_k+q6_k`` where its ``ffn_down`` is Q6_K
-    (Q4_K_M), gpt-oss's MXFP4 (repacked losslessly); None for float experts (unless ``floats``)
-    or mixed types."""
+    (Q4_K_M), gpt-oss's MXFP4 and DeepSeek's FP8 (both converted exactly); None for float experts
+    (unless ``floats``) or mixed types."""
     def own(ref: Any) -> str | None:
-        if ref.dtype == "MXFP4_BLOCKS" and ref.scale is not None:
-            return "mxfp4"
-        scheme = source_scheme(ref.dtype) if ref.scale is None else None
+        scheme = source_scheme(ref.dtype, scaled=ref.scale is not None)
         return scheme.name if scheme is not None and (floats or not scheme.plain) else None
 
     result = []

@@ -185,4 +185,4 @@ def upload(scheme: str, gate_up: list[np.ndarray], down: list[np.ndarray],
 
     return DeviceExperts(scheme, stack(gate_up), stack(down), stack(gate_up_bias), stack(down_bias))
 
-from . import kquants  # noqa: E402,F401  (registers the K-quants' decoders)
+from . import fp8, kquants  # noqa: E402,F401  (register their decoders)

@@ -213,3 +213,28 @@ def test_export_llamacpp_plans_at_the_gguf_types(q4_k_m):
     assert "q4_k+q6_k, q4_k: the source's own" in result.output and "llama.cpp: -ngl 999" in result.output
     refused = runner.invoke(main, ["plan", path, "--vram", "3500KiB", "--export-llamacpp", "--gpu-schemes", "bf16"])
     assert refused.exit_code != 0 and "plans at the GGUF's own types" in refused.output
+
+
+def test_kquant_rows_that_are_not_whole_super_blocks_are_refused(q4_k_gguf, tmp_path):
+    """A Q4_K tensor whose row length is not a multiple of 256 (its header patched), and a file
+    cut inside a block: each a FormatError naming the tensor, never a requantization."""
+    import struct
+
+    from ktc.errors import FormatError
+
+    raw = bytearray(open(q4_k_gguf, "rb").read())
+    name = b"blk.0.ffn_down_exps.weight"
+    at = raw.index(name) + len(name)
+    n_dims = struct.unpack_from("<I", raw, at)[0]
+    dims = list(struct.unpack_from(f"<{n_dims}Q", raw, at + 4))
+    dims[0], dims[1] = dims[0] // 2, dims[1] * 2  # same bytes, rows of 128 values
+    struct.pack_into(f"<{n_dims}Q", raw, at + 4, *dims)
+    bad = tmp_path / "rows.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="ffn_down_exps.*|row length 128 is not a multiple of Q4_K"):
+        compile_bundle(str(bad), str(tmp_path / "a.ktb"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(q4_k_gguf, "rb").read()[:-100])
+    with pytest.raises(FormatError):
+        compile_bundle(str(cut), str(tmp_path / "b.ktb"))
+    assert not (tmp_path / "a.ktb").exists() and not (tmp_path / "b.ktb").exists()
