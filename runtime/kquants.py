@@ -3,9 +3,10 @@ at the bytes a GGUF stores (layouts in ``ktc.formats.codec_kquants``): the CPU's
 decode kernels (Numba) and the device decoder (torch), each registered in the runtime's tables
 under the scheme's name.
 
-One token on the CPU: each block of a row is decoded into a float32 buffer that stays in L1 and
-multiplied by the activations there, 16 lanes at a time (the float path; no integer dot product
-yet). Decoding is bit for bit the ``gguf`` package's (float32 products in its order, no fused
+One token on the CPU: q4_k, q5_k and q6_k through AVX-512 VNNI where the CPU has it (codes
+assembled from their bit planes in vector registers, activations quantized to int8 per 32 as
+llama.cpp does); the others, and every type without VNNI, decode each block into a float32
+buffer that stays in L1 and multiply it by the activations there (the float path). Decoding is bit for bit the ``gguf`` package's (float32 products in its order, no fused
 multiply-add), which the tests check.
 """
 
@@ -14,10 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ktc.formats.schemes import get_scheme
 
+from . import vnni
 from .device import register_device
 from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
 
@@ -146,11 +150,141 @@ def _decode(raw, cols, kind, elems, block_bytes, table, levels, bf16, out32, out
                 _put(bf16, out32, out16, r, b * elems + j, buf[j])
 
 
+# ------------------------------------------------------------------------------------------------
+# One token through q4_k, q5_k and q6_k on a VNNI CPU: the activations quantized to int8 per 32
+# (``vnni.quantize_activations``), each sub-block's codes assembled from their bit planes into
+# unsigned bytes in vector registers and multiplied by vpdpbusd, one float scale per sub-block.
+
+
+def _planes_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
+    """``planes(acc, flat, c1, sh1, c2, sh2, m2, xq, xbase, s)``: lane by lane, acc += s * sum
+    over k < nbytes of u_k * xq[xbase + k], where u_k = ((flat[c1 + k] >> sh1) & 15) |
+    (((flat[c2 + k] >> sh2) & m2) << 4): a K-quant's low 4 bits and its high bits (m2 = 0 for
+    q4_k, 1 for q5_k's fifth bit, 3 for q6_k's two)."""
+    from llvmlite import ir
+
+    lanes = nbytes // 4
+    i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+    bytes_t, words_t, floats_t = ir.VectorType(i8, nbytes), ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+    name = {16: "llvm.x86.avx512.vpdpbusd.128", 32: "llvm.x86.avx512.vpdpbusd.256"}[nbytes]
+
+    @intrinsic
+    def planes(typingctx, acc, flat, c1, sh1, c2, sh2, m2, xq, xbase, s):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            acc_v, flat_v, c1_v, sh1_v, c2_v, sh2_v, m2_v, xq_v, xbase_v, s_v = args
+            acc_a = context.make_array(signature.args[0])(context, builder, acc_v)
+            flat_a = context.make_array(signature.args[1])(context, builder, flat_v)
+            xq_a = context.make_array(signature.args[7])(context, builder, xq_v)
+
+            def load(array, index):  # type: ignore[no-untyped-def]
+                pointer = builder.bitcast(builder.gep(array.data, [index]), bytes_t.as_pointer())
+                return builder.load(pointer, align=1)
+
+            def splat(value):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(bytes_t, ir.Undefined), builder.trunc(value, i8),
+                                             ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, nbytes), [0] * nbytes))
+
+            low = builder.and_(builder.lshr(load(flat_a, c1_v), splat(sh1_v)), ir.Constant(bytes_t, [15] * nbytes))
+            high = builder.and_(builder.lshr(load(flat_a, c2_v), splat(sh2_v)), splat(m2_v))
+            codes = builder.or_(low, builder.shl(high, ir.Constant(bytes_t, [4] * nbytes)))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
+            dot = builder.call(fn, [ir.Constant(words_t, [0] * lanes), builder.bitcast(codes, words_t),
+                                    builder.bitcast(load(xq_a, xbase_v), words_t)])
+            scale = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s_v, ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, scale, ir.Constant(words_t, [0] * lanes))
+            acc_p = builder.bitcast(acc_a.data, floats_t.as_pointer())
+            total = builder.fadd(builder.load(acc_p, align=4), builder.fmul(builder.sitofp(dot, floats_t), scale))
+            builder.store(total, acc_p, align=4)
+            return context.get_dummy_value()
+
+        return types.void(acc, flat, c1, sh1, c2, sh2, m2, xq, xbase, s), codegen
+
+    return planes
+
+
+_planes32, _planes16 = _planes_intrinsic(32), _planes_intrinsic(16)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _q45_k_vnni(flat, row_bytes, rows, cols, five, table, xq, dx, xsum, out):  # pragma: no cover - compiled
+    # q4_k (five = 0) or q5_k rows: per super-block d, dmin and eight (scale, minimum) pairs; row
+    # = sum_j d sc_j dx_j (codes . xq)_j - dmin m_j xsum_j, xsum being dx times the sum of xq.
+    blocks = cols // 256
+    block_bytes = 176 if five else 144
+    codes_at = 48 if five else 16
+    mask = np.int64(1) if five else np.int64(0)
+    for chunk in prange((rows + 63) // 64):
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            minimum = np.float32(0.0)
+            for b in range(blocks):
+                at = r * row_bytes + b * block_bytes
+                d = table[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+                dmin = table[np.uint16(flat[at + 2]) | (np.uint16(flat[at + 3]) << np.uint16(8))]
+                for j in range(8):
+                    if j < 4:
+                        sc = np.int32(flat[at + 4 + j]) & 63
+                        m = np.int32(flat[at + 8 + j]) & 63
+                    else:
+                        sc = (np.int32(flat[at + 8 + j]) & 15) | ((np.int32(flat[at + j]) >> 6) << 4)
+                        m = (np.int32(flat[at + 8 + j]) >> 4) | ((np.int32(flat[at + 4 + j]) >> 6) << 4)
+                    g = b * 8 + j
+                    minimum += dmin * np.float32(m) * xsum[g]
+                    _planes32(acc, flat, at + codes_at + (j // 2) * 32, np.int64(4 * (j % 2)), at + 16, np.int64(j),
+                              mask, xq, g * 32, d * np.float32(sc) * dx[g])
+            out[r] = acc.sum() - minimum
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _q6_k_vnni(flat, row_bytes, rows, cols, table, xq, dx, xq16, out):  # pragma: no cover - compiled
+    # q6_k rows: value = d sc_i (u - 32) per 16 values; row = sum_i d sc_i dx (u . xq - 32 sum xq).
+    blocks = cols // 256
+    three = np.int64(3)
+    for chunk in prange((rows + 63) // 64):
+        acc = np.zeros(16, np.float32)
+        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
+            acc[:] = 0
+            offset = np.float32(0.0)
+            for b in range(blocks):
+                at = r * row_bytes + b * 210
+                d = table[np.uint16(flat[at + 208]) | (np.uint16(flat[at + 209]) << np.uint16(8))]
+                for i in range(16):
+                    n, s, h = i // 8, (i // 2) % 4, i % 2
+                    g = b * 8 + i // 2
+                    scale = d * np.float32(np.int8(flat[at + 192 + i])) * dx[g]
+                    offset += np.float32(32.0) * scale * xq16[b * 16 + i]
+                    _planes16(acc, flat, at + n * 64 + (s % 2) * 32 + h * 16, np.int64(4 * (s // 2)),
+                              at + 128 + n * 32 + h * 16, np.int64(2 * s), three, xq, g * 32 + h * 16, scale)
+            out[r] = acc.sum() - offset
+
+
+def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
+    """The one-token kernel of q4_k, q5_k or q6_k through VNNI (C-contiguous rows)."""
+
+    def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
+        rows, row_bytes = raw.shape
+        xq, dx, xsum = vnni.quantize_activations(x, 32)
+        flat = raw.reshape(-1)
+        if name == "q6_k":
+            xq16 = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
+            _q6_k_vnni(flat, row_bytes, rows, x.shape[0], _F16_TO_F32, xq, dx, xq16, out)
+        else:
+            _q45_k_vnni(flat, row_bytes, rows, x.shape[0], name == "q5_k", _F16_TO_F32, xq, dx, xsum, out)
+        return out
+
+    return run
+
+
 def _cpu(name: str) -> CpuKernels:
     scheme = get_scheme(name)
     kind, elems, block_bytes = KINDS[name], scheme.block_elems, scheme.block_bytes
+    fast = vnni_matvec(name) if vnni.HAVE_VNNI and name in ("q4_k", "q5_k", "q6_k") else None
 
     def matvec(raw, x, out, scales):  # type: ignore[no-untyped-def]
+        if fast is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous:
+            return fast(raw, x, out, scales)
         _matvec(np.ascontiguousarray(raw, dtype=np.uint8), kind, elems, block_bytes, x, _F16_TO_F32,
                 IQ4_LEVELS, out)
         return out

@@ -138,7 +138,7 @@ def test_float16_conversion_matches_numpy():
 # bytes were identical to ggml's on these weights when measured.
 LLAMACPP_RMS = {"q4_k": 0.07147, "q5_k": 0.03618, "q6_k": 0.01776}
 # The same for one expert matrix at Mixtral-8x7B's shape, (default_rng(1) normal [14336, 4096]) * 0.02
-# (transformers' initializer range): same errors to four digits as ggml's.
+# (transformers' initializer range): the same bytes as ggml's (benchmarks/kquant_bytes.py).
 LLAMACPP_RMS_MIXTRAL_W1 = {"q4_k": 0.07135, "q5_k": 0.03612, "q6_k": 0.01775}
 
 

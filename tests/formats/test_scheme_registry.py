@@ -73,6 +73,14 @@ def test_cpu_kernels(name):
     np.testing.assert_array_equal(kernels.decode(raw, name, COLS, bf16=True), f32_to_bf16_bits(reference))
     np.testing.assert_array_equal(kernels.decode(raw, name, COLS, serial=True), reference)
     rng = np.random.default_rng(2)
+    # Rows that are not C-contiguous take each scheme's float kernel (the VNNI ones want whole rows
+    # back to back): the path a CPU without VNNI runs.
+    padded = np.zeros((raw.shape[0], raw.shape[1] + 64), dtype=raw.dtype)
+    padded[:, :raw.shape[1]] = raw
+    x = rng.standard_normal(COLS).astype(np.float32)
+    want = reference @ x
+    got = kernels.matvec(padded[:, :raw.shape[1]], name, x)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() + 1e-6, name
     for tokens in (1, 3, kernels.GEMM_MIN_TOKENS + 1):
         x = rng.standard_normal((tokens, COLS)).astype(np.float32)
         want = x @ reference.T
