@@ -152,126 +152,161 @@ def _decode(raw, cols, kind, elems, block_bytes, table, levels, bf16, out32, out
 
 # ------------------------------------------------------------------------------------------------
 # One token through q4_k, q5_k and q6_k on a VNNI CPU: the activations quantized to int8 per 32
-# (``vnni.quantize_activations``), each sub-block's codes assembled from their bit planes into
+# (``vnni.quantize_activations``), each super-block's codes assembled from their bit planes into
 # unsigned bytes in vector registers and multiplied by vpdpbusd, one float scale per sub-block.
 
 
-def _planes_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
-    """``planes(acc, flat, c1, sh1, c2, sh2, m2, xq, xbase, s)``: lane by lane, acc += s * sum
-    over k < nbytes of u_k * xq[xbase + k], where u_k = ((flat[c1 + k] >> sh1) & 15) |
-    (((flat[c2 + k] >> sh2) & m2) << 4): a K-quant's low 4 bits and its high bits (m2 = 0 for
-    q4_k, 1 for q5_k's fifth bit, 3 for q6_k's two)."""
+def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
+    """``block(acc, flat, at, xq, xbase, dx, sums, d, dmin)``: acc (float32, 16 lanes) += the
+    super-block of ``kind`` (q4_k, q5_k or q6_k) at byte ``at`` of ``flat`` times the int8
+    activations ``xq[xbase:xbase + 256]`` (``dx``: their scale per 32 values; ``sums``: for
+    q4_k/q5_k the dequantized activations' sum per 32, for q6_k the int8 sums per 16), with the
+    super-block's float scales ``d`` and ``dmin``. Everything in vector registers: the 6-bit
+    (or int8) sub-block scales unpacked with shuffles, the codes assembled from their bit planes
+    64 values at a time (two sub-blocks of q4_k/q5_k, four of q6_k, which vpdpbusd's 16 lanes
+    keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its sub-block's scale, the
+    minimum (q4_k/q5_k) or the -32 offset (q6_k) taken off through the sums; one load and store
+    of ``acc`` a super-block."""
     from llvmlite import ir
 
-    lanes = nbytes // 4
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-    bytes_t, words_t, floats_t = ir.VectorType(i8, nbytes), ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
-    name = {16: "llvm.x86.avx512.vpdpbusd.128", 32: "llvm.x86.avx512.vpdpbusd.256"}[nbytes]
+    v8, v16, v32, v64 = (ir.VectorType(i8, n) for n in (8, 16, 32, 64))
+    words, floats, floats8 = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(f32, 8)
 
     @intrinsic
-    def planes(typingctx, acc, flat, c1, sh1, c2, sh2, m2, xq, xbase, s):  # type: ignore[no-untyped-def]
+    def block(typingctx, acc, flat, at, xq, xbase, dx, sums, d, dmin):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            acc_v, flat_v, c1_v, sh1_v, c2_v, sh2_v, m2_v, xq_v, xbase_v, s_v = args
-            acc_a = context.make_array(signature.args[0])(context, builder, acc_v)
-            flat_a = context.make_array(signature.args[1])(context, builder, flat_v)
-            xq_a = context.make_array(signature.args[7])(context, builder, xq_v)
+            acc_v, flat_v, at_v, xq_v, xbase_v, dx_v, sums_v, d_v, dmin_v = args
+            arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5, 6)]
+            acc_a, flat_a, xq_a, dx_a, sums_a = arrays
 
-            def load(array, index):  # type: ignore[no-untyped-def]
-                pointer = builder.bitcast(builder.gep(array.data, [index]), bytes_t.as_pointer())
+            def load(array, index, vector, offset=0):  # type: ignore[no-untyped-def]
+                at_index = builder.add(index, ir.Constant(index.type, offset))
+                pointer = builder.bitcast(builder.gep(array.data, [at_index]), vector.as_pointer())
                 return builder.load(pointer, align=1)
 
-            def splat(value):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(bytes_t, ir.Undefined), builder.trunc(value, i8),
-                                             ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, nbytes), [0] * nbytes))
+            def const(vector, values):  # type: ignore[no-untyped-def]
+                values = values if isinstance(values, list) else [values] * vector.count
+                return ir.Constant(vector, values)
 
-            low = builder.and_(builder.lshr(load(flat_a, c1_v), splat(sh1_v)), ir.Constant(bytes_t, [15] * nbytes))
-            high = builder.and_(builder.lshr(load(flat_a, c2_v), splat(sh2_v)), splat(m2_v))
-            codes = builder.or_(low, builder.shl(high, ir.Constant(bytes_t, [4] * nbytes)))
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
-            dot = builder.call(fn, [ir.Constant(words_t, [0] * lanes), builder.bitcast(codes, words_t),
-                                    builder.bitcast(load(xq_a, xbase_v), words_t)])
-            scale = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s_v, ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(scale, scale, ir.Constant(words_t, [0] * lanes))
-            acc_p = builder.bitcast(acc_a.data, floats_t.as_pointer())
-            total = builder.fadd(builder.load(acc_p, align=4), builder.fmul(builder.sitofp(dot, floats_t), scale))
-            builder.store(total, acc_p, align=4)
+            def shuffle(a, b, mask):  # type: ignore[no-untyped-def]
+                return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(mask)), mask))
+
+            def splat(value, vector):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(i32, 0))
+                return shuffle(one, one, [0] * vector.count)
+
+            def to_float(bytes_, signed):  # type: ignore[no-untyped-def]
+                n = bytes_.type.count
+                wide = (builder.sext if signed else builder.zext)(bytes_, ir.VectorType(i32, n))
+                return builder.sitofp(wide, ir.VectorType(f32, n))
+
+            group = builder.sdiv(xbase_v, ir.Constant(xbase_v.type, 32))  # activation group of 32
+            dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+            total = builder.load(builder.bitcast(acc_a.data, floats.as_pointer()), align=4)
+
+            def add(codes, x_offset, lane_scale):  # type: ignore[no-untyped-def]
+                nonlocal total
+                dot = builder.call(dot_fn, [const(words, 0), builder.bitcast(codes, words),
+                                            builder.bitcast(load(xq_a, xbase_v, v64, x_offset), words)])
+                total = builder.fadd(total, builder.fmul(builder.sitofp(dot, floats), lane_scale))
+
+            if kind in ("q4_k", "q5_k"):
+                q = load(flat_a, at_v, v16, 4)  # the 12 scale bytes (and 4 more, unused)
+                low6 = const(v8, [63] * 4 + [15] * 4)
+                high2 = const(v8, [0] * 4 + [0x30] * 4)
+                top = const(v8, 6)
+
+                def six_bits(a, b, shift):  # type: ignore[no-untyped-def]
+                    # j < 4: a_j & 63; j >= 4: (a_j >> shift_j) & 15 | (b_j >> 6) << 4
+                    first = builder.and_(builder.lshr(a, shift), low6)
+                    return builder.or_(first, builder.and_(builder.shl(builder.lshr(b, top), const(v8, 4)), high2))
+
+                sc = six_bits(shuffle(q, q, [0, 1, 2, 3, 8, 9, 10, 11]), shuffle(q, q, [0, 1, 2, 3, 0, 1, 2, 3]),
+                              const(v8, 0))
+                mn = six_bits(shuffle(q, q, [4, 5, 6, 7, 8, 9, 10, 11]), shuffle(q, q, [4, 5, 6, 7, 4, 5, 6, 7]),
+                              const(v8, [0] * 4 + [4] * 4))
+                dx8 = load(dx_a, group, floats8)
+                scales = builder.fmul(builder.fmul(to_float(sc, False), splat(d_v, floats8)), dx8)
+                minimum = builder.fmul(builder.fmul(to_float(mn, False), splat(dmin_v, floats8)),
+                                       load(sums_a, group, floats8))
+                total = builder.fsub(total, shuffle(minimum, const(floats8, 0.0), list(range(8)) + [8] * 8))
+                codes_at = 16 if kind == "q4_k" else 48
+                fifth = load(flat_a, at_v, v32, 16) if kind == "q5_k" else None
+                for c in range(4):
+                    packed = load(flat_a, at_v, v32, codes_at + 32 * c)
+                    low = builder.and_(packed, const(v32, 15))
+                    high = builder.lshr(packed, const(v32, 4))
+                    if fifth is not None:  # bit 2c of qh is sub-block 2c's fifth bit, 2c + 1 the next's
+                        low = builder.or_(low, builder.shl(builder.and_(builder.lshr(fifth, const(v32, 2 * c)),
+                                                                        const(v32, 1)), const(v32, 4)))
+                        high = builder.or_(high, builder.shl(builder.and_(
+                            builder.lshr(fifth, const(v32, 2 * c + 1)), const(v32, 1)), const(v32, 4)))
+                    add(shuffle(low, high, list(range(64))), 64 * c, shuffle(scales, scales, [2 * c] * 8 + [2 * c + 1] * 8))
+            else:  # q6_k: ql[128] qh[64] scales[16] (int8) d; sums: the int8 activations' sums per 16
+                dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
+                scales = builder.fmul(builder.fmul(to_float(load(flat_a, at_v, v16, 192), True),
+                                                   splat(d_v, floats)), dx16)
+                sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
+                total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 32.0)))
+                for n in range(2):
+                    ql = load(flat_a, at_v, v64, 64 * n)
+                    qh = load(flat_a, at_v, v32, 128 + 32 * n)
+
+                    def plane(shift):  # type: ignore[no-untyped-def]
+                        return builder.and_(builder.lshr(qh, const(v32, shift)), const(v32, 3))
+
+                    first = builder.or_(builder.and_(ql, const(v64, 15)),
+                                        builder.shl(shuffle(plane(0), plane(2), list(range(64))), const(v64, 4)))
+                    second = builder.or_(builder.lshr(ql, const(v64, 4)),
+                                         builder.shl(shuffle(plane(4), plane(6), list(range(64))), const(v64, 4)))
+                    add(first, 128 * n, shuffle(scales, scales, [8 * n + k // 4 for k in range(16)]))
+                    add(second, 128 * n + 64, shuffle(scales, scales, [8 * n + 4 + k // 4 for k in range(16)]))
+            builder.store(total, builder.bitcast(acc_a.data, floats.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.void(acc, flat, c1, sh1, c2, sh2, m2, xq, xbase, s), codegen
+        return types.void(acc, flat, at, xq, xbase, dx, sums, d, dmin), codegen
 
-    return planes
+    return block
 
 
-_planes32, _planes16 = _planes_intrinsic(32), _planes_intrinsic(16)
+_q4_k_block, _q5_k_block, _q6_k_block = (_superblock_intrinsic(k) for k in ("q4_k", "q5_k", "q6_k"))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _q45_k_vnni(flat, row_bytes, rows, cols, five, table, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # q4_k (five = 0) or q5_k rows: per super-block d, dmin and eight (scale, minimum) pairs; row
-    # = sum_j d sc_j dx_j (codes . xq)_j - dmin m_j xsum_j, xsum being dx times the sum of xq.
+def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pragma: no cover - compiled
+    # Rows of q4_k (kind 2), q5_k (3) or q6_k (4) times the int8 activations, a super-block a call.
     blocks = cols // 256
-    block_bytes = 176 if five else 144
-    codes_at = 48 if five else 16
-    mask = np.int64(1) if five else np.int64(0)
+    block_bytes = 144 if kind == 2 else 176 if kind == 3 else 210
+    d_at = 208 if kind == 4 else 0
     for chunk in prange((rows + 63) // 64):
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
             acc[:] = 0
-            minimum = np.float32(0.0)
             for b in range(blocks):
                 at = r * row_bytes + b * block_bytes
-                d = table[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+                d = table[np.uint16(flat[at + d_at]) | (np.uint16(flat[at + d_at + 1]) << np.uint16(8))]
                 dmin = table[np.uint16(flat[at + 2]) | (np.uint16(flat[at + 3]) << np.uint16(8))]
-                for j in range(8):
-                    if j < 4:
-                        sc = np.int32(flat[at + 4 + j]) & 63
-                        m = np.int32(flat[at + 8 + j]) & 63
-                    else:
-                        sc = (np.int32(flat[at + 8 + j]) & 15) | ((np.int32(flat[at + j]) >> 6) << 4)
-                        m = (np.int32(flat[at + 8 + j]) >> 4) | ((np.int32(flat[at + 4 + j]) >> 6) << 4)
-                    g = b * 8 + j
-                    minimum += dmin * np.float32(m) * xsum[g]
-                    _planes32(acc, flat, at + codes_at + (j // 2) * 32, np.int64(4 * (j % 2)), at + 16, np.int64(j),
-                              mask, xq, g * 32, d * np.float32(sc) * dx[g])
-            out[r] = acc.sum() - minimum
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _q6_k_vnni(flat, row_bytes, rows, cols, table, xq, dx, xq16, out):  # pragma: no cover - compiled
-    # q6_k rows: value = d sc_i (u - 32) per 16 values; row = sum_i d sc_i dx (u . xq - 32 sum xq).
-    blocks = cols // 256
-    three = np.int64(3)
-    for chunk in prange((rows + 63) // 64):
-        acc = np.zeros(16, np.float32)
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
-            offset = np.float32(0.0)
-            for b in range(blocks):
-                at = r * row_bytes + b * 210
-                d = table[np.uint16(flat[at + 208]) | (np.uint16(flat[at + 209]) << np.uint16(8))]
-                for i in range(16):
-                    n, s, h = i // 8, (i // 2) % 4, i % 2
-                    g = b * 8 + i // 2
-                    scale = d * np.float32(np.int8(flat[at + 192 + i])) * dx[g]
-                    offset += np.float32(32.0) * scale * xq16[b * 16 + i]
-                    _planes16(acc, flat, at + n * 64 + (s % 2) * 32 + h * 16, np.int64(4 * (s // 2)),
-                              at + 128 + n * 32 + h * 16, np.int64(2 * s), three, xq, g * 32 + h * 16, scale)
-            out[r] = acc.sum() - offset
+                if kind == 2:
+                    _q4_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+                elif kind == 3:
+                    _q5_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+                else:
+                    _q6_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+            out[r] = acc.sum()
 
 
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
     """The one-token kernel of q4_k, q5_k or q6_k through VNNI (C-contiguous rows)."""
+    kind = KINDS[name]
 
     def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         rows, row_bytes = raw.shape
-        xq, dx, xsum = vnni.quantize_activations(x, 32)
-        flat = raw.reshape(-1)
-        if name == "q6_k":
-            xq16 = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
-            _q6_k_vnni(flat, row_bytes, rows, x.shape[0], _F16_TO_F32, xq, dx, xq16, out)
-        else:
-            _q45_k_vnni(flat, row_bytes, rows, x.shape[0], name == "q5_k", _F16_TO_F32, xq, dx, xsum, out)
+        xq, dx, sums = vnni.quantize_activations(x, 32)
+        if name == "q6_k":  # the int8 values' sums per 16, for the codes' offset of 32
+            sums = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
+        _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32, xq, dx, sums, out)
         return out
 
     return run
