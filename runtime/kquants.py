@@ -27,7 +27,8 @@ from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
 # iq4_nl's and iq4_xs's 16 levels (ggml's kvalues_iq4nl).
-IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+IQ4_LEVELS_INT = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_LEVELS = np.array(IQ4_LEVELS_INT, dtype=np.float32)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -244,6 +245,33 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                         high = builder.or_(high, builder.shl(builder.and_(
                             builder.lshr(fifth, const(v32, 2 * c + 1)), const(v32, 1)), const(v32, 4)))
                     add(shuffle(low, high, list(range(64))), 64 * c, shuffle(scales, scales, [2 * c] * 8 + [2 * c + 1] * 8))
+            elif kind == "iq4_xs":  # d, scales_h (u16), scales_l[4], qs[128]; sums as q4_k's
+                # eight 6-bit scales: low 4 bits from scales_l's nibbles, high 2 bits from scales_h
+                low4 = load(flat_a, at_v, ir.VectorType(i8, 4), 4)
+                nibbles = builder.lshr(shuffle(low4, low4, [k // 2 for k in range(8)]), const(v8, [0, 4] * 4))
+                high = load(flat_a, at_v, ir.VectorType(ir.IntType(16), 1), 2)
+                high8 = builder.trunc(builder.lshr(shuffle(high, high, [0] * 8),
+                                                   const(ir.VectorType(ir.IntType(16), 8), [2 * k for k in range(8)])), v8)
+                ls = builder.or_(builder.and_(nibbles, const(v8, 15)), builder.shl(builder.and_(high8, const(v8, 3)),
+                                                                                    const(v8, 4)))
+                signed = builder.sub(ls, const(v8, 32))
+                scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats8)),
+                                      load(dx_a, group, floats8))
+                # levels + 128 are unsigned bytes for vpdpbusd; the 128 x sum of the activations is taken off
+                offset = builder.fmul(builder.fmul(scales, load(sums_a, group, floats8)), const(floats8, 128.0))
+                offset = builder.fdiv(offset, load(dx_a, group, floats8))  # sums are dx x sum(xq)
+                total = builder.fsub(total, shuffle(offset, const(floats8, 0.0), list(range(8)) + [8] * 8))
+                lut_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64]),
+                                                        "llvm.x86.avx512.pshuf.b.512")
+                lut = const(v64, [level + 128 for level in IQ4_LEVELS_INT] * 4)
+                for pair in range(4):
+                    parts = []
+                    for ib in (2 * pair, 2 * pair + 1):
+                        packed = load(flat_a, at_v, v16, 8 + 16 * ib)
+                        parts.append(shuffle(builder.and_(packed, const(v16, 15)), builder.lshr(packed, const(v16, 4)),
+                                             list(range(32))))
+                    codes = builder.call(lut_fn, [lut, shuffle(parts[0], parts[1], list(range(64)))])
+                    add(codes, 64 * pair, shuffle(scales, scales, [2 * pair] * 8 + [2 * pair + 1] * 8))
             else:  # q6_k: ql[128] qh[64] scales[16] (int8) d; sums: the int8 activations' sums per 16
                 dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
                 scales = builder.fmul(builder.fmul(to_float(load(flat_a, at_v, v16, 192), True),
@@ -271,14 +299,16 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     return block
 
 
-_q4_k_block, _q5_k_block, _q6_k_block = (_superblock_intrinsic(k) for k in ("q4_k", "q5_k", "q6_k"))
+_q4_k_block, _q5_k_block, _q6_k_block, _iq4_xs_block = (
+    _superblock_intrinsic(k) for k in ("q4_k", "q5_k", "q6_k", "iq4_xs"))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pragma: no cover - compiled
-    # Rows of q4_k (kind 2), q5_k (3) or q6_k (4) times the int8 activations, a super-block a call.
+    # Rows of q4_k (kind 2), q5_k (3), q6_k (4) or iq4_xs (6) times the int8 activations, a
+    # super-block a call.
     blocks = cols // 256
-    block_bytes = 144 if kind == 2 else 176 if kind == 3 else 210
+    block_bytes = 144 if kind == 2 else 176 if kind == 3 else 210 if kind == 4 else 136
     d_at = 208 if kind == 4 else 0
     for chunk in prange((rows + 63) // 64):
         acc = np.zeros(16, np.float32)
@@ -292,13 +322,15 @@ def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pra
                     _q4_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
                 elif kind == 3:
                     _q5_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-                else:
+                elif kind == 4:
                     _q6_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+                else:
+                    _iq4_xs_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
             out[r] = acc.sum()
 
 
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
-    """The one-token kernel of q4_k, q5_k or q6_k through VNNI (C-contiguous rows)."""
+    """The one-token kernel of q4_k, q5_k, q6_k or iq4_xs through VNNI (C-contiguous rows)."""
     kind = KINDS[name]
 
     def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
@@ -315,7 +347,7 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
 def _cpu(name: str) -> CpuKernels:
     scheme = get_scheme(name)
     kind, elems, block_bytes = KINDS[name], scheme.block_elems, scheme.block_bytes
-    fast = vnni_matvec(name) if vnni.HAVE_VNNI and name in ("q4_k", "q5_k", "q6_k") else None
+    fast = vnni_matvec(name) if vnni.HAVE_VNNI and name in ("q4_k", "q5_k", "q6_k", "iq4_xs") else None
 
     def matvec(raw, x, out, scales):  # type: ignore[no-untyped-def]
         if fast is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous:
