@@ -272,6 +272,41 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                                              list(range(32))))
                     codes = builder.call(lut_fn, [lut, shuffle(parts[0], parts[1], list(range(64)))])
                     add(codes, 64 * pair, shuffle(scales, scales, [2 * pair] * 8 + [2 * pair + 1] * 8))
+            elif kind in ("q2_k", "q3_k"):
+                # sums: q2_k the dequantized activations' sums per 16 (for its minimums), q3_k the
+                # int8 sums per 16 (for its offset of 4)
+                dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
+                sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
+                if kind == "q2_k":  # scales[16] (scale low nibble, minimum high) qs[64] d dmin
+                    sb = load(flat_a, at_v, v16, 0)
+                    scales = builder.fmul(builder.fmul(to_float(builder.and_(sb, const(v16, 15)), False),
+                                                       splat(d_v, floats)), dx16)
+                    minimum = builder.fmul(to_float(builder.lshr(sb, const(v16, 4)), False), splat(dmin_v, floats))
+                    total = builder.fsub(total, builder.fmul(minimum, sums16))
+                    qs_at, hmask = 16, None
+                else:  # q3_k: hmask[32] qs[64] scales[12] (6-bit, offset 32) d
+                    low8 = load(flat_a, at_v, v8, 96)
+                    high4 = load(flat_a, at_v, ir.VectorType(i8, 4), 104)
+                    low = builder.and_(builder.lshr(shuffle(low8, low8, [k % 8 for k in range(16)]),
+                                                    const(v16, [0] * 8 + [4] * 8)), const(v16, 15))
+                    high = builder.and_(builder.lshr(shuffle(high4, high4, [k % 4 for k in range(16)]),
+                                                     const(v16, [2 * (k // 4) for k in range(16)])), const(v16, 3))
+                    signed = builder.sub(builder.or_(low, builder.shl(high, const(v16, 4))), const(v16, 32))
+                    scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats)), dx16)
+                    total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 4.0)))
+                    qs_at, hmask = 32, load(flat_a, at_v, v32, 0)
+                for n in range(2):
+                    q = load(flat_a, at_v, v32, qs_at + 32 * n)
+                    for t in range(2):
+                        halves = []
+                        for s in (2 * t, 2 * t + 1):
+                            u = builder.and_(builder.lshr(q, const(v32, 2 * s)), const(v32, 3))
+                            if hmask is not None:  # the third bit: bit 4n + s of hmask's byte l
+                                h = builder.and_(builder.lshr(hmask, const(v32, 4 * n + s)), const(v32, 1))
+                                u = builder.or_(u, builder.shl(h, const(v32, 2)))
+                            halves.append(u)
+                        add(shuffle(halves[0], halves[1], list(range(64))), 128 * n + 64 * t,
+                            shuffle(scales, scales, [8 * n + 4 * t + k // 4 for k in range(16)]))
             else:  # q6_k: ql[128] qh[64] scales[16] (int8) d; sums: the int8 activations' sums per 16
                 dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
                 scales = builder.fmul(builder.fmul(to_float(load(flat_a, at_v, v16, 192), True),
@@ -299,17 +334,18 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     return block
 
 
-_q4_k_block, _q5_k_block, _q6_k_block, _iq4_xs_block = (
-    _superblock_intrinsic(k) for k in ("q4_k", "q5_k", "q6_k", "iq4_xs"))
+_q2_k_block, _q3_k_block, _q4_k_block, _q5_k_block, _q6_k_block, _iq4_xs_block = (
+    _superblock_intrinsic(k) for k in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pragma: no cover - compiled
-    # Rows of q4_k (kind 2), q5_k (3), q6_k (4) or iq4_xs (6) times the int8 activations, a
+    # Rows of a K-quant or iq4_xs (``KINDS``; not iq4_nl) times the int8 activations, a
     # super-block a call.
     blocks = cols // 256
-    block_bytes = 144 if kind == 2 else 176 if kind == 3 else 210 if kind == 4 else 136
-    d_at = 208 if kind == 4 else 0
+    block_bytes = (84, 110, 144, 176, 210, 0, 136)[kind]
+    d_at = (80, 108, 0, 0, 208, 0, 0)[kind]
+    dmin_at = 82 if kind == 0 else 2
     for chunk in prange((rows + 63) // 64):
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
@@ -317,8 +353,12 @@ def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pra
             for b in range(blocks):
                 at = r * row_bytes + b * block_bytes
                 d = table[np.uint16(flat[at + d_at]) | (np.uint16(flat[at + d_at + 1]) << np.uint16(8))]
-                dmin = table[np.uint16(flat[at + 2]) | (np.uint16(flat[at + 3]) << np.uint16(8))]
-                if kind == 2:
+                dmin = table[np.uint16(flat[at + dmin_at]) | (np.uint16(flat[at + dmin_at + 1]) << np.uint16(8))]
+                if kind == 0:
+                    _q2_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+                elif kind == 1:
+                    _q3_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+                elif kind == 2:
                     _q4_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
                 elif kind == 3:
                     _q5_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
@@ -330,14 +370,16 @@ def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pra
 
 
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
-    """The one-token kernel of q4_k, q5_k, q6_k or iq4_xs through VNNI (C-contiguous rows)."""
+    """The one-token kernel of a K-quant or iq4_xs through VNNI (C-contiguous rows)."""
     kind = KINDS[name]
 
     def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         rows, row_bytes = raw.shape
         xq, dx, sums = vnni.quantize_activations(x, 32)
-        if name == "q6_k":  # the int8 values' sums per 16, for the codes' offset of 32
+        if name in ("q2_k", "q3_k", "q6_k"):  # sub-blocks of 16: the int8 values' sums per 16
             sums = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
+            if name == "q2_k":  # dequantized, for its minimums
+                sums = sums * np.repeat(dx, 2)
         _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32, xq, dx, sums, out)
         return out
 
@@ -347,7 +389,7 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
 def _cpu(name: str) -> CpuKernels:
     scheme = get_scheme(name)
     kind, elems, block_bytes = KINDS[name], scheme.block_elems, scheme.block_bytes
-    fast = vnni_matvec(name) if vnni.HAVE_VNNI and name in ("q4_k", "q5_k", "q6_k", "iq4_xs") else None
+    fast = vnni_matvec(name) if vnni.HAVE_VNNI and name != "iq4_nl" else None
 
     def matvec(raw, x, out, scales):  # type: ignore[no-untyped-def]
         if fast is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous:
