@@ -157,6 +157,55 @@ def _decode(raw, cols, kind, elems, block_bytes, table, levels, bf16, out32, out
 # unsigned bytes in vector registers and multiplied by vpdpbusd, one float scale per sub-block.
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _decode_q45_k(raw, cols, five, table, bf16, out32, out16):  # pragma: no cover - compiled
+    # q4_k / q5_k decoded a sub-block of 32 at a time (the batched path's decoder: the generic
+    # one goes value by value). The same float32 arithmetic as the gguf package.
+    block_bytes = 176 if five else 144
+    codes_at = 48 if five else 16
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        for b in range(cols // 256):
+            at = b * block_bytes
+            d = _f16(raw, r, at, table)
+            dmin = _f16(raw, r, at + 2, table)
+            for j in range(8):
+                sc, m = _scale_min_k4(raw, r, at + 4, j)
+                dl = d * np.float32(sc)
+                ml = dmin * np.float32(m)
+                codes = row[at + codes_at + (j // 2) * 32: at + codes_at + (j // 2) * 32 + 32]
+                high = row[at + 16: at + 48]
+                shift = np.uint8(4 * (j % 2))
+                for l in range(32):
+                    q = (codes[l] >> shift) & np.uint8(15)
+                    if five:
+                        q |= ((high[l] >> np.uint8(j)) & np.uint8(1)) << np.uint8(4)
+                    _put(bf16, out32, out16, r, b * 256 + j * 32 + l, dl * np.float32(q) - ml)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - compiled
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        for b in range(cols // 256):
+            at = b * 210
+            d = _f16(raw, r, at + 208, table)
+            for n in range(2):
+                ql = row[at + 64 * n: at + 64 * n + 64]
+                qh = row[at + 128 + 32 * n: at + 160 + 32 * n]
+                for s in range(4):
+                    shift_l = np.uint8(4 * (s // 2))
+                    shift_h = np.uint8(2 * s)
+                    for half in range(2):
+                        dl = d * np.float32(np.int8(row[at + 192 + 8 * n + 2 * s + half]))
+                        for k in range(16):
+                            l = 16 * half + k
+                            u = ((ql[32 * (s % 2) + l] >> shift_l) & np.uint8(15)) | \
+                                (((qh[l] >> shift_h) & np.uint8(3)) << np.uint8(4))
+                            _put(bf16, out32, out16, r, b * 256 + n * 128 + s * 32 + l,
+                                 dl * np.float32(np.int32(u) - 32))
+
+
 def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     """``block(acc, flat, at, xq, xbase, dx, sums, d, dmin)``: acc (float32, 16 lanes) += the
     super-block of ``kind`` (q4_k, q5_k or q6_k) at byte ``at`` of ``flat`` times the int8
@@ -398,7 +447,13 @@ def _cpu(name: str) -> CpuKernels:
                 IQ4_LEVELS, out)
         return out
 
-    return CpuKernels(matvec, block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS))
+    if name in ("q4_k", "q5_k"):
+        decode = block_decoder(_decode_q45_k, name == "q5_k", _F16_TO_F32)
+    elif name == "q6_k":
+        decode = block_decoder(_decode_q6_k, _F16_TO_F32)
+    else:
+        decode = block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS)
+    return CpuKernels(matvec, decode)
 
 
 # ------------------------------------------------------------------------------------------------
