@@ -6,7 +6,7 @@ interleaved rounds, each round measuring the bandwidth first).
    int4, q4_0, mxfp4 and the K-quants q4_k, q5_k, q6_k and iq4_xs 60%; iq4_xs, which ktc does
    not quantize to, from random blocks: its speed does not depend on the values).
 2. A whole MoE layer at Qwen3-30B-A3B's shape (hidden 2048, expert 768, 8 of 128 experts), int8,
-   q8_0 and q4_0, routing and dispatch included (target 60%), with the time beside the kernels
+   q8_0, q4_0 and q4_k, routing and dispatch included (target 60%), with the time beside the kernels
    (routing, activation quantization and function, combination, the rest) timed separately
    (target: under 5% of the layer).
 3. 64 tokens through one expert against torch bf16 ``F.linear`` on the same weights dequantized
@@ -163,7 +163,7 @@ def main() -> int:
               "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 1,
               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
               "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 1024}
-    layer_schemes = ("int8", "q8_0", "q4_0")
+    layer_schemes = ("int8", "q8_0", "q4_0", "q4_k")
     with tempfile.TemporaryDirectory() as tmp:
         write_sparse_checkpoint(config, os.path.join(tmp, "src"), dtype="F32")
         layers = {}

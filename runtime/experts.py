@@ -92,15 +92,17 @@ class ExpertSet:
                 tensor_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
                 tensor_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
         # Every CPU expert in a scheme that has a multi-expert kernel (int8; on a VNNI CPU any
-        # mix of int8, q8_0, q4_0, mxfp4 and int4) and uncompressed: one token takes a fused path
-        # that runs all its experts in two parallel regions (two more per int4 group size mixed
-        # in) instead of two per expert.
+        # mix of int8, q8_0, q4_0, mxfp4, int4, the K-quants and iq4_xs, gate/up and down in
+        # different ones too) and uncompressed: one token takes a fused path that runs all its
+        # experts in two parallel regions (more where int4 group sizes or K-quants mix with the
+        # others) instead of two per expert.
         self._fused = None
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         self._one_call: tuple | None = None  # type: ignore[type-arg]
         schemes = {ex.scheme for ex in self.cpu.values()}
         if schemes:
-            if schemes == {"int8"} or (vnni.HAVE_VNNI and schemes <= vnni.FUSED):
+            parts = {part.name for name in schemes for part in expert_schemes(name)}  # gate/up and down
+            if schemes == {"int8"} or (vnni.HAVE_VNNI and parts <= vnni.FUSED):
                 # one scheme: its name; mixed: each expert's, looked up per token
                 scheme = next(iter(schemes)) if len(schemes) == 1 else np.array(
                     [self.cpu[e].scheme if e in self.cpu else "" for e in range(self.num_experts)], dtype=object)

@@ -330,6 +330,11 @@ def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np
     k = gate_up_offsets.shape[0]
     if vnni.HAVE_VNNI:
         schemes = (scheme,) * k if isinstance(scheme, str) else tuple(scheme)
+        pairs = [expert_schemes(name) for name in schemes]  # an expert's gate/up and down schemes
+        gu_schemes, dn_schemes = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)
+        if any(a != b for a, b in zip(gu_schemes, dn_schemes)):
+            return _experts_token_rows(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter,
+                                       x, weights, activation, gate_up_bias, down_bias, limit, alpha)
         if all(name in vnni.BLOCK_KINDS for name in schemes):  # one compiled call
             return vnni.experts_token_blocks(file, schemes, gate_up_offsets, down_offsets, hidden, inter, x,
                                              weights, activation == "swiglu_clamped",
@@ -343,16 +348,31 @@ def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np
             out = np.empty((k, n), dtype=np.float32)
             _int8_rows_many(codes, scales, offsets, v, out)
             return out
-    else:
-        xs = np.ascontiguousarray(x, dtype=np.float32).reshape(1, hidden)  # quantized once for all k
+        h = rows(gate_up_offsets, 2 * inter, xs)
+        if gate_up_bias is not None:
+            h += gate_up_bias
+        a = np.ascontiguousarray(_act(h, inter, activation, limit, alpha), dtype=np.float32)
+        y = rows(down_offsets, hidden, a)
+        if down_bias is not None:
+            y += down_bias
+        return _combine(weights, y)
+    names = (scheme,) * k if isinstance(scheme, str) else tuple(scheme)
+    return _experts_token_rows(file, names, names, gate_up_offsets, down_offsets, hidden, inter, x, weights,
+                               activation, gate_up_bias, down_bias, limit, alpha)
 
-        def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
-            return vnni.rows_many(file, scheme, offsets, n, v)
-    h = rows(gate_up_offsets, 2 * inter, xs)
+
+def _experts_token_rows(file: np.ndarray, gu_schemes: tuple[str, ...], dn_schemes: tuple[str, ...],
+                        gate_up_offsets: np.ndarray, down_offsets: np.ndarray, hidden: int, inter: int,
+                        x: np.ndarray, weights: np.ndarray, activation: str, gate_up_bias: np.ndarray | None,
+                        down_bias: np.ndarray | None, limit: float | None, alpha: float | None) -> np.ndarray:
+    """``experts_token`` through ``vnni.rows_many``: the gate/up matrices of every expert in one
+    call, then the down matrices (each in its expert's own scheme)."""
+    xs = np.ascontiguousarray(x, dtype=np.float32).reshape(1, hidden)  # quantized once for all k
+    h = vnni.rows_many(file, gu_schemes, gate_up_offsets, 2 * inter, xs)
     if gate_up_bias is not None:
         h += gate_up_bias
     a = np.ascontiguousarray(_act(h, inter, activation, limit, alpha), dtype=np.float32)
-    y = rows(down_offsets, hidden, a)
+    y = vnni.rows_many(file, dn_schemes, down_offsets, hidden, a)
     if down_bias is not None:
         y += down_bias
     return _combine(weights, y)

@@ -387,35 +387,85 @@ _q2_k_block, _q3_k_block, _q4_k_block, _q5_k_block, _q6_k_block, _iq4_xs_block =
     _superblock_intrinsic(k) for k in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"))
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pragma: no cover - compiled
-    # Rows of a K-quant or iq4_xs (``KINDS``; not iq4_nl) times the int8 activations, a
-    # super-block a call.
-    blocks = cols // 256
+@njit(cache=True, nogil=True, inline="always")
+def _k_row(flat, kind, start, blocks, table, xq, dx, sums, acc):  # pragma: no cover - compiled
+    # acc += the row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start``
+    # times the int8 activations, a super-block a call.
     block_bytes = (84, 110, 144, 176, 210, 0, 136)[kind]
     d_at = (80, 108, 0, 0, 208, 0, 0)[kind]
     dmin_at = 82 if kind == 0 else 2
+    for b in range(blocks):
+        at = start + b * block_bytes
+        d = table[np.uint16(flat[at + d_at]) | (np.uint16(flat[at + d_at + 1]) << np.uint16(8))]
+        dmin = table[np.uint16(flat[at + dmin_at]) | (np.uint16(flat[at + dmin_at + 1]) << np.uint16(8))]
+        if kind == 0:
+            _q2_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+        elif kind == 1:
+            _q3_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+        elif kind == 2:
+            _q4_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+        elif kind == 3:
+            _q5_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+        elif kind == 4:
+            _q6_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+        else:
+            _iq4_xs_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pragma: no cover - compiled
+    # Rows of a K-quant or iq4_xs times the int8 activations.
     for chunk in prange((rows + 63) // 64):
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
             acc[:] = 0
-            for b in range(blocks):
-                at = r * row_bytes + b * block_bytes
-                d = table[np.uint16(flat[at + d_at]) | (np.uint16(flat[at + d_at + 1]) << np.uint16(8))]
-                dmin = table[np.uint16(flat[at + dmin_at]) | (np.uint16(flat[at + dmin_at + 1]) << np.uint16(8))]
-                if kind == 0:
-                    _q2_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-                elif kind == 1:
-                    _q3_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-                elif kind == 2:
-                    _q4_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-                elif kind == 3:
-                    _q5_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-                elif kind == 4:
-                    _q6_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-                else:
-                    _iq4_xs_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+            _k_row(flat, kind, r * row_bytes, cols // 256, table, xq, dx, sums, acc)
             out[r] = acc.sum()
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16, dsum16, out):  # pragma: no cover - compiled
+    # out[e, r] = row r of the matrix of KINDS kinds[e] at byte offsets[e] of flat times the
+    # activations of vector e (or of the one vector): every selected expert's matrix in one
+    # parallel region, 32 rows a work item.
+    k, rows = out.shape
+    cols = xq.shape[1]
+    per = (rows + 31) // 32
+    for item in prange(k * per):
+        e = item // per
+        first = (item - e * per) * 32
+        v = e if xq.shape[0] > 1 else 0
+        kind = kinds[e]
+        sums = dsum16[v] if kind == 0 else isum16[v] if kind == 1 or kind == 4 else sums32[v]
+        acc = np.zeros(16, np.float32)
+        for r in range(first, min(rows, first + 32)):
+            acc[:] = 0
+            _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, table, xq[v], dx[v], sums, acc)
+            out[e, r] = acc.sum()
+
+
+def _activations(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """x [n, cols] quantized for the kernels: int8 values, scales per 32, dequantized sums per
+    32, int8 sums per 16 (q3_k's and q6_k's offsets), dequantized sums per 16 (q2_k's minimums)."""
+    n, cols = x.shape
+    xq, dx, sums32 = vnni.quantize_activations(x.reshape(-1), 32)
+    isum16 = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
+    dsum16 = isum16 * np.repeat(dx, 2)
+    return (xq.reshape(n, cols), dx.reshape(n, -1), sums32.reshape(n, -1), isum16.reshape(n, -1),
+            dsum16.reshape(n, -1))
+
+
+def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, rows: int,
+              x: np.ndarray) -> np.ndarray:
+    """``vnni.rows_many`` for experts in ``vnni.KQUANTS`` schemes (mixed): [k, rows]."""
+    from ktc.formats.schemes import get_scheme
+
+    cols = x.shape[1]
+    kinds = np.array([KINDS[name] for name in schemes], dtype=np.int64)
+    row_bytes = np.array([get_scheme(name).matrix_bytes(1, cols) for name in schemes], dtype=np.int64)
+    out = np.empty((len(schemes), rows), dtype=np.float32)
+    _k_rows_many(file, kinds, offsets, row_bytes, _F16_TO_F32, *_activations(x), out)
+    return out
 
 
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
@@ -424,12 +474,9 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
 
     def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         rows, row_bytes = raw.shape
-        xq, dx, sums = vnni.quantize_activations(x, 32)
-        if name in ("q2_k", "q3_k", "q6_k"):  # sub-blocks of 16: the int8 values' sums per 16
-            sums = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
-            if name == "q2_k":  # dequantized, for its minimums
-                sums = sums * np.repeat(dx, 2)
-        _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32, xq, dx, sums, out)
+        xq, dx, sums32, isum16, dsum16 = _activations(x.reshape(1, -1))
+        sums = dsum16 if name == "q2_k" else isum16 if name in ("q3_k", "q6_k") else sums32
+        _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32, xq[0], dx[0], sums[0], out)
         return out
 
     return run

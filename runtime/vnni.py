@@ -446,7 +446,9 @@ def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_qua
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
 FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
 BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3}
-FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS)
+# ggml's K-quants and iq4_xs: their multi-expert kernel is ``kquants.rows_many``.
+KQUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"})
+FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS) | KQUANTS
 
 
 def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray, rows: int,
@@ -454,8 +456,8 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     """[k, rows]: the matrix stored at byte ``offsets[e]`` of ``file`` (the bundle mapped as
     uint8, of a length that is a multiple of 4) times x[e], for the k selected experts of a layer
     at once; ``x`` of one row is every expert's (quantized once). ``scheme``: one of ``FUSED``
-    for all k, or one each: the block kinds, mixed, share one parallel region; each int4 group
-    size takes one of its own."""
+    for all k, or one each: the block kinds, mixed, share one parallel region, so do the
+    K-quants; each int4 group size takes one of its own."""
     vectors, cols = x.shape
     k = offsets.shape[0]
     out = np.empty((k, rows), dtype=np.float32)
@@ -466,7 +468,13 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
         xs = x if whole or vectors == 1 else x[picked]
         n = xs.shape[0]
         dest = out if whole else np.empty((len(picked), rows), dtype=np.float32)
-        if part == "blocks":
+        if part == "kquants":
+            from .kquants import rows_many as kquant_rows_many
+
+            names = tuple(scheme if isinstance(scheme, str) else scheme[e] for e in
+                          (range(k) if whole else picked.tolist()))
+            dest[:] = kquant_rows_many(file, names, offs, rows, xs)
+        elif part == "blocks":
             # int8/q8_0 read the activations in order, q4_0/mxfp4 in quad_layout; the scales
             # and sums are the same.
             natural = quantize_activations(xs.reshape(-1), 32) if in_order else None
@@ -497,7 +505,7 @@ def split_schemes(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.nd
     evict it from the caches, where each of these steps costs microseconds."""
     members: dict[str, list[int]] = {}
     for e, name in enumerate(schemes):
-        members.setdefault("blocks" if name in BLOCK_KINDS else name, []).append(e)
+        members.setdefault("blocks" if name in BLOCK_KINDS else "kquants" if name in KQUANTS else name, []).append(e)
     parts = []
     for part, picked in members.items():
         kinds = np.array([BLOCK_KINDS.get(schemes[e], -1) for e in picked], dtype=np.int64)

@@ -57,6 +57,10 @@ def test_kquant_experts_pass_through_and_run(tmp_path, wide_qwen3, qtype):
                                           source["down"][0][e].reshape(-1))
             assert bundle.tensors[f"layers.0.experts.{e}.down"].scheme == qtype.lower()
         experts = ExpertSet(bundle, 0)
+        from ktc.runtime import vnni
+
+        # one token through every selected expert in two parallel regions on a VNNI CPU
+        assert (experts._fused is not None) == (vnni.HAVE_VNNI and qtype != "IQ4_NL")
         for tokens in (slice(0, 1), slice(0, 3)):  # the one-token path and the batched one
             got = experts.forward(hidden[tokens], idx[tokens], weights[tokens])
             want = np.zeros_like(got)
@@ -238,3 +242,23 @@ def test_kquant_rows_that_are_not_whole_super_blocks_are_refused(q4_k_gguf, tmp_
     with pytest.raises(FormatError):
         compile_bundle(str(cut), str(tmp_path / "b.ktb"))
     assert not (tmp_path / "a.ktb").exists() and not (tmp_path / "b.ktb").exists()
+
+
+def test_q4_k_m_fused_layer_equals_expert_by_expert(q4_k_m, tmp_path):
+    """The fused one-token path through a layer whose experts keep gate/up in q4_k and down in
+    q6_k gives what the experts give one by one."""
+    from ktc.runtime.kernels import expert_forward
+
+    _, path = q4_k_m
+    out = str(tmp_path / "m.ktb")
+    compile_bundle(path, out)
+    x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
+    idx, weights = np.array([[2, 6]]), np.array([[0.7, 0.3]], dtype=np.float32)
+    with open_bundle(out) as bundle:
+        experts = ExpertSet(bundle, 0)
+        got = experts.forward(x[None, :], idx, weights)[0]
+        want = sum(w * expert_forward(experts.cpu[e].gate_up, experts.cpu[e].down, experts.cpu[e].scheme, x)
+                   for e, w in zip(idx[0], weights[0]))
+        assert experts.cpu[2].scheme == "q4_k+q6_k"
+        experts.close()
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()

@@ -237,12 +237,16 @@ def test_fused_experts_equal_one_by_one(scheme, cols, shared):
     file) gives each expert's rows as the one-matrix kernel does, with one activation vector for
     all (gate/up of one token) or one each (down); column counts with and without a tail past
     the last whole four blocks."""
-    group = vnni.FUSED_GROUPS.get(scheme, 32)
-    if cols % group:
+    from model_factory import random_blocks
+
+    from ktc.formats.schemes import get_scheme
+
+    if cols % max(get_scheme(scheme).block_elems, 32):
         pytest.skip("row not whole groups")
     rng = np.random.default_rng(cols)
     rows, k = 70, 3  # more rows than one 64-row work item
-    mats = [quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, scheme) for _ in range(k)]
+    mats = [quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, scheme)
+            if get_scheme(scheme).quantize else random_blocks(scheme, rows, cols, e) for e in range(k)]
     stride = (mats[0].nbytes + 4 * 37) // 4 * 4  # unused bytes between the experts; 4-aligned as in a bundle
     file = np.zeros(k * stride + 4, dtype=np.uint8)
     offsets = np.array([e * stride + 4 for e in range(k)][::-1], dtype=np.int64)
