@@ -1,9 +1,10 @@
 """Decode beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
 shapes, converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
-MXFP4_MOE), then compiled by ktc *from those GGUF files* (their blocks pass through: both read the
-same bytes). Q8_0 and Q4_0 are quantized with ``--pure``: by default llama-quantize keeps a Q4_0
-file's ``output.weight`` in Q6_K, which ktc would store as q4_0 (two thirds of the bytes) until
-the K-quants land. MXFP4_MOE files hold MXFP4 experts and Q8_0 matrices, both ktc's types.
+MXFP4_MOE, Q4_K_M), then compiled by ktc *from those GGUF files* (their blocks pass through: both
+read the same bytes; a Q4_K_M file keeps its Q4_K/Q6_K mix layer by layer). Q8_0 and Q4_0 are
+quantized with ``--pure`` (every matrix in that type, as they were before ktc read the K-quants:
+by default llama-quantize keeps a Q4_0 file's ``output.weight`` in Q6_K). MXFP4_MOE files hold
+MXFP4 experts and Q8_0 matrices.
 
 Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -n N
 -p P -t T`` and ktc's whole-model decode (``ktc run``'s loop, greedy, the same prompt and
@@ -33,7 +34,8 @@ import generate as gen  # noqa: E402  (the models, llama.cpp's side and the meas
 
 # llama.cpp file type -> (ktc expert scheme, ktc dense scheme, every matrix in the file type):
 # the GGUF's own types.
-TYPES = {"Q8_0": ("q8_0", "q8_0", True), "Q4_0": ("q4_0", "q4_0", True), "MXFP4_MOE": ("mxfp4", "q8_0", False)}
+TYPES = {"Q8_0": ("q8_0", "q8_0", True), "Q4_0": ("q4_0", "q4_0", True), "MXFP4_MOE": ("mxfp4", "q8_0", False),
+         "Q4_K_M": (None, "auto", False)}  # None, auto: every tensor at the file's own type (K-quants)
 
 
 def main() -> int:
