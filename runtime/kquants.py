@@ -252,6 +252,15 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                 return builder.sitofp(wide, ir.VectorType(f32, n))
 
             group = builder.sdiv(xbase_v, ir.Constant(xbase_v.type, 32))  # activation group of 32
+            # Ask for the weights 4 KB ahead, every cache line of a super-block (as the other block
+            # kinds' rows do: long rows read a third faster with it here).
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+            for line in range(0, {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
+                                  "iq4_xs": 136}[kind], 64):
+                ahead = builder.add(at_v, ir.Constant(at_v.type, vnni._PREFETCH_BYTES + line))
+                builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
+                                        ir.Constant(i32, 1)])
             dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
             total = builder.load(builder.bitcast(acc_a.data, floats.as_pointer()), align=4)
