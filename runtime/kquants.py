@@ -3,11 +3,13 @@ at the bytes a GGUF stores (layouts in ``ktc.formats.codec_kquants``): the CPU's
 decode kernels (Numba) and the device decoder (torch), each registered in the runtime's tables
 under the scheme's name.
 
-One token on the CPU: q4_k, q5_k and q6_k through AVX-512 VNNI where the CPU has it (codes
-assembled from their bit planes in vector registers, activations quantized to int8 per 32 as
-llama.cpp does); the others, and every type without VNNI, decode each block into a float32
-buffer that stays in L1 and multiply it by the activations there (the float path). Decoding is bit for bit the ``gguf`` package's (float32 products in its order, no fused
-multiply-add), which the tests check.
+One token on the CPU: the K-quants and iq4_xs through AVX-512 VNNI where the CPU has it, a
+super-block a call (codes assembled from their bit planes in vector registers, activations
+quantized to int8 per 32 as llama.cpp does), also for every selected expert of a layer at once
+(``rows_many``); iq4_nl, and every type without VNNI, decode each block into a float32 buffer
+that stays in L1 and multiply it by the activations there (the float path). Decoding is bit for
+bit the ``gguf`` package's (float32 products in its order, no fused multiply-add), which the
+tests check.
 """
 
 from __future__ import annotations
