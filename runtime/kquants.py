@@ -14,6 +14,7 @@ tests check.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -455,25 +456,43 @@ def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16,
             out[e, r] = acc.sum()
 
 
+@njit(cache=True, nogil=True)
+def _sums16(xq, dx, isum16, dsum16):  # pragma: no cover - compiled
+    for g in range(isum16.shape[0]):
+        total = 0
+        for j in range(16 * g, 16 * g + 16):
+            total += np.int32(xq[j])
+        isum16[g] = np.float32(total)
+        dsum16[g] = np.float32(total) * dx[g // 2]
+
+
 def _activations(x: np.ndarray) -> tuple[np.ndarray, ...]:
     """x [n, cols] quantized for the kernels: int8 values, scales per 32, dequantized sums per
-    32, int8 sums per 16 (q3_k's and q6_k's offsets), dequantized sums per 16 (q2_k's minimums)."""
+    32, int8 sums per 16 (q3_k's and q6_k's offsets), dequantized sums per 16 (q2_k's minimums).
+    Compiled, one thread: a decode step calls this twice a layer."""
     n, cols = x.shape
     xq, dx, sums32 = vnni.quantize_activations(x.reshape(-1), 32)
-    isum16 = xq.reshape(-1, 16).sum(axis=1, dtype=np.int32).astype(np.float32)
-    dsum16 = isum16 * np.repeat(dx, 2)
+    isum16 = np.empty(xq.shape[0] // 16, dtype=np.float32)
+    dsum16 = np.empty_like(isum16)
+    _sums16(xq, dx, isum16, dsum16)
     return (xq.reshape(n, cols), dx.reshape(n, -1), sums32.reshape(n, -1), isum16.reshape(n, -1),
             dsum16.reshape(n, -1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kinds, row bytes) of the selected experts' matrices, kept per selection (a decode step's
+    Python runs among streaming weights, where each small step costs microseconds)."""
+    from ktc.formats.schemes import get_scheme
+
+    return (np.array([KINDS[name] for name in schemes], dtype=np.int64),
+            np.array([get_scheme(name).matrix_bytes(1, cols) for name in schemes], dtype=np.int64))
 
 
 def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, rows: int,
               x: np.ndarray) -> np.ndarray:
     """``vnni.rows_many`` for experts in ``vnni.KQUANTS`` schemes (mixed): [k, rows]."""
-    from ktc.formats.schemes import get_scheme
-
-    cols = x.shape[1]
-    kinds = np.array([KINDS[name] for name in schemes], dtype=np.int64)
-    row_bytes = np.array([get_scheme(name).matrix_bytes(1, cols) for name in schemes], dtype=np.int64)
+    kinds, row_bytes = _layout(tuple(schemes), x.shape[1])
     out = np.empty((len(schemes), rows), dtype=np.float32)
     _k_rows_many(file, kinds, offsets, row_bytes, _F16_TO_F32, *_activations(x), out)
     return out
