@@ -241,6 +241,8 @@ def test_fused_experts_equal_one_by_one(scheme, cols, shared):
 
     from ktc.formats.schemes import get_scheme
 
+    if get_scheme(scheme).block_elems == 256:  # K-quant super-blocks: 512 and 768 in place of 384 and 352
+        cols = {384: 512, 352: 768}.get(cols, cols)
     if cols % max(get_scheme(scheme).block_elems, 32):
         pytest.skip("row not whole groups")
     rng = np.random.default_rng(cols)
