@@ -332,6 +332,11 @@ def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np
         schemes = (scheme,) * k if isinstance(scheme, str) else tuple(scheme)
         pairs = [expert_schemes(name) for name in schemes]  # an expert's gate/up and down schemes
         gu_schemes, dn_schemes = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)
+        if all(name in vnni.KQUANTS for name in gu_schemes + dn_schemes):  # one compiled call
+            return kquants.experts_token(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter,
+                                         x, weights, activation == "swiglu_clamped",
+                                         7.0 if limit is None else limit, 1.702 if alpha is None else alpha,
+                                         gate_up_bias, down_bias)
         if any(a != b for a, b in zip(gu_schemes, dn_schemes)):
             return _experts_token_rows(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter,
                                        x, weights, activation, gate_up_bias, down_bias, limit, alpha)

@@ -498,6 +498,77 @@ def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, r
     return out
 
 
+@njit(cache=True, nogil=True)
+def _quantized(x, n, cols):  # pragma: no cover - compiled
+    # n vectors of cols values quantized per 32 (``_activations``, compiled): [n, ...] arrays
+    groups = n * cols // 32
+    xq = np.empty(n * cols, np.int8)
+    dx = np.empty(groups, np.float32)
+    sums32 = np.empty(groups, np.float32)
+    vnni._quantize_groups(x, 32, 0, xq, dx, sums32)
+    isum16 = np.empty(2 * groups, np.float32)
+    dsum16 = np.empty(2 * groups, np.float32)
+    _sums16(xq, dx, isum16, dsum16)
+    return (xq.reshape(n, cols), dx.reshape(n, cols // 32), sums32.reshape(n, cols // 32),
+            isum16.reshape(n, cols // 16), dsum16.reshape(n, cols // 16))
+
+
+@njit(cache=True, nogil=True)
+def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, x, weights, inter,
+                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias):  # pragma: no cover - compiled
+    # One token through k experts of K-quant kinds: the activations quantized, the gate/up rows
+    # of every expert in one parallel region, the activation function, the down rows in another,
+    # the weighted sum; one compiled call (vnni._experts_token_blocks for the other block kinds).
+    k = gu_kinds.shape[0]
+    hidden = x.shape[0]
+    xq, dx, sums32, isum16, dsum16 = _quantized(x, 1, hidden)
+    h = np.empty((k, 2 * inter), np.float32)
+    _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table, xq, dx, sums32, isum16, dsum16, h)
+    a = np.empty(k * inter, np.float32)
+    one = np.float32(1.0)
+    for e in range(k):
+        for j in range(inter):
+            gate, up = h[e, j], h[e, inter + j]
+            if has_gu_bias:
+                gate += gu_bias[e, j]
+                up += gu_bias[e, inter + j]
+            if clamped:  # gpt-oss's clamped SwiGLU
+                gate = min(gate, limit)
+                up = min(max(up, -limit), limit)
+                a[e * inter + j] = (up + one) * (gate / (one + np.exp(-alpha * gate)))
+            else:
+                a[e * inter + j] = gate / (one + np.exp(-gate)) * up
+    aq, adx, asums32, aisum16, adsum16 = _quantized(a, k, inter)
+    y = np.empty((k, hidden), np.float32)
+    _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table, aq, adx, asums32, aisum16, adsum16, y)
+    out = np.zeros(hidden, np.float32)
+    for e in range(k):
+        for j in range(hidden):
+            out[j] += weights[e] * (y[e, j] + dn_bias[e, j] if has_dn_bias else y[e, j])
+    return out
+
+
+_NO_BIAS = np.zeros((1, 1), dtype=np.float32)
+
+
+def experts_token(file: np.ndarray, gu_schemes: tuple[str, ...], dn_schemes: tuple[str, ...],
+                  gate_up_offsets: np.ndarray, down_offsets: np.ndarray, hidden: int, inter: int, x: np.ndarray,
+                  weights: np.ndarray, clamped: bool, limit: float, alpha: float,
+                  gate_up_bias: np.ndarray | None, down_bias: np.ndarray | None) -> np.ndarray:
+    """``kernels.experts_token`` for experts whose matrices are all in ``vnni.KQUANTS`` schemes
+    (gate/up and down may differ): one compiled call."""
+    gu_kinds, gu_rows = _layout(gu_schemes, hidden)
+    dn_kinds, dn_rows = _layout(dn_schemes, inter)
+    return _experts_token(file, _F16_TO_F32, gu_kinds, np.ascontiguousarray(gate_up_offsets, dtype=np.int64), gu_rows,
+                          dn_kinds, np.ascontiguousarray(down_offsets, dtype=np.int64), dn_rows,
+                          np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(weights, dtype=np.float32),
+                          inter, clamped, np.float32(limit), np.float32(alpha),
+                          _NO_BIAS if gate_up_bias is None else np.ascontiguousarray(gate_up_bias, dtype=np.float32),
+                          gate_up_bias is not None,
+                          _NO_BIAS if down_bias is None else np.ascontiguousarray(down_bias, dtype=np.float32),
+                          down_bias is not None)
+
+
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
     """The one-token kernel of a K-quant or iq4_xs through VNNI (C-contiguous rows)."""
     kind = KINDS[name]
