@@ -524,20 +524,7 @@ def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offs
     xq, dx, sums32, isum16, dsum16 = _quantized(x, 1, hidden)
     h = np.empty((k, 2 * inter), np.float32)
     _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table, xq, dx, sums32, isum16, dsum16, h)
-    a = np.empty(k * inter, np.float32)
-    one = np.float32(1.0)
-    for e in range(k):
-        for j in range(inter):
-            gate, up = h[e, j], h[e, inter + j]
-            if has_gu_bias:
-                gate += gu_bias[e, j]
-                up += gu_bias[e, inter + j]
-            if clamped:  # gpt-oss's clamped SwiGLU
-                gate = min(gate, limit)
-                up = min(max(up, -limit), limit)
-                a[e * inter + j] = (up + one) * (gate / (one + np.exp(-alpha * gate)))
-            else:
-                a[e * inter + j] = gate / (one + np.exp(-gate)) * up
+    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
     aq, adx, asums32, aisum16, adsum16 = _quantized(a, k, inter)
     y = np.empty((k, hidden), np.float32)
     _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table, aq, adx, asums32, aisum16, adsum16, y)

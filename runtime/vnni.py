@@ -593,6 +593,28 @@ def _quantized_both(x, n, cols, in_order, in_quads):  # pragma: no cover - compi
 
 
 @njit(cache=True, nogil=True)
+def activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias):  # pragma: no cover - compiled
+    """The k experts' gate/up outputs h [k, 2 * inter] (plus their biases) through the activation:
+    SiLU(gate) * up, or gpt-oss's clamped SwiGLU; [k * inter], one expert after another."""
+    k = h.shape[0]
+    a = np.empty(k * inter, np.float32)
+    one = np.float32(1.0)
+    for e in range(k):
+        for j in range(inter):
+            gate, up = h[e, j], h[e, inter + j]
+            if has_gu_bias:
+                gate += gu_bias[e, j]
+                up += gu_bias[e, inter + j]
+            if clamped:  # gpt-oss's clamped SwiGLU
+                gate = min(gate, limit)
+                up = min(max(up, -limit), limit)
+                a[e * inter + j] = (up + one) * (gate / (one + np.exp(-alpha * gate)))
+            else:
+                a[e * inter + j] = gate / (one + np.exp(-gate)) * up
+    return a
+
+
+@njit(cache=True, nogil=True)
 def _experts_token_blocks(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, x, weights, inter,
                           in_order, in_quads, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias,
                           has_dn_bias, stamps):  # pragma: no cover - compiled
@@ -608,20 +630,7 @@ def _experts_token_blocks(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_o
     _block_rows_many(file, f32, kinds, f16, e8m0, gu_offsets, gu_rows, xq, xq_quads, dx, sums, h)
     if timed:
         stamps[2] = _cycles()
-    a = np.empty(k * inter, np.float32)
-    one = np.float32(1.0)
-    for e in range(k):
-        for j in range(inter):
-            gate, up = h[e, j], h[e, inter + j]
-            if has_gu_bias:
-                gate += gu_bias[e, j]
-                up += gu_bias[e, inter + j]
-            if clamped:  # gpt-oss's clamped SwiGLU
-                gate = min(gate, limit)
-                up = min(max(up, -limit), limit)
-                a[e * inter + j] = (up + one) * (gate / (one + np.exp(-alpha * gate)))
-            else:
-                a[e * inter + j] = gate / (one + np.exp(-gate)) * up
+    a = activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
     if timed:
         stamps[3] = _cycles()
     aq, aq_quads, adx, asums = _quantized_both(a, k, inter, in_order, in_quads)
