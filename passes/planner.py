@@ -395,11 +395,12 @@ def _passes_through(name: str, own: str | None) -> bool:
     return all(s.quantize is not None or s is o for s, o in zip(mine, theirs))
 
 
-def check_source_allows(ir: ModelIR, name: str, *, every_layer: bool = False) -> None:
+def check_source_allows(ir: ModelIR, name: str, *, every_layer: bool = False,
+                        owns: tuple[str | None, ...] | None = None) -> None:
     """An expert scheme with a matrix scheme that has no quantizer is only the source's own
     bytes, passed through: some layer (with ``every_layer``, every one) must store its experts
-    that way."""
-    owns = source_layer_schemes(ir)
+    that way. ``owns``: ``source_layer_schemes(ir)``, when the caller has it."""
+    owns = source_layer_schemes(ir) if owns is None else owns
     fits = [_passes_through(name, own) for own in owns]
     if all(fits) or (any(fits) and not every_layer):
         return
@@ -413,11 +414,12 @@ def check_source_allows(ir: ModelIR, name: str, *, every_layer: bool = False) ->
 
 def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[PlacementOption, ...]:
     shape = expert_shape(ir)
+    owns = source_layer_schemes(ir)  # one pass over every expert, not one per option
     result = []
     for device, names, bandwidth in ((GPU, opts.gpu_schemes, hw.gpu_bandwidth),
                                      (CPU, opts.cpu_schemes, hw.cpu_bandwidth)):
         for name in names:
-            check_source_allows(ir, name)
+            check_source_allows(ir, name, owns=owns)
             gate_up, down = expert_schemes(name)
             for scheme, cols in ((gate_up, shape.hidden), (down, shape.intermediate)):
                 if not scheme.fits(cols):

@@ -586,14 +586,11 @@ def _int8_gemm(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray | None = None
 
 
 def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
-    """``x @ W.T`` with ``W`` decoded to bf16 (bf16 weights used in place) and ``x`` rounded to
-    bf16, accumulated in float32."""
+    """``x @ W.T`` with ``W`` decoded to bf16 (bf16 weights used in place: their decode is a
+    view) and ``x`` rounded to bf16, accumulated in float32."""
     import torch
 
-    if scheme == "bf16":
-        w = torch.from_numpy(raw.view(np.uint16).reshape(raw.shape[0], x.shape[1])).view(torch.bfloat16)
-    else:
-        w = torch.from_numpy(decode(raw, scheme, x.shape[1], bf16=True)).view(torch.bfloat16)
+    w = torch.from_numpy(decode(raw, scheme, x.shape[1], bf16=True)).view(torch.bfloat16)
     return (torch.from_numpy(x).to(torch.bfloat16) @ w.T).float().numpy()
 
 

@@ -471,12 +471,7 @@ def _activations(x: np.ndarray) -> tuple[np.ndarray, ...]:
     32, int8 sums per 16 (q3_k's and q6_k's offsets), dequantized sums per 16 (q2_k's minimums).
     Compiled, one thread: a decode step calls this twice a layer."""
     n, cols = x.shape
-    xq, dx, sums32 = vnni.quantize_activations(x.reshape(-1), 32)
-    isum16 = np.empty(xq.shape[0] // 16, dtype=np.float32)
-    dsum16 = np.empty_like(isum16)
-    _sums16(xq, dx, isum16, dsum16)
-    return (xq.reshape(n, cols), dx.reshape(n, -1), sums32.reshape(n, -1), isum16.reshape(n, -1),
-            dsum16.reshape(n, -1))
+    return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -500,7 +495,7 @@ def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, r
 
 @njit(cache=True, nogil=True)
 def _quantized(x, n, cols):  # pragma: no cover - compiled
-    # n vectors of cols values quantized per 32 (``_activations``, compiled): [n, ...] arrays
+    # n vectors of cols values quantized per 32 (what ``_activations`` returns): [n, ...] arrays
     groups = n * cols // 32
     xq = np.empty(n * cols, np.int8)
     dx = np.empty(groups, np.float32)
