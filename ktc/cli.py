@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from ktc import __version__
-from ktc.errors import KtcError, Terminated
+from ktc.errors import KtcError, Terminated, hold_signal
 from ktc.formats.schemes import SCHEMES
 
 EXIT_USER_ERROR = 2
@@ -77,7 +77,8 @@ def _sigterm_raises() -> Iterator[None]:
         return
 
     def raise_terminated(signum: int, frame: Any) -> None:
-        raise Terminated(signum)
+        if not hold_signal(signum):
+            raise Terminated(signum)
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:

@@ -68,3 +68,34 @@ class Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"stopped by signal {signum}")
+
+
+# A SIGTERM that arrives while the process starts worker processes is held until they have
+# started (``signals_held``): a child that is still being spawned when its parent exits reads a
+# closed pipe and prints a traceback, and one the parent does not know of yet is not stopped.
+_held = 0
+_pending: list[int] = []
+
+
+def hold_signal(signum: int) -> bool:
+    """For the SIGTERM handler: True (and the signal kept for later) while signals are held."""
+    if _held:
+        _pending.append(signum)
+        return True
+    return False
+
+
+class signals_held:  # noqa: N801  (a context manager, used as a statement)
+    """``with signals_held():`` a SIGTERM handled by ``hold_signal`` takes effect at the end."""
+
+    def __enter__(self) -> None:
+        global _held
+        _held += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _held
+        _held -= 1
+        if not _held and _pending:
+            signum = _pending.pop()
+            _pending.clear()
+            raise Terminated(signum)

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ktc.errors import InternalError, KtcError
+from ktc.errors import InternalError, KtcError, signals_held
 from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json, new_block_hasher
 from ktc.formats.dequant import to_float32, to_float32_rows
 from ktc.formats.quantize import check_finite, convert, dequantize, quantize
@@ -508,7 +508,8 @@ def _expert_results(experts: list[BlockJob], jobs: int, options: BuildOptions,
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),))
     pending: deque = deque()
     try:
-        pending.extend(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
+        with signals_held():  # the workers start here (see ktc.errors.signals_held)
+            pending.extend(submit(pool, i) for i in range(min(2 * jobs, len(experts))))
         following = len(pending)
         while pending:
             result = pending.popleft().result()
