@@ -70,18 +70,22 @@ def sample(logits: Any, sampling: Sampling, generator: Any) -> int:
 
     if sampling.temperature == 0:  # numpy: one thread, no parallel region to wake
         return int(np.argmax(logits.detach().float().numpy()))
-    scores = logits.float() / sampling.temperature
-    if sampling.top_k:
-        k = min(sampling.top_k, scores.shape[-1])
-        threshold = torch.topk(scores, k).values[-1]
-        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    scores = logits.float().reshape(-1) / sampling.temperature
+    # The candidates in descending order: the top_k of them when there is a limit (sorting and
+    # drawing from all of a 151936-token vocabulary took 7 ms a token here, 0.5 ms now: more
+    # than the kernels of a one-layer decode step), all of them when top-p needs an order, else
+    # the scores as they are.
+    order = None
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        scores, order = torch.topk(scores, sampling.top_k)
+    elif sampling.top_p < 1:
+        scores, order = torch.sort(scores, descending=True)
     probs = torch.softmax(scores, dim=-1)
     if sampling.top_p < 1:
-        ordered, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(ordered, dim=-1) - ordered < sampling.top_p  # always keeps the first
-        probs = torch.zeros_like(probs).scatter_(0, order, ordered * keep)
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+        keep = torch.cumsum(probs, dim=-1) - probs < sampling.top_p  # always keeps the first
+        probs = probs * keep
+    choice = int(torch.multinomial(probs, 1, generator=generator))
+    return choice if order is None else int(order[choice])
 
 
 class Detokenizer:
