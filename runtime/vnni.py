@@ -165,7 +165,7 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-    size, scale_bytes, per_step, offset = _ROW_STEP[kind]
+    size, scale_bytes, per_step, _ = _ROW_STEP[kind]  # the offset is in the lanes (_lanes)
     per_block = 16 // per_step  # lanes of one block
 
     def vector(t, n):  # type: ignore[no-untyped-def]
@@ -175,11 +175,12 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
         return ir.Constant(vector(i32, len(indices)), list(indices))
 
     @intrinsic
-    def row(typingctx, flat, at, steps, xq, dx, xsum, e8m0):  # type: ignore[no-untyped-def]
+    def row(typingctx, flat, at, steps, xq, lanes, lbase, lspan, e8m0):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, xq_a, dx_a, xsum_a, e8m0_a = (
-                context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 3, 4, 5, 6))
-            at_v, steps_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
+            flat_a, xq_a, lanes_a, e8m0_a = (
+                context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 3, 4, 7))
+            at_v, steps_v, lbase_v, lspan_v = (context.cast(builder, args[k], signature.args[k], types.intp)
+                                               for k in (1, 2, 5, 6))
             index_t = at_v.type
 
             def load(array, index, t, align=1):  # type: ignore[no-untyped-def]
@@ -197,13 +198,14 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
             bytes64, words, lanes = vector(i8, 64), vector(i32, 16), vector(f32, 16)
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+                                                 "llvm.fma.v16f32")
             prefetch = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
             acc_p = cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16))
             with cgutils.for_range(builder, steps_v) as loop:
                 at_i = step_of(at_v, loop.index, size * per_step)
                 x_i = builder.mul(loop.index, ir.Constant(index_t, 32 * per_step))
-                b_i = builder.mul(loop.index, ir.Constant(index_t, per_step))
                 if per_step == 2:  # 32 signed codes a block, made unsigned
                     if kind == 0:
                         codes = load(flat_a, at_i, bytes64)
@@ -243,38 +245,43 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                 for codes, x_at in pairs:
                     dot = builder.call(dpbusd, [dot, builder.bitcast(codes, words),
                                                 builder.bitcast(load(xq_a, x_at, bytes64), words)])
-                shift = builder.fmul(per_lane(load(xsum_a, b_i, vector(f32, per_step), 4)),
-                                     ir.Constant(lanes, [offset / per_block] * 16))
-                term = builder.fsub(builder.fmul(builder.sitofp(dot, lanes),
-                                                 per_lane(load(dx_a, b_i, vector(f32, per_step), 4))), shift)
-                if kind == 3:  # e8m0: a power of two, from the table; the e2m1 integers are twice the value
-                    scales = ir.Constant(vector(f32, 4), ir.Undefined)
-                    for j in range(4):
-                        exponent = builder.zext(load(flat_a, plus(at_i, j * size), i8), i32)
-                        value = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
-                        scales = builder.insert_element(scales, value, ir.Constant(i32, j))
-                    term = builder.fmul(per_lane(scales), term)
-                elif kind != 0:  # fp16 scales
-                    if kind == 2:  # from the first load
-                        halves = builder.shuffle_vector(builder.bitcast(head, vector(i16, 32)),
-                                                        ir.Constant(vector(i16, 32), ir.Undefined),
-                                                        mask([j * size // 2 for j in range(4)]))
-                    else:
-                        halves = ir.Constant(vector(i16, per_step), ir.Undefined)
-                        for j in range(per_step):
-                            halves = builder.insert_element(halves, load(flat_a, plus(at_i, j * size), i16),
-                                                            ir.Constant(i32, j))
-                    scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), per_step)),
-                                           vector(f32, per_step))
-                    term = builder.fmul(per_lane(scales), term)
-                builder.store(builder.fadd(builder.load(acc_p), term), acc_p)
+                # the activations' side of the step, laid out lane by lane once per vector
+                # (``lanes``): the scale of each lane's block, and minus its sum times the
+                # codes' offset over the block's lanes
+                l_i = builder.add(lbase_v, builder.mul(loop.index, ir.Constant(index_t, 16)))
+                term = builder.call(fma, [builder.sitofp(dot, lanes), load(lanes_a, l_i, lanes, 4),
+                                          load(lanes_a, builder.add(l_i, lspan_v), lanes, 4)])
+                if kind == 0:  # int8: the row scale is the caller's
+                    builder.store(builder.fadd(builder.load(acc_p), term), acc_p)
+                else:
+                    if kind == 3:  # e8m0: a power of two, from the table; the e2m1 integers are twice the value
+                        scales = ir.Constant(vector(f32, 4), ir.Undefined)
+                        for j in range(4):
+                            exponent = builder.zext(load(flat_a, plus(at_i, j * size), i8), i32)
+                            value = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
+                            scales = builder.insert_element(scales, value, ir.Constant(i32, j))
+                        scales = per_lane(scales)
+                    else:  # fp16 scales, each repeated over its block's lanes before one conversion
+                        if kind == 2:  # from the first load
+                            halves = builder.shuffle_vector(builder.bitcast(head, vector(i16, 32)),
+                                                            ir.Constant(vector(i16, 32), ir.Undefined),
+                                                            mask([(lane // per_block) * size // 2 for lane in range(16)]))
+                        else:
+                            halves = ir.Constant(vector(i16, per_step), ir.Undefined)
+                            for j in range(per_step):
+                                halves = builder.insert_element(halves, load(flat_a, plus(at_i, j * size), i16),
+                                                                ir.Constant(i32, j))
+                            halves = builder.shuffle_vector(halves, halves,
+                                                            mask([lane // per_block for lane in range(16)]))
+                        scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
+                    builder.store(builder.call(fma, [scales, term, builder.load(acc_p)]), acc_p)
             acc = builder.load(acc_p)
             for width in (8, 4, 2, 1):  # the lanes' sum: halves added until one is left
                 acc = builder.fadd(builder.shuffle_vector(acc, acc, mask(range(width))),
                                    builder.shuffle_vector(acc, acc, mask(range(width, 2 * width))))
             return builder.extract_element(acc, ir.Constant(i32, 0))
 
-        return types.float32(flat, at, steps, xq, dx, xsum, e8m0), codegen
+        return types.float32(flat, at, steps, xq, lanes, lbase, lspan, e8m0), codegen
 
     return row
 
@@ -339,9 +346,10 @@ def _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq, dx, xsum, out):  # pragma
     # activations quantized per 32 values (xq, dx, xsum).
     rows, row_bytes = raw.shape
     flat = raw.reshape(-1)
+    lanes = _lanes(dx.reshape(1, -1), xsum.reshape(1, -1))[0]
     for chunk in prange((rows + 63) // 64):
         _block_rows(kind, flat, f32, f16, e8m0, 0, row_bytes, chunk * 64, min(rows, chunk * 64 + 64),
-                    xq, dx, xsum, out)
+                    xq, dx, xsum, lanes, out)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -372,22 +380,48 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
             out[e, r] = acc.sum() + minimum
 
 
+@njit(cache=True, nogil=True)
+def _lanes(dx, xsum):  # pragma: no cover - compiled
+    """The activations' side of ``_row_intrinsic``'s steps, lane by lane, for n vectors quantized
+    per 32 values (dx, xsum [n, blocks]): [n, 6 * span], span = blocks * 8, holding for the
+    steps of two blocks (int8, q8_0), of four q4_0 blocks and of four mxfp4 blocks each lane's
+    block scale (span values), then minus its block sum times the codes' offset over the block's
+    lanes (span values). Built once a vector instead of per step of every row: the per-lane
+    shuffles and products took a third of a 4-bit row's instructions, which bound the kernels
+    at about 32 GB/s on two cores."""
+    n, blocks = dx.shape
+    span = blocks * 8
+    out = np.zeros((n, 6 * span), np.float32)
+    for v in range(n):
+        for kind in range(3):  # int8/q8_0, q4_0, mxfp4
+            per_step = 2 if kind == 0 else 4
+            per_block = 16 // per_step
+            offset = np.float32((128.0, 8.0, 12.0)[kind] / per_block)
+            base = 2 * kind * span
+            for lane in range(blocks // per_step * 16):
+                b = (lane // 16) * per_step + (lane % 16) // per_block
+                out[v, base + lane] = dx[v, b]
+                out[v, base + span + lane] = -offset * xsum[v, b]
+    return out
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, acc):  # pragma: no cover - compiled
+def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, lanes, acc):  # pragma: no cover - compiled
     # The row of ``blocks`` blocks of BLOCK_KINDS[kind] at byte ``base`` times the activations
-    # (int8 xq, quantized per 32 values: dx[b], xsum[b]). kind 0: int8 (the row's codes, then a
+    # (int8 xq, quantized per 32 values: dx[b], xsum[b]; ``lanes``: _lanes of them). kind 0: int8 (the row's codes, then a
     # float32 row scale: not applied here), 1: q8_0, 2: q4_0, 3: mxfp4 (ggml blocks).
     # Whole steps of the row in LLVM's loop (_row_intrinsic), then the blocks past the last
     # whole step one by one (their activations in order): at most three, in rows that are not
     # whole steps (gpt-oss's 2880 values), so one loop serves every kind.
+    span = lanes.shape[0] // 6
     if kind == 0:
-        total, step = _int8_row(flat, base, blocks // 2, xq, dx, xsum, e8m0), 2
+        total, step = _int8_row(flat, base, blocks // 2, xq, lanes, 0, span, e8m0), 2
     elif kind == 1:
-        total, step = _q8_0_row(flat, base, blocks // 2, xq, dx, xsum, e8m0), 2
+        total, step = _q8_0_row(flat, base, blocks // 2, xq, lanes, 0, span, e8m0), 2
     elif kind == 2:
-        total, step = _q4_0_row(flat, base, blocks // 4, xq, dx, xsum, e8m0), 4
+        total, step = _q4_0_row(flat, base, blocks // 4, xq, lanes, 2 * span, span, e8m0), 4
     else:
-        total, step = _mxfp4_row(flat, base, blocks // 4, xq, dx, xsum, e8m0), 4
+        total, step = _mxfp4_row(flat, base, blocks // 4, xq, lanes, 4 * span, span, e8m0), 4
     if blocks % step == 0:
         return total
     acc[:] = 0
@@ -414,12 +448,12 @@ def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, acc):  # pragm
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _block_rows(kind, flat, f32, f16, e8m0, base, row_bytes, r0, r1, xq, dx, xsum, out):  # pragma: no cover - compiled
+def _block_rows(kind, flat, f32, f16, e8m0, base, row_bytes, r0, r1, xq, dx, xsum, lanes, out):  # pragma: no cover - compiled
     # out[r] for rows r0..r1 of the matrix of BLOCK_KINDS[kind] at byte ``base`` of flat.
     cols = xq.shape[0]
     acc = np.zeros(16, np.float32)
     for r in range(r0, r1):
-        out[r] = _block_row(kind, flat, f16, e8m0, base + r * row_bytes, cols // 32, xq, dx, xsum, acc)
+        out[r] = _block_row(kind, flat, f16, e8m0, base + r * row_bytes, cols // 32, xq, dx, xsum, lanes, acc)
         if kind == 0:
             out[r] *= f32[(base + r * row_bytes + cols) // 4]
 
@@ -433,6 +467,7 @@ def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_qua
     k, rows = out.shape
     chunks = (rows + 63) // 64
     shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
+    lanes = _lanes(dx, xsum)
     for item in prange(k * chunks):
         e = item // chunks
         chunk = item - e * chunks
@@ -440,7 +475,7 @@ def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_qua
         kind = kinds[e]
         xe = xq_quads[v] if kind >= 2 else xq[v]
         _block_rows(kind, flat, f32, f16, e8m0, offsets[e], row_bytes[e], chunk * 64, min(rows, chunk * 64 + 64),
-                    xe, dx[v], xsum[v], out[e])
+                    xe, dx[v], xsum[v], lanes[v], out[e])
 
 
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
