@@ -210,16 +210,16 @@ def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
 
 
 def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
-    """``block(acc, flat, at, xq, xbase, dx, sums, d, dmin)``: acc (float32, 16 lanes) += the
-    super-block of ``kind`` (q4_k, q5_k or q6_k) at byte ``at`` of ``flat`` times the int8
-    activations ``xq[xbase:xbase + 256]`` (``dx``: their scale per 32 values; ``sums``: for
-    q4_k/q5_k the dequantized activations' sum per 32, for q6_k the int8 sums per 16), with the
-    super-block's float scales ``d`` and ``dmin``. Everything in vector registers: the 6-bit
+    """``row(acc, flat, at, blocks, xq, dx, sums)``: acc (float32, 16 lanes) += the ``blocks``
+    super-blocks of ``kind`` (q2_k..q6_k, iq4_xs) from byte ``at`` of ``flat`` times the int8
+    activations ``xq`` (``dx``: their scale per 32 values; ``sums``: for q4_k/q5_k the
+    dequantized activations' sum per 32, for q6_k the int8 sums per 16), each super-block with
+    its own float scales d and dmin (fp16, converted by the CPU). Everything in vector registers: the 6-bit
     (or int8) sub-block scales unpacked with shuffles, the codes assembled from their bit planes
     64 values at a time (two sub-blocks of q4_k/q5_k, four of q6_k, which vpdpbusd's 16 lanes
     keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its sub-block's scale, the
     minimum (q4_k/q5_k) or the -32 offset (q6_k) taken off through the sums; one load and store
-    of ``acc`` a super-block."""
+    of ``acc`` a row."""
     from llvmlite import ir
 
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -227,10 +227,10 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     words, floats, floats8 = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(f32, 8)
 
     @intrinsic
-    def block(typingctx, acc, flat, at, xq, xbase, dx, sums, d, dmin):  # type: ignore[no-untyped-def]
+    def block(typingctx, acc, flat, at, blocks, xq, dx, sums):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            acc_v, flat_v, at_v, xq_v, xbase_v, dx_v, sums_v, d_v, dmin_v = args
-            arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5, 6)]
+            at0_v, blocks_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (2, 3))
+            arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6)]
             acc_a, flat_a, xq_a, dx_a, sums_a = arrays
 
             def load(array, index, vector, offset=0):  # type: ignore[no-untyped-def]
@@ -254,174 +254,187 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                 wide = (builder.sext if signed else builder.zext)(bytes_, ir.VectorType(i32, n))
                 return builder.sitofp(wide, ir.VectorType(f32, n))
 
-            group = builder.sdiv(xbase_v, ir.Constant(xbase_v.type, 32))  # activation group of 32
-            # Ask for the weights 4 KB ahead, every cache line of a super-block (as the other block
-            # kinds' rows do: long rows read a third faster with it here).
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-            for line in range(0, {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-                                  "iq4_xs": 136}[kind], 64):
-                ahead = builder.add(at_v, ir.Constant(at_v.type, vnni._PREFETCH_BYTES + line))
-                builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
-                                        ir.Constant(i32, 1)])
-            dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
-                                                    "llvm.x86.avx512.vpdpbusd.512")
-            total = builder.load(builder.bitcast(acc_a.data, floats.as_pointer()), align=4)
+            block_bytes = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}[kind]
+            d_at = {"q2_k": 80, "q3_k": 108, "q6_k": 208}.get(kind, 0)
+            dmin_at = 82 if kind == "q2_k" else 2
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
+                                                 "llvm.fma.v16f32")
+            acc_p = builder.bitcast(acc_a.data, floats.as_pointer())
+            total_p = cgutils.alloca_once_value(builder, builder.load(acc_p, align=4))
 
-            def add(codes, x_offset, lane_scale):  # type: ignore[no-untyped-def]
-                nonlocal total
-                dot = builder.call(dot_fn, [const(words, 0), builder.bitcast(codes, words),
-                                            builder.bitcast(load(xq_a, xbase_v, v64, x_offset), words)])
-                total = builder.fadd(total, builder.fmul(builder.sitofp(dot, floats), lane_scale))
+            def half(index, offset):  # type: ignore[no-untyped-def]
+                bits = load(flat_a, index, ir.IntType(16), offset)
+                return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
 
-            if kind in ("q4_k", "q5_k"):
-                q = load(flat_a, at_v, v16, 4)  # the 12 scale bytes (and 4 more, unused)
-                low6 = const(v8, [63] * 4 + [15] * 4)
-                high2 = const(v8, [0] * 4 + [0x30] * 4)
-                top = const(v8, 6)
+            # The super-blocks in LLVM's own loop, the accumulator a register: one load and store
+            # of ``acc`` a row (a call a super-block, with acc stored and loaded between them and
+            # d and dmin looked up in Numba, read q6_k rows at 21-23 GB/s on two cores at most).
+            with cgutils.for_range(builder, blocks_v) as loop:
+                at_v = builder.add(at0_v, builder.mul(loop.index, ir.Constant(loop.index.type, block_bytes)))
+                xbase_v = builder.mul(loop.index, ir.Constant(loop.index.type, 256))
+                d_v, dmin_v = half(at_v, d_at), half(at_v, dmin_at)
+                group = builder.sdiv(xbase_v, ir.Constant(xbase_v.type, 32))  # activation group of 32
+                # Ask for the weights 4 KB ahead, every cache line of a super-block (as the other block
+                # kinds' rows do: long rows read a third faster with it here).
+                prefetch = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+                for line in range(0, {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
+                                      "iq4_xs": 136}[kind], 64):
+                    ahead = builder.add(at_v, ir.Constant(at_v.type, vnni._PREFETCH_BYTES + line))
+                    builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
+                                            ir.Constant(i32, 1)])
+                dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
+                                                        "llvm.x86.avx512.vpdpbusd.512")
+                total = builder.load(total_p)
 
-                def six_bits(a, b, shift):  # type: ignore[no-untyped-def]
-                    # j < 4: a_j & 63; j >= 4: (a_j >> shift_j) & 15 | (b_j >> 6) << 4
-                    first = builder.and_(builder.lshr(a, shift), low6)
-                    return builder.or_(first, builder.and_(builder.shl(builder.lshr(b, top), const(v8, 4)), high2))
+                def add(codes, x_offset, lane_scale):  # type: ignore[no-untyped-def]
+                    nonlocal total
+                    dot = builder.call(dot_fn, [const(words, 0), builder.bitcast(codes, words),
+                                                builder.bitcast(load(xq_a, xbase_v, v64, x_offset), words)])
+                    total = builder.call(fma, [builder.sitofp(dot, floats), lane_scale, total])
 
-                sc = six_bits(shuffle(q, q, [0, 1, 2, 3, 8, 9, 10, 11]), shuffle(q, q, [0, 1, 2, 3, 0, 1, 2, 3]),
-                              const(v8, 0))
-                mn = six_bits(shuffle(q, q, [4, 5, 6, 7, 8, 9, 10, 11]), shuffle(q, q, [4, 5, 6, 7, 4, 5, 6, 7]),
-                              const(v8, [0] * 4 + [4] * 4))
-                dx8 = load(dx_a, group, floats8)
-                scales = builder.fmul(builder.fmul(to_float(sc, False), splat(d_v, floats8)), dx8)
-                minimum = builder.fmul(builder.fmul(to_float(mn, False), splat(dmin_v, floats8)),
-                                       load(sums_a, group, floats8))
-                total = builder.fsub(total, shuffle(minimum, const(floats8, 0.0), list(range(8)) + [8] * 8))
-                codes_at = 16 if kind == "q4_k" else 48
-                fifth = load(flat_a, at_v, v32, 16) if kind == "q5_k" else None
-                for c in range(4):
-                    packed = load(flat_a, at_v, v32, codes_at + 32 * c)
-                    low = builder.and_(packed, const(v32, 15))
-                    high = builder.lshr(packed, const(v32, 4))
-                    if fifth is not None:  # bit 2c of qh is sub-block 2c's fifth bit, 2c + 1 the next's
-                        low = builder.or_(low, builder.shl(builder.and_(builder.lshr(fifth, const(v32, 2 * c)),
-                                                                        const(v32, 1)), const(v32, 4)))
-                        high = builder.or_(high, builder.shl(builder.and_(
-                            builder.lshr(fifth, const(v32, 2 * c + 1)), const(v32, 1)), const(v32, 4)))
-                    add(shuffle(low, high, list(range(64))), 64 * c, shuffle(scales, scales, [2 * c] * 8 + [2 * c + 1] * 8))
-            elif kind == "iq4_xs":  # d, scales_h (u16), scales_l[4], qs[128]; sums as q4_k's
-                # eight 6-bit scales: low 4 bits from scales_l's nibbles, high 2 bits from scales_h
-                low4 = load(flat_a, at_v, ir.VectorType(i8, 4), 4)
-                nibbles = builder.lshr(shuffle(low4, low4, [k // 2 for k in range(8)]), const(v8, [0, 4] * 4))
-                high = load(flat_a, at_v, ir.VectorType(ir.IntType(16), 1), 2)
-                high8 = builder.trunc(builder.lshr(shuffle(high, high, [0] * 8),
-                                                   const(ir.VectorType(ir.IntType(16), 8), [2 * k for k in range(8)])), v8)
-                ls = builder.or_(builder.and_(nibbles, const(v8, 15)), builder.shl(builder.and_(high8, const(v8, 3)),
-                                                                                    const(v8, 4)))
-                signed = builder.sub(ls, const(v8, 32))
-                scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats8)),
-                                      load(dx_a, group, floats8))
-                # levels + 128 are unsigned bytes for vpdpbusd; the 128 x sum of the activations is taken off
-                offset = builder.fmul(builder.fmul(scales, load(sums_a, group, floats8)), const(floats8, 128.0))
-                offset = builder.fdiv(offset, load(dx_a, group, floats8))  # sums are dx x sum(xq)
-                total = builder.fsub(total, shuffle(offset, const(floats8, 0.0), list(range(8)) + [8] * 8))
-                lut_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64]),
-                                                        "llvm.x86.avx512.pshuf.b.512")
-                lut = const(v64, [level + 128 for level in IQ4_LEVELS_INT] * 4)
-                for pair in range(4):
-                    parts = []
-                    for ib in (2 * pair, 2 * pair + 1):
-                        packed = load(flat_a, at_v, v16, 8 + 16 * ib)
-                        parts.append(shuffle(builder.and_(packed, const(v16, 15)), builder.lshr(packed, const(v16, 4)),
-                                             list(range(32))))
-                    codes = builder.call(lut_fn, [lut, shuffle(parts[0], parts[1], list(range(64)))])
-                    add(codes, 64 * pair, shuffle(scales, scales, [2 * pair] * 8 + [2 * pair + 1] * 8))
-            elif kind in ("q2_k", "q3_k"):
-                # sums: q2_k the dequantized activations' sums per 16 (for its minimums), q3_k the
-                # int8 sums per 16 (for its offset of 4)
-                dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
-                sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
-                if kind == "q2_k":  # scales[16] (scale low nibble, minimum high) qs[64] d dmin
-                    sb = load(flat_a, at_v, v16, 0)
-                    scales = builder.fmul(builder.fmul(to_float(builder.and_(sb, const(v16, 15)), False),
+                if kind in ("q4_k", "q5_k"):
+                    q = load(flat_a, at_v, v16, 4)  # the 12 scale bytes (and 4 more, unused)
+                    low6 = const(v8, [63] * 4 + [15] * 4)
+                    high2 = const(v8, [0] * 4 + [0x30] * 4)
+                    top = const(v8, 6)
+
+                    def six_bits(a, b, shift):  # type: ignore[no-untyped-def]
+                        # j < 4: a_j & 63; j >= 4: (a_j >> shift_j) & 15 | (b_j >> 6) << 4
+                        first = builder.and_(builder.lshr(a, shift), low6)
+                        return builder.or_(first, builder.and_(builder.shl(builder.lshr(b, top), const(v8, 4)), high2))
+
+                    sc = six_bits(shuffle(q, q, [0, 1, 2, 3, 8, 9, 10, 11]), shuffle(q, q, [0, 1, 2, 3, 0, 1, 2, 3]),
+                                  const(v8, 0))
+                    mn = six_bits(shuffle(q, q, [4, 5, 6, 7, 8, 9, 10, 11]), shuffle(q, q, [4, 5, 6, 7, 4, 5, 6, 7]),
+                                  const(v8, [0] * 4 + [4] * 4))
+                    dx8 = load(dx_a, group, floats8)
+                    scales = builder.fmul(builder.fmul(to_float(sc, False), splat(d_v, floats8)), dx8)
+                    minimum = builder.fmul(builder.fmul(to_float(mn, False), splat(dmin_v, floats8)),
+                                           load(sums_a, group, floats8))
+                    total = builder.fsub(total, shuffle(minimum, const(floats8, 0.0), list(range(8)) + [8] * 8))
+                    codes_at = 16 if kind == "q4_k" else 48
+                    fifth = load(flat_a, at_v, v32, 16) if kind == "q5_k" else None
+                    for c in range(4):
+                        packed = load(flat_a, at_v, v32, codes_at + 32 * c)
+                        low = builder.and_(packed, const(v32, 15))
+                        high = builder.lshr(packed, const(v32, 4))
+                        if fifth is not None:  # bit 2c of qh is sub-block 2c's fifth bit, 2c + 1 the next's
+                            low = builder.or_(low, builder.shl(builder.and_(builder.lshr(fifth, const(v32, 2 * c)),
+                                                                            const(v32, 1)), const(v32, 4)))
+                            high = builder.or_(high, builder.shl(builder.and_(
+                                builder.lshr(fifth, const(v32, 2 * c + 1)), const(v32, 1)), const(v32, 4)))
+                        add(shuffle(low, high, list(range(64))), 64 * c, shuffle(scales, scales, [2 * c] * 8 + [2 * c + 1] * 8))
+                elif kind == "iq4_xs":  # d, scales_h (u16), scales_l[4], qs[128]; sums as q4_k's
+                    # eight 6-bit scales: low 4 bits from scales_l's nibbles, high 2 bits from scales_h
+                    low4 = load(flat_a, at_v, ir.VectorType(i8, 4), 4)
+                    nibbles = builder.lshr(shuffle(low4, low4, [k // 2 for k in range(8)]), const(v8, [0, 4] * 4))
+                    high = load(flat_a, at_v, ir.VectorType(ir.IntType(16), 1), 2)
+                    high8 = builder.trunc(builder.lshr(shuffle(high, high, [0] * 8),
+                                                       const(ir.VectorType(ir.IntType(16), 8), [2 * k for k in range(8)])), v8)
+                    ls = builder.or_(builder.and_(nibbles, const(v8, 15)), builder.shl(builder.and_(high8, const(v8, 3)),
+                                                                                        const(v8, 4)))
+                    signed = builder.sub(ls, const(v8, 32))
+                    scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats8)),
+                                          load(dx_a, group, floats8))
+                    # levels + 128 are unsigned bytes for vpdpbusd; the 128 x sum of the activations is taken off
+                    offset = builder.fmul(builder.fmul(scales, load(sums_a, group, floats8)), const(floats8, 128.0))
+                    offset = builder.fdiv(offset, load(dx_a, group, floats8))  # sums are dx x sum(xq)
+                    total = builder.fsub(total, shuffle(offset, const(floats8, 0.0), list(range(8)) + [8] * 8))
+                    lut_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64]),
+                                                            "llvm.x86.avx512.pshuf.b.512")
+                    lut = const(v64, [level + 128 for level in IQ4_LEVELS_INT] * 4)
+                    for pair in range(4):
+                        parts = []
+                        for ib in (2 * pair, 2 * pair + 1):
+                            packed = load(flat_a, at_v, v16, 8 + 16 * ib)
+                            parts.append(shuffle(builder.and_(packed, const(v16, 15)), builder.lshr(packed, const(v16, 4)),
+                                                 list(range(32))))
+                        codes = builder.call(lut_fn, [lut, shuffle(parts[0], parts[1], list(range(64)))])
+                        add(codes, 64 * pair, shuffle(scales, scales, [2 * pair] * 8 + [2 * pair + 1] * 8))
+                elif kind in ("q2_k", "q3_k"):
+                    # sums: q2_k the dequantized activations' sums per 16 (for its minimums), q3_k the
+                    # int8 sums per 16 (for its offset of 4)
+                    dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
+                    sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
+                    if kind == "q2_k":  # scales[16] (scale low nibble, minimum high) qs[64] d dmin
+                        sb = load(flat_a, at_v, v16, 0)
+                        scales = builder.fmul(builder.fmul(to_float(builder.and_(sb, const(v16, 15)), False),
+                                                           splat(d_v, floats)), dx16)
+                        minimum = builder.fmul(to_float(builder.lshr(sb, const(v16, 4)), False), splat(dmin_v, floats))
+                        total = builder.fsub(total, builder.fmul(minimum, sums16))
+                        qs_at, hmask = 16, None
+                    else:  # q3_k: hmask[32] qs[64] scales[12] (6-bit, offset 32) d
+                        low8 = load(flat_a, at_v, v8, 96)
+                        high4 = load(flat_a, at_v, ir.VectorType(i8, 4), 104)
+                        low = builder.and_(builder.lshr(shuffle(low8, low8, [k % 8 for k in range(16)]),
+                                                        const(v16, [0] * 8 + [4] * 8)), const(v16, 15))
+                        high = builder.and_(builder.lshr(shuffle(high4, high4, [k % 4 for k in range(16)]),
+                                                         const(v16, [2 * (k // 4) for k in range(16)])), const(v16, 3))
+                        signed = builder.sub(builder.or_(low, builder.shl(high, const(v16, 4))), const(v16, 32))
+                        scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats)), dx16)
+                        total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 4.0)))
+                        qs_at, hmask = 32, load(flat_a, at_v, v32, 0)
+                    for n in range(2):
+                        q = load(flat_a, at_v, v32, qs_at + 32 * n)
+                        for t in range(2):
+                            halves = []
+                            for s in (2 * t, 2 * t + 1):
+                                u = builder.and_(builder.lshr(q, const(v32, 2 * s)), const(v32, 3))
+                                if hmask is not None:  # the third bit: bit 4n + s of hmask's byte l
+                                    h = builder.and_(builder.lshr(hmask, const(v32, 4 * n + s)), const(v32, 1))
+                                    u = builder.or_(u, builder.shl(h, const(v32, 2)))
+                                halves.append(u)
+                            add(shuffle(halves[0], halves[1], list(range(64))), 128 * n + 64 * t,
+                                shuffle(scales, scales, [8 * n + 4 * t + k // 4 for k in range(16)]))
+                else:  # q6_k: ql[128] qh[64] scales[16] (int8) d; sums: the int8 activations' sums per 16
+                    dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
+                    scales = builder.fmul(builder.fmul(to_float(load(flat_a, at_v, v16, 192), True),
                                                        splat(d_v, floats)), dx16)
-                    minimum = builder.fmul(to_float(builder.lshr(sb, const(v16, 4)), False), splat(dmin_v, floats))
-                    total = builder.fsub(total, builder.fmul(minimum, sums16))
-                    qs_at, hmask = 16, None
-                else:  # q3_k: hmask[32] qs[64] scales[12] (6-bit, offset 32) d
-                    low8 = load(flat_a, at_v, v8, 96)
-                    high4 = load(flat_a, at_v, ir.VectorType(i8, 4), 104)
-                    low = builder.and_(builder.lshr(shuffle(low8, low8, [k % 8 for k in range(16)]),
-                                                    const(v16, [0] * 8 + [4] * 8)), const(v16, 15))
-                    high = builder.and_(builder.lshr(shuffle(high4, high4, [k % 4 for k in range(16)]),
-                                                     const(v16, [2 * (k // 4) for k in range(16)])), const(v16, 3))
-                    signed = builder.sub(builder.or_(low, builder.shl(high, const(v16, 4))), const(v16, 32))
-                    scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats)), dx16)
-                    total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 4.0)))
-                    qs_at, hmask = 32, load(flat_a, at_v, v32, 0)
-                for n in range(2):
-                    q = load(flat_a, at_v, v32, qs_at + 32 * n)
-                    for t in range(2):
-                        halves = []
-                        for s in (2 * t, 2 * t + 1):
-                            u = builder.and_(builder.lshr(q, const(v32, 2 * s)), const(v32, 3))
-                            if hmask is not None:  # the third bit: bit 4n + s of hmask's byte l
-                                h = builder.and_(builder.lshr(hmask, const(v32, 4 * n + s)), const(v32, 1))
-                                u = builder.or_(u, builder.shl(h, const(v32, 2)))
-                            halves.append(u)
-                        add(shuffle(halves[0], halves[1], list(range(64))), 128 * n + 64 * t,
-                            shuffle(scales, scales, [8 * n + 4 * t + k // 4 for k in range(16)]))
-            else:  # q6_k: ql[128] qh[64] scales[16] (int8) d; sums: the int8 activations' sums per 16
-                dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
-                scales = builder.fmul(builder.fmul(to_float(load(flat_a, at_v, v16, 192), True),
-                                                   splat(d_v, floats)), dx16)
-                sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
-                total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 32.0)))
-                for n in range(2):
-                    ql = load(flat_a, at_v, v64, 64 * n)
-                    qh = load(flat_a, at_v, v32, 128 + 32 * n)
+                    sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
+                    total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 32.0)))
+                    for n in range(2):
+                        ql = load(flat_a, at_v, v64, 64 * n)
+                        qh = load(flat_a, at_v, v32, 128 + 32 * n)
 
-                    def plane(shift):  # type: ignore[no-untyped-def]
-                        return builder.and_(builder.lshr(qh, const(v32, shift)), const(v32, 3))
+                        def plane(shift):  # type: ignore[no-untyped-def]
+                            return builder.and_(builder.lshr(qh, const(v32, shift)), const(v32, 3))
 
-                    first = builder.or_(builder.and_(ql, const(v64, 15)),
-                                        builder.shl(shuffle(plane(0), plane(2), list(range(64))), const(v64, 4)))
-                    second = builder.or_(builder.lshr(ql, const(v64, 4)),
-                                         builder.shl(shuffle(plane(4), plane(6), list(range(64))), const(v64, 4)))
-                    add(first, 128 * n, shuffle(scales, scales, [8 * n + k // 4 for k in range(16)]))
-                    add(second, 128 * n + 64, shuffle(scales, scales, [8 * n + 4 + k // 4 for k in range(16)]))
-            builder.store(total, builder.bitcast(acc_a.data, floats.as_pointer()), align=4)
+                        first = builder.or_(builder.and_(ql, const(v64, 15)),
+                                            builder.shl(shuffle(plane(0), plane(2), list(range(64))), const(v64, 4)))
+                        second = builder.or_(builder.lshr(ql, const(v64, 4)),
+                                             builder.shl(shuffle(plane(4), plane(6), list(range(64))), const(v64, 4)))
+                        add(first, 128 * n, shuffle(scales, scales, [8 * n + k // 4 for k in range(16)]))
+                        add(second, 128 * n + 64, shuffle(scales, scales, [8 * n + 4 + k // 4 for k in range(16)]))
+                builder.store(total, total_p)
+            builder.store(builder.load(total_p), acc_p, align=4)
             return context.get_dummy_value()
 
-        return types.void(acc, flat, at, xq, xbase, dx, sums, d, dmin), codegen
+        return types.void(acc, flat, at, blocks, xq, dx, sums), codegen
 
     return block
 
 
-_q2_k_block, _q3_k_block, _q4_k_block, _q5_k_block, _q6_k_block, _iq4_xs_block = (
+_q2_k_row, _q3_k_row, _q4_k_row, _q5_k_row, _q6_k_row, _iq4_xs_row = (
     _superblock_intrinsic(k) for k in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _k_row(flat, kind, start, blocks, table, xq, dx, sums, acc):  # pragma: no cover - compiled
+def _k_row(flat, kind, start, blocks, xq, dx, sums, acc):  # pragma: no cover - compiled
     # acc += the row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start``
-    # times the int8 activations, a super-block a call.
-    block_bytes = (84, 110, 144, 176, 210, 0, 136)[kind]
-    d_at = (80, 108, 0, 0, 208, 0, 0)[kind]
-    dmin_at = 82 if kind == 0 else 2
-    for b in range(blocks):
-        at = start + b * block_bytes
-        d = table[np.uint16(flat[at + d_at]) | (np.uint16(flat[at + d_at + 1]) << np.uint16(8))]
-        dmin = table[np.uint16(flat[at + dmin_at]) | (np.uint16(flat[at + dmin_at + 1]) << np.uint16(8))]
-        if kind == 0:
-            _q2_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-        elif kind == 1:
-            _q3_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-        elif kind == 2:
-            _q4_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-        elif kind == 3:
-            _q5_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-        elif kind == 4:
-            _q6_k_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
-        else:
-            _iq4_xs_block(acc, flat, at, xq, b * 256, dx, sums, d, dmin)
+    # times the int8 activations, in one compiled loop (``_superblock_intrinsic``).
+    if kind == 0:
+        _q2_k_row(acc, flat, start, blocks, xq, dx, sums)
+    elif kind == 1:
+        _q3_k_row(acc, flat, start, blocks, xq, dx, sums)
+    elif kind == 2:
+        _q4_k_row(acc, flat, start, blocks, xq, dx, sums)
+    elif kind == 3:
+        _q5_k_row(acc, flat, start, blocks, xq, dx, sums)
+    elif kind == 4:
+        _q6_k_row(acc, flat, start, blocks, xq, dx, sums)
+    else:
+        _iq4_xs_row(acc, flat, start, blocks, xq, dx, sums)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -431,7 +444,7 @@ def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, out):  # pra
         acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
             acc[:] = 0
-            _k_row(flat, kind, r * row_bytes, cols // 256, table, xq, dx, sums, acc)
+            _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums, acc)
             out[r] = acc.sum()
 
 
@@ -452,7 +465,7 @@ def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16,
         acc = np.zeros(16, np.float32)
         for r in range(first, min(rows, first + 32)):
             acc[:] = 0
-            _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, table, xq[v], dx[v], sums, acc)
+            _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, xq[v], dx[v], sums, acc)
             out[e, r] = acc.sum()
 
 
