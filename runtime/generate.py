@@ -12,8 +12,7 @@ from __future__ import annotations
 import inspect
 import resource
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,46 +184,28 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
         result.ttft_seconds = time.perf_counter() - started
         ids = torch.zeros((1, 1), dtype=torch.long)
         step_kwargs = {cache_arg: cache, **forward_kwargs}
-        with decode_threads():  # the steps' own torch ops on one thread
-            while True:
-                result.generated_tokens.append(token)
-                if on_token is not None:
-                    on_token(token)
-                if on_text is not None:
-                    piece = detok.add(token)
-                    if piece:
-                        on_text(piece)
-                else:
-                    detok.ids.append(token)
-                if token in stops:
-                    result.stopped = "eos"
-                    break
-                if len(result.generated_tokens) >= max_new_tokens:
-                    break
-                step = time.perf_counter()
-                ids[0, 0] = token  # one input tensor for every step (host memory, copied if on a device)
-                logits = model(input_ids=ids.to(device), **step_kwargs).logits[0, -1]
-                token = sample(logits if logits.device.type == "cpu" else logits.cpu(), sampling, generator)
-                result.decode_seconds += time.perf_counter() - step
+        while True:
+            result.generated_tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if on_text is not None:
+                piece = detok.add(token)
+                if piece:
+                    on_text(piece)
+            else:
+                detok.ids.append(token)
+            if token in stops:
+                result.stopped = "eos"
+                break
+            if len(result.generated_tokens) >= max_new_tokens:
+                break
+            step = time.perf_counter()
+            ids[0, 0] = token  # one input tensor for every step (host memory, copied if on a device)
+            logits = model(input_ids=ids.to(device), **step_kwargs).logits[0, -1]
+            token = sample(logits if logits.device.type == "cpu" else logits.cpu(), sampling, generator)
+            result.decode_seconds += time.perf_counter() - step
     result.text = detok.text()
     return result
-
-
-@contextmanager
-def decode_threads() -> Iterator[None]:
-    """torch on one thread while decode steps run, as it was before after them. A step's torch
-    ops are small (norms, rotary embedding, attention over the cache, the router): on one thread
-    they do not wait for torch's pool, whose threads sleep while ktc's kernels run (a one-layer
-    step at Qwen3-30B-A3B's shape, Q4_0: 11-12 ms with torch on two threads, 9.6 ms on one;
-    each norm and small projection took half as long again on two)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _sync(device: Any) -> None:

@@ -135,33 +135,6 @@ def test_generate_of_transformers_works(checkpoints, tmp_path):
     assert out[0, 12:].tolist() == reference_greedy(model, ids, 8)
 
 
-def test_decode_steps_run_torch_on_one_thread_and_restore_it(checkpoints, tmp_path):
-    """A decode step's torch ops run on one thread (runtime.generate.decode_threads); the thread
-    count is as it was after the generation, also when a step raises."""
-    _, folder = checkpoints["mixtral"]
-    path = str(tmp_path / "m.ktb")
-    compile_bundle(folder, path, cpu_scheme="int8")
-    before = torch.get_num_threads()
-    seen = []
-    with from_bundle(path) as km:
-        torch.set_num_threads(2)
-        run = generate(km, prompt_ids(8)[0].tolist(), max_new_tokens=4, sampling=Sampling(temperature=0),
-                       stop_at_eos=False, on_token=lambda token: seen.append(torch.get_num_threads()))
-        assert len(run.generated_tokens) == 4 and seen == [1, 1, 1, 1]
-        assert torch.get_num_threads() == 2
-
-        def fail(token: int) -> None:
-            if len(seen) > 5:
-                raise KeyboardInterrupt
-            seen.append(token)
-
-        with pytest.raises(KeyboardInterrupt):
-            generate(km, prompt_ids(8)[0].tolist(), max_new_tokens=4, sampling=Sampling(temperature=0),
-                     stop_at_eos=False, on_token=fail)
-        assert torch.get_num_threads() == 2
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "int4_g32", "mxfp4", "int8"])
 def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tmp_path):
     """--dense-scheme stores attention and lm_head quantized; on the CPU they run through ktc's
