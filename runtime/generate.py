@@ -200,8 +200,11 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
             if len(result.generated_tokens) >= max_new_tokens:
                 break
             step = time.perf_counter()
-            ids[0, 0] = token  # one input tensor for every step (host memory, copied if on a device)
-            logits = model(input_ids=ids.to(device), **step_kwargs).logits[0, -1]
+            if km.fast is not None:  # ktc's own decode step (runtime.fast_decode)
+                logits = torch.from_numpy(km.fast.step(token))
+            else:
+                ids[0, 0] = token  # one input tensor for every step (host memory, copied if on a device)
+                logits = model(input_ids=ids.to(device), **step_kwargs).logits[0, -1]
             token = sample(logits if logits.device.type == "cpu" else logits.cpu(), sampling, generator)
             result.decode_seconds += time.perf_counter() - step
     result.text = detok.text()

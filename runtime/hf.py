@@ -182,12 +182,17 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
             end = self.length + new
             self.key_buffer[:, :, self.length:end] = key_states.to(self.key_buffer.dtype)
             self.value_buffer[:, :, self.length:end] = value_states.to(self.value_buffer.dtype)
-            self.length = end
-            self.keys = self.key_buffer[:, :, :end]
-            self.values = self.value_buffer[:, :, :end]
+            self.advance(new)
             if self.keys.dtype != compute_dtype:
                 return self.keys.to(compute_dtype), self.values.to(compute_dtype)
             return self.keys, self.values
+
+        def advance(self, new: int) -> None:
+            """``new`` more positions hold keys and values (written into the buffers by
+            ``runtime.fast_decode``)."""
+            self.length += new
+            self.keys = self.key_buffer[:, :, :self.length]
+            self.values = self.value_buffer[:, :, :self.length]
 
         def get_seq_length(self) -> int:
             return self.length
@@ -237,6 +242,7 @@ class KtcModel:
     experts: list[ExpertSet] = field(default_factory=list)
     cache: Any = None
     threads: int = 0  # the kernels' CPU threads
+    fast: Any = None  # runtime.fast_decode.FastDecode where it computes the decode steps
 
     def __enter__(self) -> KtcModel:
         return self
@@ -308,6 +314,7 @@ class KtcModel:
                         module.__dict__[attr] = None
             self.model = None
         self.cache = None
+        self.fast = None  # its routers are views of the bundle's map
         self.tokenizer = None
         self.bundle.close()
 
@@ -439,8 +446,12 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
             plan_bytes = {"non_expert": sum(v for k, v in vram.items()
                                             if k not in ("gpu_experts", "kv_cache", "workspace", "reserve")),
                           "experts": int(vram.get("gpu_experts", 0)), "kv_cache": int(vram.get("kv_cache", 0))}
-    return KtcModel(model, tokenizer, bundle, device, dtype, max_tokens, int(workload.get("prefill_chunk") or 512),
-                    device_bytes, plan_bytes, experts, cache, used)
+    km = KtcModel(model, tokenizer, bundle, device, dtype, max_tokens, int(workload.get("prefill_chunk") or 512),
+                  device_bytes, plan_bytes, experts, cache, used)
+    from .fast_decode import fast_decoder
+
+    km.fast = fast_decoder(km)
+    return km
 
 
 class _Loader:

@@ -52,14 +52,21 @@ class HostLinear(torch.nn.Module):
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
 
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        """``W x + b`` for one float32 vector (numpy in and out), through ktc's kernels."""
+        y = kernels.matvec(self.raw, self.scheme, x, scales=self._scales)
+        if self.bias is not None:
+            y += self.bias.detach().numpy()
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._weight is not None:
             return torch.nn.functional.linear(x.float(), self._weight, self.bias)
         if x.numel() == self.in_features and x.dtype == torch.float32:  # one token: fewest steps
-            y = torch.from_numpy(kernels.matvec(self.raw, self.scheme, x.detach().numpy().reshape(-1), scales=self._scales))
-        else:
-            flat = x.detach().reshape(-1, self.in_features).to(torch.float32)
-            y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme, self._scales))
+            return torch.from_numpy(self.matvec(x.detach().numpy().reshape(-1))).reshape(*x.shape[:-1],
+                                                                                       self.out_features)
+        flat = x.detach().reshape(-1, self.in_features).to(torch.float32)
+        y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme, self._scales))
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

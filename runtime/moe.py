@@ -22,10 +22,12 @@ class MoELayer:
 
     ``device`` is a torch device for the experts the plan put on the GPU (``"cuda"``; ``"cpu"``
     runs the same torch code on the CPU, as tests do). With ``device=None`` every expert runs in
-    the Numba kernels. ``counts`` records how often each expert is chosen.
+    the Numba kernels. ``counts`` records how often each expert is chosen. ``experts``: the
+    layer's ``ExpertSet`` where the caller has one open (``runtime.fast_decode``).
     """
 
-    def __init__(self, bundle: Bundle, layer: int, *, device: str | None = None) -> None:
+    def __init__(self, bundle: Bundle, layer: int, *, device: str | None = None,
+                 experts: ExpertSet | None = None) -> None:
         model = bundle.manifest["model"]
         info = next((i for i in model["moe_layers"] if i["layer"] == layer), None)
         if info is not None and info["gating"] not in ("softmax", "sigmoid"):
@@ -33,7 +35,7 @@ class MoELayer:
                 f"the {model.get('family')} router is not one ktc's MoE layer computes", path=bundle.path,
                 hint="run the whole model (ktc run, ktc.runtime.hf.from_bundle): transformers routes "
                      "and ktc's experts compute")
-        self.experts = ExpertSet(bundle, layer, device=device)
+        self.experts = ExpertSet(bundle, layer, device=device) if experts is None else experts
         self.info = info = next(i for i in model["moe_layers"] if i["layer"] == layer)
         self.layer = layer
         self.hidden_size = self.experts.hidden_size

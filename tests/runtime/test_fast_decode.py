@@ -1,0 +1,113 @@
+"""ktc's own decode steps (``runtime.fast_decode``) against transformers' steps on the same
+bundle: logits step by step, greedy tokens, the KV cache both share, and the models it leaves to
+transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import model_factory as mf
+from ktc.compile import compile_bundle
+from ktc.errors import KtcError
+from ktc.runtime import fast_decode
+from ktc.runtime.generate import Sampling, generate
+from ktc.runtime.hf import from_bundle
+
+VOCAB = 96
+
+
+def _bundle(tmp_path, family: str, scheme: str = "f32", **overrides) -> str:
+    model = mf.build_hf_model(family, **overrides).eval()
+    folder = str(tmp_path / family)
+    mf.write_safetensors(model, folder)
+    mf.write_char_tokenizer(folder, VOCAB)
+    path = str(tmp_path / f"{family}-{scheme}.ktb")
+    compile_bundle(folder, path, cpu_scheme=scheme, dense_scheme=scheme)
+    return path
+
+
+def _prompt(length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _steps(km, prompt: list[int], tokens: list[int], fast: bool) -> list[np.ndarray]:
+    """Logits of decode steps after a transformers prefill of ``prompt``: ktc's steps or
+    transformers' own."""
+    cache = km.new_cache()
+    with torch.inference_mode():
+        km.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        if fast:
+            return [km.fast.step(t).copy() for t in tokens]
+        return [km.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1].numpy().copy()
+                for t in tokens]
+
+
+def _relative(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    return max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, want))
+
+
+CASES = [("mixtral", "f32", {}), ("mixtral", "q4_0", {}), ("qwen3_moe", "f32", {}), ("qwen3_moe", "q8_0", {}),
+         ("mixtral", "f32", {"sliding_window": 5}),  # the window from the config
+         ("qwen3_moe", "f32", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
+         ("qwen3_moe", "int8", {"mlp_only_layers": [1]})]  # a dense MLP layer between MoE layers
+
+
+@pytest.mark.parametrize("family,scheme,overrides", CASES)
+def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path):
+    path = _bundle(tmp_path, family, scheme, **overrides)
+    prompt, tokens = _prompt(12), _prompt(20)[12:]
+    with from_bundle(path) as km:
+        assert km.fast is not None
+        fast = _steps(km, prompt, tokens, fast=True)
+        length = km.cache.get_seq_length()
+        slow = _steps(km, prompt, tokens, fast=False)
+        assert length == km.cache.get_seq_length() == 20  # both fill the same cache
+    assert _relative(fast, slow) < 1e-5
+
+
+def test_generate_takes_the_fast_steps_and_gives_transformers_tokens(tmp_path):
+    path = _bundle(tmp_path, "qwen3_moe", "q4_0")
+    with from_bundle(path) as km:
+        calls = []
+        step = km.fast.step
+        km.fast.step = lambda token: calls.append(token) or step(token)
+        fast = generate(km, _prompt(10), max_new_tokens=12, sampling=Sampling(temperature=0), stop_at_eos=False)
+        assert calls == fast.generated_tokens[:-1]  # every decode step, none of the prefill
+        km.fast = None
+        slow = generate(km, _prompt(10), max_new_tokens=12, sampling=Sampling(temperature=0), stop_at_eos=False)
+    assert fast.generated_tokens == slow.generated_tokens
+
+
+def test_a_full_cache_is_refused(tmp_path):
+    path = _bundle(tmp_path, "mixtral")
+    with from_bundle(path) as km:
+        capacity = km.cache.layers[0].capacity
+        _steps(km, _prompt(capacity - 1), [], fast=True)
+        km.fast.step(5)  # the last position
+        with pytest.raises(KtcError, match="KV cache holds"):
+            km.fast.step(5)
+
+
+def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch):
+    with from_bundle(_bundle(tmp_path, "olmoe")) as km:  # queries and keys normed over all heads at once
+        assert km.fast is None
+    path = _bundle(tmp_path, "mixtral")
+    monkeypatch.setenv("KTC_FAST_DECODE", "0")
+    with from_bundle(path) as km:
+        assert km.fast is None
+    monkeypatch.delenv("KTC_FAST_DECODE")
+    with from_bundle(path, device="cpu") as km:  # a device model: torch's step
+        assert km.fast is None
+    with from_bundle(path) as km:
+        assert km.fast is not None
+
+
+def test_unsupported_parts_leave_transformers_in_charge(tmp_path, monkeypatch):
+    """A part of the model the fast step does not compute (here a norm of another kind) makes it
+    step aside rather than compute something else."""
+    path = _bundle(tmp_path, "qwen3_moe")
+    with from_bundle(path) as km:
+        km.model.model.layers[0].input_layernorm = torch.nn.LayerNorm(km.model.config.hidden_size)
+        assert fast_decode.fast_decoder(km) is None
