@@ -51,8 +51,8 @@ LLAMA_TYPES = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0", "int4_g128": "Q4_
 # Models
 
 
-def build_checkpoint(shape: str, folder: str) -> str:
-    """The shape's published config with one decoder layer, built by transformers in bf16."""
+def build_checkpoint(shape: str, folder: str, layers: int = 1) -> str:
+    """The shape's published config with ``layers`` decoder layers, built by transformers in bf16."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     import torch
@@ -62,9 +62,9 @@ def build_checkpoint(shape: str, folder: str) -> str:
     import model_factory as mf
 
     raw = json.load(open(os.path.join(CONFIGS, SHAPES[shape])))
-    raw["num_hidden_layers"] = 1
+    raw["num_hidden_layers"] = layers
     config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
-    print(f"building the one-layer {shape} model (bf16, transformers' initialisation)...", flush=True)
+    print(f"building the {layers}-layer {shape} model (bf16, transformers' initialisation)...", flush=True)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tmp = folder + ".tmp"
@@ -120,8 +120,8 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
 class KernelClock:
     """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the compiled
     one-token expert calls, which include the activations' quantization and the activation
-    function, the GEMMs and decoders of the batched paths, the embedding row decode) and in
-    torch's attention, accumulated by wrapping those functions where the runtime looks them up.
+    function, the GEMMs and decoders of the batched paths, the embedding row decode, the fast
+    decode step's MoE call and attention) and in torch's attention, accumulated by wrapping those functions where the runtime looks them up.
     ktc's own Python around them (dispatching experts, the activation between gate/up and down
     where it is not compiled) is not kernel time: it counts as framework, with transformers'
     code."""
@@ -169,7 +169,7 @@ class KernelClock:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from ktc.runtime import kernels, vnni
+        from ktc.runtime import fast_decode, kernels, moe, vnni
         from ktc.runtime.linear import BundleEmbedding
 
         for name in ("matvec", "_int8_rows_many", "_int8_gemm", "_bf16_gemm", "matmul_t", "decode"):
@@ -177,6 +177,8 @@ class KernelClock:
         for name in ("rows_many", "experts_token_blocks", "chosen_experts_token"):
             setattr(vnni, name, self.wrap(getattr(vnni, name)))
         BundleEmbedding.rows = self.wrap(BundleEmbedding.rows)
+        moe._moe_token = self.wrap(moe._moe_token)  # the fast decode step's MoE block, one call
+        fast_decode._attend = self.wrap(fast_decode._attend)  # and its attention
         ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = self.wrap(sdpa_attention_forward)
 
 

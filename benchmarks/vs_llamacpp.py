@@ -19,6 +19,7 @@ Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and, for the con
 ``pip install sentencepiece protobuf`` in this environment.
 
     python benchmarks/vs_llamacpp.py [--rounds 5] [--shapes mixtral,qwen3] [--types Q8_0,Q4_0,MXFP4_MOE]
+                                     [--layers 1]
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> int:
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
     parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
     parser.add_argument("--busy", action="store_true", help="also run rounds beside a competing busy process")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="decoder layers of the models (1: the output matrix is most of a token's bytes; "
+                             "a real model's layers are most of them)")
     args = parser.parse_args()
     from ktc.compile import compile_bundle
     from ktc.runtime.bandwidth import read_bandwidth
@@ -59,15 +63,16 @@ def main() -> int:
     os.makedirs(args.workdir, exist_ok=True)
     cases = []
     for shape in args.shapes.split(","):
-        checkpoint = gen.build_checkpoint(shape, os.path.join(args.workdir, shape))
+        name = shape if args.layers == 1 else f"{shape}-{args.layers}l"
+        checkpoint = gen.build_checkpoint(shape, os.path.join(args.workdir, name), args.layers)
         for qtype in args.types.split(","):
             expert_scheme, dense_scheme, pure = TYPES[qtype]
-            gguf = gen.llama_gguf(args.llamacpp, checkpoint, shape, qtype, args.workdir, pure)
+            gguf = gen.llama_gguf(args.llamacpp, checkpoint, name, qtype, args.workdir, pure)
             bundle = os.path.join(args.workdir, os.path.basename(gguf)[:-len(".gguf")] + "-from-gguf.ktb")
             if not os.path.exists(bundle):
                 print(f"compiling {os.path.basename(bundle)} from {os.path.basename(gguf)}...", flush=True)
                 compile_bundle(gguf, bundle, cpu_scheme=expert_scheme, dense_scheme=dense_scheme, max_tokens=4096)
-            cases.append(gen.Case(shape, qtype, bundle, gguf))
+            cases.append(gen.Case(name, qtype, bundle, gguf))
     clock = gen.KernelClock()
     clock.install()
     prompt = [int(i) for i in np.random.default_rng(0).integers(3, 200, args.prompt)]

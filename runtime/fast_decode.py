@@ -83,7 +83,7 @@ def fast_decoder(km: Any) -> FastDecode | None:
 def _norm(module: Any, size: int) -> _Norm:
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
-    if weight is None or eps is None or tuple(weight.shape) != (size,) or type(module).__name__[-7:] != "RMSNorm":
+    if weight is None or eps is None or tuple(weight.shape) != (size,) or not type(module).__name__.endswith("RMSNorm"):
         raise _Unsupported(f"norm {type(module).__name__}")
     return _Norm(np.ascontiguousarray(weight.detach().float().numpy()), float(eps))
 
@@ -112,7 +112,9 @@ class FastDecode:
             raise _Unsupported("soft-capped logits")
         self.embed = inner.embed_tokens
         self.head = _host(model.lm_head)
-        self.rotary = inner.rotary_emb
+        self.rotary = getattr(inner, "rotary_emb", None)
+        if self.rotary is None:
+            raise _Unsupported("rotary embedding")
         # rope types whose cos and sin depend on the position alone (dynamic scaling and
         # longrope also look at the sequence length): those are kept by blocks of positions
         self._rotary_static = getattr(self.rotary, "rope_type", None) in ("default", "linear", "llama3", "yarn")
@@ -127,12 +129,13 @@ class FastDecode:
 
     @staticmethod
     def _layer(km: Any, config: Any, index: int, layer: Any, cache: Any, experts: Any, hidden: int) -> _Layer:
+        import torch
+
         attn = layer.self_attn
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         head_dim = int(attn.head_dim)
-        if not hasattr(cache, "key_buffer") or tuple(cache.key_buffer.shape[1:2]) + tuple(cache.key_buffer.shape[3:]) \
-                != (kv_heads, head_dim) or cache.key_buffer.dtype.is_floating_point is False \
-                or str(cache.key_buffer.dtype) != "torch.float32":
+        buffer = getattr(cache, "key_buffer", None)
+        if buffer is None or buffer.dtype != torch.float32 or (buffer.shape[1], buffer.shape[3]) != (kv_heads, head_dim):
             raise _Unsupported("KV cache")
         if getattr(attn, "sinks", None) is not None or heads % kv_heads:
             raise _Unsupported("attention")
@@ -142,7 +145,7 @@ class FastDecode:
         moe = dense = None
         if experts is not None:
             if getattr(mlp, "experts", None) is None or getattr(mlp.experts, "_ktc_experts", None) is not experts \
-                    or getattr(mlp, "shared_expert", None) is not None or getattr(mlp, "jitter_noise", 0):
+                    or getattr(mlp, "shared_expert", None) is not None:
                 raise _Unsupported("MoE block")
             moe = MoELayer(km.bundle, index, experts=experts)
         else:
@@ -161,6 +164,8 @@ class FastDecode:
         at the next position."""
         import torch
 
+        if not 0 <= token < self.embed.num_embeddings:
+            raise IndexError(f"token id out of range 0..{self.embed.num_embeddings - 1}")
         position = self.layers[0].cache.length
         x = self.embed.rows(np.array([token], dtype=np.int64))[0]
         if self.embed.scale is not None:
