@@ -29,10 +29,11 @@ from .moe import MoELayer
 
 # transformers model types whose decoder layer ``FastDecode`` computes: pre-norm RMSNorm,
 # grouped-query attention with rotate-half rotary embeddings (Qwen3: RMSNorm on each head's
-# queries and keys), softmax top-k routing; dense MLP layers too (Qwen3's mlp_only_layers).
-# Each with where its attention's sliding window comes from: Mixtral's attention passes the
-# config's, Qwen3's keeps its own (None where its layers attend to everything).
-FAMILIES = {"mixtral": "config", "qwen3_moe": "attention"}
+# queries and keys; OLMoE: on all the queries and all the keys at once, then clipped where the
+# config says), softmax top-k routing; dense MLP layers too (Qwen3's mlp_only_layers). Each
+# with where its attention's sliding window comes from: Mixtral's attention passes the
+# config's, Qwen3's keeps its own (None where its layers attend to everything), OLMoE has none.
+FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention"}
 _ROTARY_BLOCK = 256  # positions of rotary cos/sin computed at once
 
 
@@ -55,6 +56,8 @@ class _Layer:
     o: Any
     q_norm: _Norm | None
     k_norm: _Norm | None
+    whole_norms: bool  # q_norm and k_norm over all heads at once (OLMoE), not each head
+    clip: float | None  # |q|, |k|, |v| clipped to this (OLMoE's clip_qkv)
     heads: int
     kv_heads: int
     head_dim: int
@@ -139,8 +142,12 @@ class FastDecode:
             raise _Unsupported("KV cache")
         if getattr(attn, "sinks", None) is not None or heads % kv_heads:
             raise _Unsupported("attention")
-        q_norm = _norm(attn.q_norm, head_dim) if getattr(attn, "q_norm", None) is not None else None
-        k_norm = _norm(attn.k_norm, head_dim) if getattr(attn, "k_norm", None) is not None else None
+        q_norm = getattr(attn, "q_norm", None)
+        whole = q_norm is not None and tuple(q_norm.weight.shape) == (heads * head_dim,) and heads > 1
+        q_norm = _norm(q_norm, heads * head_dim if whole else head_dim) if q_norm is not None else None
+        k_norm = getattr(attn, "k_norm", None)
+        k_norm = _norm(k_norm, kv_heads * head_dim if whole else head_dim) if k_norm is not None else None
+        clip = getattr(config, "clip_qkv", None)
         mlp = layer.mlp
         moe = dense = None
         if experts is not None:
@@ -153,9 +160,10 @@ class FastDecode:
             if type(getattr(mlp, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:
                 raise _Unsupported("MLP")
             dense = tuple(_host(p) for p in parts)
-        window = (config if FAMILIES[config.model_type] == "config" else attn).sliding_window
+        window = getattr(config if FAMILIES[config.model_type] == "config" else attn, "sliding_window", None)
         return _Layer(_norm(layer.input_layernorm, hidden), _host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj),
-                      _host(attn.o_proj), q_norm, k_norm, heads, kv_heads, head_dim, float(attn.scaling),
+                      _host(attn.o_proj), q_norm, k_norm, whole, None if clip is None else float(clip), heads,
+                      kv_heads, head_dim, float(attn.scaling),
                       int(window) if window else None, cache, _norm(layer.post_attention_layernorm, hidden), moe,
                       dense)  # type: ignore[arg-type]
 
@@ -199,13 +207,20 @@ class FastDecode:
     @staticmethod
     def _layer_step(layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         h = _rms_norm(x, layer.input_norm.weight, layer.input_norm.eps)
-        q = layer.q.matvec(h).reshape(layer.heads, layer.head_dim)
-        k = layer.k.matvec(h).reshape(layer.kv_heads, layer.head_dim)
-        v = layer.v.matvec(h).reshape(layer.kv_heads, layer.head_dim)
-        if layer.q_norm is not None:
+        q, k, v = layer.q.matvec(h), layer.k.matvec(h), layer.v.matvec(h)
+        if layer.whole_norms:
+            q = _rms_norm(q, layer.q_norm.weight, layer.q_norm.eps)  # type: ignore[union-attr]
+            k = _rms_norm(k, layer.k_norm.weight, layer.k_norm.eps)  # type: ignore[union-attr]
+        q = q.reshape(layer.heads, layer.head_dim)
+        k = k.reshape(layer.kv_heads, layer.head_dim)
+        v = v.reshape(layer.kv_heads, layer.head_dim)
+        if layer.q_norm is not None and not layer.whole_norms:
             q = _rms_norm_rows(q, layer.q_norm.weight, layer.q_norm.eps)
-        if layer.k_norm is not None:
+        if layer.k_norm is not None and not layer.whole_norms:
             k = _rms_norm_rows(k, layer.k_norm.weight, layer.k_norm.eps)
+        if layer.clip is not None:
+            for part in (q, k, v):
+                np.clip(part, -layer.clip, layer.clip, out=part)
         cache = layer.cache
         position = cache.length
         if position >= cache.capacity:
