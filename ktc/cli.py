@@ -682,13 +682,14 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         peak_device = peak_device_bytes(model)
         device_bytes, plan_bytes = model.device_total, model.plan_device_total
         used_threads = model.threads
+        decode_steps = "ktc" if model.fast is not None else "transformers"
     out = {"prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
            "text": result.text, "stopped": result.stopped,
            "prefill_tokens_per_s": result.prefill_tokens_per_s,
            "decode_tokens_per_s": result.decode_tokens_per_s, "ttft_s": result.ttft_seconds,
            "load_s": load_seconds, "peak_rss_bytes": peak_rss_bytes(),
            "threads": used_threads, "device": "cpu" if target is None else target, "device_bytes": device_bytes,
-           "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes}
+           "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes, "decode_steps": decode_steps}
     if as_json:
         _print_json("run", out)
         return
@@ -699,6 +700,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                f"generated {len(result.generated_tokens)} tokens, {result.decode_tokens_per_s:.1f} tokens/s; "
                f"first token after {result.ttft_seconds * 1e3:.0f} ms", err=True)
     memory = f"peak RSS {format_bytes(out['peak_rss_bytes'])}; {used_threads} CPU thread{'s' if used_threads > 1 else ''}"
+    memory += f"; decode steps by {'ktc' if decode_steps == 'ktc' else 'transformers'}"
     if threads is None and used_threads < (os.cpu_count() or 1):
         memory += " (other processes keep the other cores busy: results slow down under such load)"
     if target is not None:

@@ -129,6 +129,9 @@ class FastDecode:
         self.layers = [self._layer(km, config, i, layer, cache_layers[i], experts.get(i), hidden)
                        for i, layer in enumerate(inner.layers)]
         self.hidden_size = hidden
+        cos, _ = self._rotary(0)
+        if any(cos.shape[0] != layer.head_dim for layer in self.layers):  # a partial rotary embedding
+            raise _Unsupported("rotary embedding")
 
     @staticmethod
     def _layer(km: Any, config: Any, index: int, layer: Any, cache: Any, experts: Any, hidden: int) -> _Layer:
@@ -170,8 +173,6 @@ class FastDecode:
     def step(self, token: int) -> np.ndarray:
         """The logits (float32 [vocab]) after ``token``, whose keys and values go into the cache
         at the next position."""
-        import torch
-
         if not 0 <= token < self.embed.num_embeddings:
             raise IndexError(f"token id out of range 0..{self.embed.num_embeddings - 1}")
         position = self.layers[0].cache.length

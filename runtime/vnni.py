@@ -380,7 +380,7 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
             out[e, r] = acc.sum() + minimum
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")  # inlined into the parallel kernels that call it
 def _lanes(dx, xsum):  # pragma: no cover - compiled
     """The activations' side of ``_row_intrinsic``'s steps, lane by lane, for n vectors quantized
     per 32 values (dx, xsum [n, blocks]): [n, 6 * span], span = blocks * 8, holding for the

@@ -48,6 +48,7 @@ def test_json_reports_tokens_text_and_timings(bundle):
     assert out["prompt_tokens"] > 0 and out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
     assert out["ttft_s"] > 0 and out["peak_rss_bytes"] > 0
     assert out["device_bytes"] == 0 and out["plan_device_bytes"] == 0  # CPU only
+    assert out["decode_steps"] == "ktc"  # a Qwen3-MoE model on the CPU: ktc's own decode steps
     again = json.loads(run(bundle, "-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0",
                            "--json").stdout)
     assert again["generated_tokens"] == out["generated_tokens"]  # greedy is deterministic
