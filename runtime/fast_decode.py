@@ -6,8 +6,8 @@ router, the cache update, the attention interface), about twice the time its ker
 read the layer's Q4_0 weights: a 48-layer model would spend most of each token there. For the
 families whose decode step it computes (``FAMILIES``) on a CPU-only model, ``FastDecode`` runs
 the step itself, a few compiled calls a layer: RMSNorm, the projections through ktc's kernels
-(the same ``HostLinear`` weights), per-head query/key norms, the rotary embedding (cos and sin
-from the model's own rotary module, once a step), the keys and values into the same
+(the same ``HostLinear`` weights), query/key norms, the rotary embedding (cos and sin from the
+model's own rotary module, kept by blocks of positions), the keys and values into the same
 preallocated KV cache, attention over the cache, and the MoE block through
 ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``). Prefill stays
 transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
