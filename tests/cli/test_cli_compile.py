@@ -112,6 +112,27 @@ def _process_group(pgid: int) -> list[int]:
     return members
 
 
+def _without_spawn_cut_short(err: str, signum: int) -> str:
+    """``err`` without the one traceback a SIGKILL may leave: a worker whose parent was killed
+    while handing it its instructions (multiprocessing's spawn writes them into a pipe after the
+    worker process exists; a SIGKILL cannot be held off) reads a pipe that ends early and Python
+    reports it (EOFError in spawn_main). The worker then exits: the caller checks that no process
+    is left. A SIGTERM is held while workers start (ktc.errors.signals_held), so it leaves none."""
+    if signum != signal.SIGKILL:
+        return err
+    kept, block = [], []
+    for line in err.splitlines():
+        if line.startswith("Traceback") or block:
+            block.append(line)
+            if not line.startswith((" ", "Traceback")):  # the exception line ends the block
+                if not ("spawn_main" in "\n".join(block) and line.startswith("EOFError")):
+                    kept.extend(block)
+                block = []
+        else:
+            kept.append(line)
+    return "\n".join(kept + block)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(tmp_path, demo_model, signum):
@@ -146,7 +167,7 @@ def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(
             out.unlink()  # finished before the signal: start again
             continue
         assert not out.exists()
-        assert "Traceback" not in err.decode()
+        assert "Traceback" not in _without_spawn_cut_short(err.decode(), signum)
         if signum == signal.SIGTERM:
             assert proc.returncode == 128 + signal.SIGTERM and b"stopped by SIGTERM" in err
             assert _temp_files(tmp_path) == []
