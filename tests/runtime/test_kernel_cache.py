@@ -40,6 +40,7 @@ for path in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow  # two processes that import ktc, one compiling the MoE layer's kernels: about 40 s
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the one-call path needs AVX-512 VNNI")
 def test_cached_kernels_run_in_a_second_process(tmp_path):
     source = mf.write_safetensors(mf.build_hf_model("qwen3_moe"), str(tmp_path / "m"))
