@@ -214,12 +214,12 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     super-blocks of ``kind`` (q2_k..q6_k, iq4_xs) from byte ``at`` of ``flat`` times the int8
     activations ``xq`` (``dx``: their scale per 32 values; ``sums``: for q4_k/q5_k the
     dequantized activations' sum per 32, for q6_k the int8 sums per 16), each super-block with
-    its own float scales d and dmin (fp16, converted by the CPU). Everything in vector registers: the 6-bit
-    (or int8) sub-block scales unpacked with shuffles, the codes assembled from their bit planes
-    64 values at a time (two sub-blocks of q4_k/q5_k, four of q6_k, which vpdpbusd's 16 lanes
-    keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its sub-block's scale, the
-    minimum (q4_k/q5_k) or the -32 offset (q6_k) taken off through the sums; one load and store
-    of ``acc`` a row."""
+    its own float scales d and dmin (fp16, converted by the CPU). Everything in vector
+    registers: the 6-bit (or int8) sub-block scales unpacked with shuffles, the codes assembled
+    from their bit planes 64 values at a time (two sub-blocks of q4_k/q5_k, four of q6_k, which
+    vpdpbusd's 16 lanes keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its
+    sub-block's scale, the minimum (q4_k/q5_k) or the -32 offset (q6_k) taken off through the
+    sums; one load and store of ``acc`` a row."""
     from llvmlite import ir
 
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -227,7 +227,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     words, floats, floats8 = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(f32, 8)
 
     @intrinsic
-    def block(typingctx, acc, flat, at, blocks, xq, dx, sums):  # type: ignore[no-untyped-def]
+    def row(typingctx, acc, flat, at, blocks, xq, dx, sums):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             at0_v, blocks_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (2, 3))
             arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6)]
@@ -412,7 +412,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
 
         return types.void(acc, flat, at, blocks, xq, dx, sums), codegen
 
-    return block
+    return row
 
 
 _q2_k_row, _q3_k_row, _q4_k_row, _q5_k_row, _q6_k_row, _iq4_xs_row = (
