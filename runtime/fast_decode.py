@@ -23,8 +23,6 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ktc.errors import KtcError
-
 from .moe import MoELayer
 
 # transformers model types whose decoder layer ``FastDecode`` computes: pre-norm RMSNorm,
@@ -64,6 +62,8 @@ class _Layer:
     scaling: float
     window: int | None
     cache: Any  # the layer's runtime.hf PreallocatedLayer
+    keys: np.ndarray  # its key and value buffers, [kv heads, capacity, head dim] views
+    values: np.ndarray
     post_norm: _Norm
     moe: MoELayer | None
     mlp: tuple[Any, Any, Any] | None  # gate, up, down of a dense layer
@@ -167,7 +167,8 @@ class FastDecode:
         return _Layer(_norm(layer.input_layernorm, hidden), _host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj),
                       _host(attn.o_proj), q_norm, k_norm, whole, None if clip is None else float(clip), heads,
                       kv_heads, head_dim, float(attn.scaling),
-                      int(window) if window else None, cache, _norm(layer.post_attention_layernorm, hidden), moe,
+                      int(window) if window else None, cache, cache.key_buffer[0].numpy(),
+                      cache.value_buffer[0].numpy(), _norm(layer.post_attention_layernorm, hidden), moe,
                       dense)  # type: ignore[arg-type]
 
     def step(self, token: int) -> np.ndarray:
@@ -224,13 +225,11 @@ class FastDecode:
                 np.clip(part, -layer.clip, layer.clip, out=part)
         cache = layer.cache
         position = cache.length
-        if position >= cache.capacity:
-            raise KtcError(f"the KV cache holds {cache.capacity} tokens; this step would need {position + 1}")
-        keys, values = cache.key_buffer[0].numpy(), cache.value_buffer[0].numpy()
-        _rope_into(q, k, v, cos, sin, keys, values, position)
+        cache.check_room(1)
+        _rope_into(q, k, v, cos, sin, layer.keys, layer.values, position)
         cache.advance(1)
         start = max(0, position + 1 - layer.window) if layer.window else 0
-        attended = _attend(q, keys, values, start, position + 1, np.float32(layer.scaling))
+        attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling))
         x = x + layer.o.matvec(attended)
         h = _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps)
         if layer.moe is not None:

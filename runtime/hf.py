@@ -176,9 +176,7 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
                     value_states.shape[-1] != self.value_buffer.shape[-1]:
                 raise KtcError(f"attention keys {tuple(key_states.shape)} do not fit the KV cache "
                                f"allocated from the config {tuple(self.key_buffer.shape)}")
-            if self.length + new > self.capacity:
-                raise KtcError(f"the KV cache holds {self.capacity} tokens; this step would need "
-                               f"{self.length + new}")
+            self.check_room(new)
             end = self.length + new
             self.key_buffer[:, :, self.length:end] = key_states.to(self.key_buffer.dtype)
             self.value_buffer[:, :, self.length:end] = value_states.to(self.value_buffer.dtype)
@@ -186,6 +184,12 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
             if self.keys.dtype != compute_dtype:
                 return self.keys.to(compute_dtype), self.values.to(compute_dtype)
             return self.keys, self.values
+
+        def check_room(self, new: int) -> None:
+            """``KtcError`` unless ``new`` more positions fit the buffers."""
+            if self.length + new > self.capacity:
+                raise KtcError(f"the KV cache holds {self.capacity} tokens; this step would need "
+                               f"{self.length + new}")
 
         def advance(self, new: int) -> None:
             """``new`` more positions hold keys and values (written into the buffers by

@@ -138,9 +138,11 @@ _e2m1_group16 = _group_intrinsic(16, E2M1_TWICE_PLUS_12)
 
 
 
-# Per kind of BLOCK_KINDS: bytes of a block, of its scale (before its codes), blocks a step of
-# the row loop, and the offset that makes the codes unsigned for vpdpbusd.
-_ROW_STEP = {0: (32, 0, 2, 128.0), 1: (34, 2, 2, 128.0), 2: (18, 2, 4, 8.0), 3: (17, 1, 4, 12.0)}
+# Per kind of BLOCK_KINDS: bytes of a block, of its scale (before its codes), and blocks a step
+# of the row loop; and the offset that makes the codes unsigned for vpdpbusd (taken back through
+# the activations' sums: in the row loop's lanes, ``_lanes``, and in the blocks past its steps).
+_ROW_STEP = {0: (32, 0, 2), 1: (34, 2, 2), 2: (18, 2, 4), 3: (17, 1, 4)}
+_CODE_OFFSET = (128.0, 128.0, 8.0, 12.0)
 # Each step asks for the weights this many bytes ahead (into L2, not L1). Rows of 14336 columns
 # read 14-20 GB/s without, 29-35 with (q8_0 and q4_0; 4096 columns 24-33 either way; medians of
 # 11 interleaved rounds); 2048 and 8192 bytes ahead, or into L1, did less.
@@ -165,7 +167,7 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-    size, scale_bytes, per_step, _ = _ROW_STEP[kind]  # the offset is in the lanes (_lanes)
+    size, scale_bytes, per_step = _ROW_STEP[kind]
     per_block = 16 // per_step  # lanes of one block
 
     def vector(t, n):  # type: ignore[no-untyped-def]
@@ -393,11 +395,11 @@ def _lanes(dx, xsum):  # pragma: no cover - compiled
     span = blocks * 8
     out = np.zeros((n, 6 * span), np.float32)
     for v in range(n):
-        for kind in range(3):  # int8/q8_0, q4_0, mxfp4
-            per_step = 2 if kind == 0 else 4
+        for part in range(3):  # int8/q8_0, q4_0, mxfp4
+            per_step = 2 if part == 0 else 4
             per_block = 16 // per_step
-            offset = np.float32((128.0, 8.0, 12.0)[kind] / per_block)
-            base = 2 * kind * span
+            offset = np.float32(_CODE_OFFSET[part + 1] / per_block)
+            base = 2 * part * span
             for lane in range(blocks // per_step * 16):
                 b = (lane // 16) * per_step + (lane % 16) // per_block
                 out[v, base + lane] = dx[v, b]
@@ -408,8 +410,9 @@ def _lanes(dx, xsum):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True, inline="always")
 def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, lanes, acc):  # pragma: no cover - compiled
     # The row of ``blocks`` blocks of BLOCK_KINDS[kind] at byte ``base`` times the activations
-    # (int8 xq, quantized per 32 values: dx[b], xsum[b]; ``lanes``: _lanes of them). kind 0: int8 (the row's codes, then a
-    # float32 row scale: not applied here), 1: q8_0, 2: q4_0, 3: mxfp4 (ggml blocks).
+    # (int8 xq, quantized per 32 values: dx[b], xsum[b]; ``lanes``: _lanes of them). kind 0:
+    # int8 (the row's codes, then a float32 row scale: not applied here), 1: q8_0, 2: q4_0,
+    # 3: mxfp4 (ggml blocks).
     # Whole steps of the row in LLVM's loop (_row_intrinsic), then the blocks past the last
     # whole step one by one (their activations in order): at most three, in rows that are not
     # whole steps (gpt-oss's 2880 values), so one loop serves every kind.
@@ -444,7 +447,7 @@ def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, lanes, acc):  
         else:
             _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
         shift += d * xsum[b]
-    return total + acc.sum() - np.float32((128.0, 128.0, 8.0, 12.0)[kind]) * shift
+    return total + acc.sum() - np.float32(_CODE_OFFSET[kind]) * shift
 
 
 @njit(cache=True, nogil=True, inline="always")
