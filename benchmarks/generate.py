@@ -121,10 +121,10 @@ class KernelClock:
     """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the compiled
     one-token expert calls, which include the activations' quantization and the activation
     function, the GEMMs and decoders of the batched paths, the embedding row decode, the fast
-    decode step's MoE call and attention) and in torch's attention, accumulated by wrapping those functions where the runtime looks them up.
-    ktc's own Python around them (dispatching experts, the activation between gate/up and down
-    where it is not compiled) is not kernel time: it counts as framework, with transformers'
-    code."""
+    decode step's MoE call and attention) and in torch's attention, accumulated by wrapping
+    those functions where the runtime looks them up. ktc's own Python around them (dispatching
+    experts, the activation between gate/up and down where it is not compiled) is not kernel
+    time: it counts as framework, with transformers' code."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
