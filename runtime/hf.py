@@ -159,8 +159,31 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
             self.value_buffer = torch.zeros((1, heads, capacity, v_dim), dtype=dtype, device=device)
             self.length = 0
             self.is_initialized = True
-            self.keys = self.key_buffer[:, :, :0]
-            self.values = self.value_buffer[:, :, :0]
+
+        # The filled part of the buffers, sliced when read: a decode step of
+        # runtime.fast_decode advances the length without torch (two slices cost 50 us a layer
+        # there, among streaming weights).
+        @property
+        def keys(self) -> Any:
+            return self.key_buffer[:, :, :self.length]
+
+        @keys.setter
+        def keys(self, value: Any) -> None:
+            self._refuse_replacing(value)
+
+        @property
+        def values(self) -> Any:
+            return self.value_buffer[:, :, :self.length]
+
+        @values.setter
+        def values(self, value: Any) -> None:
+            self._refuse_replacing(value)
+
+        @staticmethod
+        def _refuse_replacing(value: Any) -> None:
+            if value is not None:  # DynamicLayer's __init__ sets None
+                raise KtcError("ktc's KV cache is allocated up front: its keys and values are not replaced "
+                               "(offloading, beam reordering and batch edits are not supported)")
 
         @property
         def nbytes(self) -> int:
@@ -181,9 +204,10 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
             self.key_buffer[:, :, self.length:end] = key_states.to(self.key_buffer.dtype)
             self.value_buffer[:, :, self.length:end] = value_states.to(self.value_buffer.dtype)
             self.advance(new)
-            if self.keys.dtype != compute_dtype:
-                return self.keys.to(compute_dtype), self.values.to(compute_dtype)
-            return self.keys, self.values
+            keys, values = self.keys, self.values
+            if keys.dtype != compute_dtype:
+                return keys.to(compute_dtype), values.to(compute_dtype)
+            return keys, values
 
         def check_room(self, new: int) -> None:
             """``KtcError`` unless ``new`` more positions fit the buffers."""
@@ -195,8 +219,6 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
             """``new`` more positions hold keys and values (written into the buffers by
             ``runtime.fast_decode``)."""
             self.length += new
-            self.keys = self.key_buffer[:, :, :self.length]
-            self.values = self.value_buffer[:, :, :self.length]
 
         def get_seq_length(self) -> int:
             return self.length
@@ -206,16 +228,12 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
 
         def reset(self) -> None:
             self.length = 0
-            self.keys = self.key_buffer[:, :, :0]
-            self.values = self.value_buffer[:, :, :0]
 
         def crop(self, tokens_to_remove: int) -> None:
             if tokens_to_remove > 0:  # the legacy form: the length to keep
                 self.length = min(self.length, tokens_to_remove)
             else:
                 self.length = max(0, self.length + tokens_to_remove)
-            self.keys = self.key_buffer[:, :, :self.length]
-            self.values = self.value_buffer[:, :, :self.length]
 
     return Cache(layers=[PreallocatedLayer(*shape) for shape in shapes])
 

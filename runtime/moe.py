@@ -11,6 +11,9 @@ from ktc.errors import BundleError, KtcError, UnsupportedModelError
 from ktc.formats.bundle import Bundle
 
 from . import vnni
+# Imported by name for the compiled _moe_token: a benchmark's clock may wrap vnni's attribute
+# in Python, which compiled code cannot call.
+from .vnni import chosen_experts_token
 from .experts import ExpertSet, tensor_float32
 from .kernels import _matvec_f32, matmul_t
 
@@ -176,9 +179,9 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
     weights *= scaling
     if timed:
         stamps[8] = vnni._cycles()
-    return vnni.chosen_experts_token(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, inter,
-                                     clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
-                                     idx, weights, x, stamps)
+    return chosen_experts_token(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, inter,
+                                clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
+                                idx, weights, x, stamps)
 
 
 @njit(cache=True, nogil=True)

@@ -91,6 +91,19 @@ def test_a_full_cache_is_refused(tmp_path):
             km.fast.step(5)
 
 
+def test_the_cache_shows_what_the_steps_filled(tmp_path):
+    """The layers' keys and values are the filled part of their buffers after ktc's steps too,
+    and are not replaced from outside (the buffers are what the plan counted)."""
+    with from_bundle(_bundle(tmp_path, "mixtral")) as km:
+        _steps(km, _prompt(5), [7, 8], fast=True)
+        layer = km.cache.layers[0]
+        assert layer.keys.shape[-2] == layer.values.shape[-2] == layer.length == 7
+        assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()
+        assert torch.count_nonzero(layer.keys[:, :, -1]) > 0
+        with pytest.raises(KtcError, match="allocated up front"):
+            layer.keys = torch.zeros_like(layer.keys)
+
+
 def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch):
     with from_bundle(_bundle(tmp_path, "deepseek_v3")) as km:  # multi-head latent attention
         assert km.fast is None

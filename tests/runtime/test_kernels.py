@@ -82,6 +82,31 @@ def test_int4_vnni_matches_its_definition(group, shape):
         <= 0.5 * dx.max() * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("group,row", [(32, 0), (32, 256), (32, 352), (64, 0), (128, 0)])
+def test_quantized_activations_match_their_definition(group, row):
+    """Each group's int8 values are rint(x / d) with d its largest magnitude over 127 (1 for an
+    all-zero group), its sum is d times theirs; with ``row``, each 128 values of a row sit in
+    quad_layout (the four blocks' first 16 values, then their last 16), the rest in order."""
+    rng = np.random.default_rng(group + row)
+    x = (rng.standard_normal(2 * (row or 256)) * rng.uniform(0.1, 10)).astype(np.float32)
+    x[group:2 * group] = 0  # a group of zeros
+    x[5] = -40.0  # a negative largest magnitude
+    xq, dx, sums = vnni.quantize_activations(x, group, row)
+    blocks = x.reshape(-1, group)
+    d = np.abs(blocks).max(axis=1) / np.float32(127)
+    d[d == 0] = 1
+    codes = np.rint(blocks * (np.float32(1) / d)[:, None]).astype(np.int8)
+    np.testing.assert_array_equal(dx, d)
+    np.testing.assert_allclose(sums, codes.astype(np.float32).sum(axis=1) * d, rtol=1e-6)
+    placed = np.empty_like(xq)
+    for j in range(x.shape[0]):
+        placed[vnni.quad_layout(j, row) if row else j] = codes.reshape(-1)[j]
+    np.testing.assert_array_equal(xq, placed)
+    if row:  # the layout moves values within each row's whole 128s only
+        within = np.arange(row) // 128 < row // 128
+        assert not np.array_equal(xq.reshape(-1, row)[:, within], codes.reshape(-1, row)[:, within])
+
+
 def reference_expert(w_gate, w_up, w_down, x, activation="silu", b_gate_up=None, b_down=None,
                      limit=7.0, alpha=1.702):
     gate, up = w_gate @ x.T, w_up @ x.T
