@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .moe import MoELayer
+from .projections import Projections, stack_token
 
 # transformers model types whose decoder layer ``FastDecode`` computes: pre-norm RMSNorm,
 # grouped-query attention with rotate-half rotary embeddings (Qwen3: RMSNorm on each head's
@@ -67,6 +68,7 @@ class _Layer:
     post_norm: _Norm
     moe: MoELayer | None
     mlp: tuple[Any, Any, Any] | None  # gate, up, down of a dense layer
+    compiled: tuple | None = None  # type: ignore[type-arg]  # _attention_token's arguments, where it runs
 
 
 def fast_decoder(km: Any) -> FastDecode | None:
@@ -164,12 +166,14 @@ class FastDecode:
                 raise _Unsupported("MLP")
             dense = tuple(_host(p) for p in parts)
         window = getattr(config if FAMILIES[config.model_type] == "config" else attn, "sliding_window", None)
-        return _Layer(_norm(layer.input_layernorm, hidden), _host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj),
+        made = _Layer(_norm(layer.input_layernorm, hidden), _host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj),
                       _host(attn.o_proj), q_norm, k_norm, whole, None if clip is None else float(clip), heads,
                       kv_heads, head_dim, float(attn.scaling),
                       int(window) if window else None, cache, cache.key_buffer[0].numpy(),
                       cache.value_buffer[0].numpy(), _norm(layer.post_attention_layernorm, hidden), moe,
                       dense)  # type: ignore[arg-type]
+        made.compiled = _compiled_attention(made)
+        return made
 
     def step(self, token: int) -> np.ndarray:
         """The logits (float32 [vocab]) after ``token``, whose keys and values go into the cache
@@ -208,6 +212,14 @@ class FastDecode:
 
     @staticmethod
     def _layer_step(layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        if layer.compiled is not None:
+            cache = layer.cache
+            position = cache.length
+            cache.check_room(1)
+            start = max(0, position + 1 - layer.window) if layer.window else 0
+            x, h = _attention_token(*layer.compiled, x, cos, sin, position, start)
+            cache.advance(1)
+            return FastDecode._mlp_step(layer, x, h)
         h = _rms_norm(x, layer.input_norm.weight, layer.input_norm.eps)
         q, k, v = layer.q.matvec(h), layer.k.matvec(h), layer.v.matvec(h)
         if layer.whole_norms:
@@ -231,11 +243,71 @@ class FastDecode:
         start = max(0, position + 1 - layer.window) if layer.window else 0
         attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling))
         x = x + layer.o.matvec(attended)
-        h = _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps)
+        return FastDecode._mlp_step(layer, x, _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps))
+
+    @staticmethod
+    def _mlp_step(layer: _Layer, x: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """x plus the layer's MoE block or MLP of h (x after the post-attention norm)."""
         if layer.moe is not None:
             return x + layer.moe.forward(h[None, :])[0]
         gate, up, down = layer.mlp  # type: ignore[misc]
         return x + down.matvec(_silu_times(gate.matvec(h), up.matvec(h)))
+
+
+_NO_NORM = np.ones(1, dtype=np.float32)
+
+
+def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
+    """``_attention_token``'s arguments for ``layer`` (but the hidden state, the rotary cos/sin
+    and the positions), or None where its projections are not one call's (``Projections``)."""
+    from .vnni import _tables
+
+    qkv = Projections.of([layer.q, layer.k, layer.v])
+    o = Projections.of([layer.o])
+    if qkv is None or o is None:
+        return None
+    f16, e8m0 = _tables()
+    norm_mode = 0 if layer.q_norm is None else 2 if layer.whole_norms else 1
+    q_norm = layer.q_norm or _Norm(_NO_NORM, 0.0)
+    k_norm = layer.k_norm or _Norm(_NO_NORM, 0.0)
+
+    def parts(p: Projections) -> tuple:  # type: ignore[type-arg]
+        return p.mats, p.f32s, p.kinds, p.starts, p.chunk_starts, p.in_order, p.in_quads, p.kquant
+
+    return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *parts(qkv), *parts(o), f16, e8m0,
+            layer.heads, layer.kv_heads, layer.head_dim, norm_mode, q_norm.weight, np.float32(q_norm.eps),
+            k_norm.weight, np.float32(k_norm.eps), layer.clip is not None, np.float32(layer.clip or 0.0), layer.keys, layer.values,
+            np.float32(layer.scaling), layer.post_norm.weight, np.float32(layer.post_norm.eps))
+
+
+@njit(cache=True, nogil=True)
+def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, qkv_order, qkv_quads,
+                     qkv_kquant, o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_order, o_quads, o_kquant, f16, e8m0,
+                     heads, kv_heads, head_dim, norm_mode, q_w, q_eps, k_w, k_eps, clipped, clip, keys, values,
+                     scaling, post_w, post_eps, x, cos, sin, position, start):  # pragma: no cover - compiled
+    # The attention half of a decode step in one call (``FastDecode._layer_step``'s steps, the
+    # projections each set in one parallel region): returns x plus attention, and it after the
+    # post-attention norm. norm_mode: 0 no query/key norms, 1 per head, 2 over all heads.
+    h = _rms_norm(x, in_w, in_eps)
+    qkv = stack_token(qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, qkv_order, qkv_quads, qkv_kquant,
+                      f16, e8m0, h)
+    nq, nk = heads * head_dim, kv_heads * head_dim
+    q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
+    if norm_mode == 2:
+        q, k = _rms_norm(q, q_w, q_eps), _rms_norm(k, k_w, k_eps)
+    q2, k2, v2 = q.reshape(heads, head_dim), k.reshape(kv_heads, head_dim), v.reshape(kv_heads, head_dim)
+    if norm_mode == 1:
+        q2, k2 = _rms_norm_rows(q2, q_w, q_eps), _rms_norm_rows(k2, k_w, k_eps)
+    if clipped:
+        for part in (q2, k2, v2):
+            for r in range(part.shape[0]):
+                for j in range(part.shape[1]):
+                    part[r, j] = min(max(part[r, j], -clip), clip)
+    _rope_into(q2, k2, v2, cos, sin, keys, values, position)
+    attended = _attend(q2, keys, values, start, position + 1, scaling)
+    out = x + stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_order, o_quads, o_kquant, f16, e8m0,
+                          attended)
+    return out, _rms_norm(out, post_w, post_eps)
 
 
 @njit(cache=True, nogil=True)

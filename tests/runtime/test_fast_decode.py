@@ -11,7 +11,7 @@ import torch
 import model_factory as mf
 from ktc.compile import compile_bundle
 from ktc.errors import KtcError
-from ktc.runtime import fast_decode
+from ktc.runtime import fast_decode, vnni
 from ktc.runtime.generate import Sampling, generate
 from ktc.runtime.hf import from_bundle
 
@@ -61,11 +61,27 @@ def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path
     prompt, tokens = _prompt(12), _prompt(20)[12:]
     with from_bundle(path) as km:
         assert km.fast is not None
+        # quantized projections take the compiled attention step where the CPU has VNNI
+        assert all(layer.compiled is not None for layer in km.fast.layers) == (scheme != "f32" and vnni.HAVE_VNNI)
         fast = _steps(km, prompt, tokens, fast=True)
         length = km.cache.get_seq_length()
         slow = _steps(km, prompt, tokens, fast=False)
         assert length == km.cache.get_seq_length() == 20  # both fill the same cache
     assert _relative(fast, slow) < 1e-5
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("family,overrides", [("qwen3_moe", {}), ("olmoe", {"clip_qkv": 0.05})])
+def test_compiled_attention_equals_the_step_by_step_one(family, overrides, tmp_path):
+    """The attention half in one compiled call gives what the same steps give one by one."""
+    path = _bundle(tmp_path, family, "q8_0", **overrides)
+    prompt, tokens = _prompt(12), _prompt(20)[12:]
+    with from_bundle(path) as km:
+        compiled = _steps(km, prompt, tokens, fast=True)
+        for layer in km.fast.layers:
+            layer.compiled = None
+        stepwise = _steps(km, prompt, tokens, fast=True)
+    assert _relative(compiled, stepwise) < 1e-6
 
 
 def test_generate_takes_the_fast_steps_and_gives_transformers_tokens(tmp_path):
