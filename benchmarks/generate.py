@@ -121,10 +121,13 @@ class KernelClock:
     """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the compiled
     one-token expert calls, which include the activations' quantization and the activation
     function, the GEMMs and decoders of the batched paths, the embedding row decode, the fast
-    decode step's MoE call and attention) and in torch's attention, accumulated by wrapping
-    those functions where the runtime looks them up. ktc's own Python around them (dispatching
-    experts, the activation between gate/up and down where it is not compiled) is not kernel
-    time: it counts as framework, with transformers' code."""
+    decode step's compiled layer calls with the few lines of Python around each, and its MoE
+    call where the layer is not one call) and in torch's attention, accumulated by wrapping
+    those functions where the runtime looks them up from Python (never a function that compiled
+    code calls: Numba could not compile a caller against the wrapper). ktc's own Python around
+    them (dispatching experts, the activation between gate/up and down where it is not compiled,
+    the fast step's attention where its layer is not compiled) is not kernel time: it counts as
+    framework, with transformers' code."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -178,7 +181,14 @@ class KernelClock:
             setattr(vnni, name, self.wrap(getattr(vnni, name)))
         BundleEmbedding.rows = self.wrap(BundleEmbedding.rows)
         moe._moe_token = self.wrap(moe._moe_token)  # the fast decode step's MoE block, one call
-        fast_decode._attend = self.wrap(fast_decode._attend)  # and its attention
+        layer_step = fast_decode.FastDecode._layer_step
+        timed_layer = self.wrap(layer_step)
+
+        def fast_layer(layer, *args):  # type: ignore[no-untyped-def]
+            # a compiled layer (one or two calls) counts whole; a step-by-step one by its kernels
+            return (timed_layer if layer.compiled is not None else layer_step)(layer, *args)
+
+        fast_decode.FastDecode._layer_step = staticmethod(fast_layer)
         ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = self.wrap(sdpa_attention_forward)
 
 

@@ -23,7 +23,10 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from .moe import MoELayer
+from ktc.errors import KtcError
+
+from . import vnni
+from .moe import MoELayer, _moe_token
 from .projections import Projections, stack_token
 
 # transformers model types whose decoder layer ``FastDecode`` computes: pre-norm RMSNorm,
@@ -217,6 +220,15 @@ class FastDecode:
             position = cache.length
             cache.check_room(1)
             start = max(0, position + 1 - layer.window) if layer.window else 0
+            moe = layer.moe
+            one_call = moe._one_call() if moe is not None and moe.shared is None else None
+            if one_call is not None:  # the whole layer in one compiled call
+                out = _moe_layer_token(layer.compiled, (moe.router, *one_call), x, cos, sin, position, start,
+                                       vnni.stamps())
+                if out.shape[0] == 0:
+                    raise KtcError("hidden states contain NaN or Inf")
+                cache.advance(1)
+                return out
             x, h = _attention_token(*layer.compiled, x, cos, sin, position, start)
             cache.advance(1)
             return FastDecode._mlp_step(layer, x, h)
@@ -308,6 +320,18 @@ def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qk
     out = x + stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_order, o_quads, o_kquant, f16, e8m0,
                           attended)
     return out, _rms_norm(out, post_w, post_eps)
+
+
+@njit(cache=True, nogil=True)
+def _moe_layer_token(attention, moe, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
+    # A MoE layer's decode step in one call: _attention_token, then moe._moe_token (routing and
+    # the chosen experts) on its output; empty when the hidden state is not finite. The Python
+    # between two calls ran among streaming weights that had evicted it from the caches.
+    out, h = _attention_token(*attention, x, cos, sin, position, start)
+    y = _moe_token(*moe, h, stamps)
+    if y.shape[0] == 0:
+        return y
+    return out + y
 
 
 @njit(cache=True, nogil=True)
