@@ -21,6 +21,7 @@ from . import kquants, vnni
 
 # Kind codes: vnni.BLOCK_KINDS (0-3), then the K-quants from _KQUANT on (kquants.KINDS + _KQUANT).
 _KQUANT = 4
+_Q4_K = _KQUANT + kquants.KINDS["q4_k"]  # q4_k reads the activations quantized per 256 too
 _ROWS_PER_ITEM = 64
 
 
@@ -92,19 +93,25 @@ def stack_token(mats, f32s, kinds, starts, chunk_starts, in_order, in_quads, kqu
     cols = x.shape[0]
     xq, quads, dx, sums = vnni._quantized_both(x, 1, cols, in_order, in_quads)
     lanes = vnni._lanes(dx, sums)
-    isum16 = np.empty((1, cols // 16), np.float32)
-    dsum16 = np.empty((1, cols // 16), np.float32)
+    isum16 = np.empty(cols // 16, np.float32)
+    dsum16 = np.empty(cols // 16, np.float32)
     if kquant:
-        kquants._sums16(xq[0], dx[0], isum16[0], dsum16[0])
+        kquants._sums16(xq[0], dx[0], isum16, dsum16)
+    whole = cols if (kinds == _Q4_K).any() else 0
+    yk = np.empty(whole, np.int8)
+    dk = np.empty(whole // 256, np.float32)
+    bsum = np.empty(whole // 32, np.int32)
+    if whole:
+        kquants._quantize_superblocks(x, yk, dk, bsum)
     out = np.empty(starts[-1], np.float32)
     _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq[0], quads[0], dx[0], sums[0], lanes[0],
-                isum16[0], dsum16[0], out)
+                isum16, dsum16, yk, dk, bsum, out)
     return out
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq, quads, dx, xsum, lanes, isum16, dsum16,
-                out):  # pragma: no cover - compiled
+                yk, dk, bsum, out):  # pragma: no cover - compiled
     # out[starts[m] + r] = row r of matrix m . the activations, 64 rows a work item over all.
     cols = xq.shape[0]
     for item in prange(chunk_starts[-1]):
@@ -129,5 +136,5 @@ def _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq, quads, d
         acc = np.zeros(16, np.float32)
         for r in range(first, last):
             acc[:] = 0
-            kquants._k_row(flat, k, r * row_bytes, cols // 256, xq, dx, sums, acc)
+            kquants._k_row(flat, k, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum, acc)
             dest[r] = acc.sum()

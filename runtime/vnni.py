@@ -48,7 +48,7 @@ def _host_has_vnni() -> bool:
 
 
 HAVE_VNNI = _host_has_vnni()
-# LLVM intrinsics of any x86 CPU (_quantize32) are not callable in pure Python.
+# LLVM intrinsics of any x86 CPU (_amax32, _codes32) are not callable in pure Python.
 _COMPILED = not config.DISABLE_JIT
 
 
@@ -746,57 +746,72 @@ def quad_layout(j, row):  # pragma: no cover - compiled
     return start + (k - within) + (value // 16) * 64 + block * 16 + value % 16
 
 
+def _vector_codegen(builder, context, signature, args):  # type: ignore[no-untyped-def]
+    """Helpers of the activations' quantization intrinsics: the 32 float32 values at ``at`` of
+    the first argument (two 16-lane vectors), and calls of LLVM's vector functions."""
+    from llvmlite import ir
+
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    floats = ir.VectorType(f32, 16)
+    x_a = context.make_array(signature.args[0])(context, builder, args[0])
+    at_v = context.cast(builder, args[1], signature.args[1], types.intp)
+
+    def call(name, ret, *values):  # type: ignore[no-untyped-def]
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in values]), name)
+        return builder.call(fn, list(values))
+
+    def reduce(value, op):  # type: ignore[no-untyped-def]
+        for width in (8, 4, 2, 1):  # halves combined until one lane is left
+            mask = [ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))) for k in (0, width)]
+            value = op(builder.shuffle_vector(value, value, mask[0]), builder.shuffle_vector(value, value, mask[1]))
+        return builder.extract_element(value, ir.Constant(i32, 0))
+
+    halves = [builder.load(builder.bitcast(builder.gep(x_a.data, [builder.add(at_v, ir.Constant(at_v.type, k))]),
+                                           floats.as_pointer()), align=4) for k in (0, 16)]
+    return halves, call, reduce
+
+
 @intrinsic
-def _quantize32(typingctx, x, at, xq, first, second):  # type: ignore[no-untyped-def]
-    """``(d, sum)``: x[at:at + 32] quantized to int8 as ``_quantize_groups`` does (d = the
-    largest magnitude over 127, or 1 when all are 0; codes rint(x / d)), the first 16 codes
-    stored at xq[first], the last 16 at xq[second]; sum: d times the codes' sum. In vectors:
-    Numba's loops over a group's 32 values ran a value at a time (2.4 ns a value, 5 us for a
-    2048-wide vector, several times a layer)."""
+def _amax32(typingctx, x, at):  # type: ignore[no-untyped-def]
+    """The largest magnitude of x[at:at + 32] (NaN ignored), in vectors."""
+    from llvmlite import ir
+
+    floats = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        halves, call, reduce = _vector_codegen(builder, context, signature, args)
+        largest = call("llvm.maxnum.v16f32", floats, *(call("llvm.fabs.v16f32", floats, h) for h in halves))
+        return reduce(largest, lambda a, b: call(f"llvm.maxnum.v{a.type.count}f32", a.type, a, b))
+
+    return types.float32(x, at), codegen
+
+
+@intrinsic
+def _codes32(typingctx, x, at, inverse, xq, first, second):  # type: ignore[no-untyped-def]
+    """x[at:at + 32] times ``inverse``, rounded to the nearest integer (ties to even, as
+    np.rint) as int8: the first 16 stored at xq[first], the last 16 at xq[second]; returns the
+    codes' sum. In vectors: Numba's loops over a group's values ran a value at a time (2.4 ns a
+    value, 5 us for a 2048-wide vector, several times a layer)."""
     from llvmlite import ir
 
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+    floats, ints = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        x_a = context.make_array(signature.args[0])(context, builder, args[0])
-        xq_a = context.make_array(signature.args[2])(context, builder, args[2])
-        at_v, first_v, second_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 3, 4))
-        floats, ints = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
-
-        def call(name, ret, *values):  # type: ignore[no-untyped-def]
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in values]), name)
-            return builder.call(fn, list(values))
-
-        def mask(indices):  # type: ignore[no-untyped-def]
-            return ir.Constant(ir.VectorType(i32, len(indices)), list(indices))
-
-        def reduce(value, op):  # type: ignore[no-untyped-def]
-            for width in (8, 4, 2, 1):
-                value = op(builder.shuffle_vector(value, value, mask(range(width))),
-                           builder.shuffle_vector(value, value, mask(range(width, 2 * width))))
-            return builder.extract_element(value, ir.Constant(i32, 0))
-
-        halves = [builder.load(builder.bitcast(builder.gep(x_a.data, [builder.add(at_v, ir.Constant(at_v.type, k))]),
-                                               floats.as_pointer()), align=4) for k in (0, 16)]
-        magnitudes = [call("llvm.fabs.v16f32", floats, h) for h in halves]
-        largest = call("llvm.maxnum.v16f32", floats, *magnitudes)
-        amax = reduce(largest, lambda a, b: call(f"llvm.maxnum.v{a.type.count}f32", a.type, a, b))
-        positive = builder.fcmp_ordered(">", amax, ir.Constant(f32, 0.0))
-        d = builder.select(positive, builder.fdiv(amax, ir.Constant(f32, 127.0)), ir.Constant(f32, 1.0))
-        inverse = builder.fdiv(ir.Constant(f32, 1.0), d)
-        spread = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, ir.Undefined), inverse,
-                                                               ir.Constant(i32, 0)),
-                                        ir.Constant(floats, ir.Undefined), mask([0] * 16))
+        halves, call, reduce = _vector_codegen(builder, context, signature, args)
+        xq_a = context.make_array(signature.args[3])(context, builder, args[3])
+        first_v, second_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (4, 5))
+        one = builder.insert_element(ir.Constant(floats, ir.Undefined), args[2], ir.Constant(i32, 0))
+        spread = builder.shuffle_vector(one, ir.Constant(floats, ir.Undefined), ir.Constant(ints, [0] * 16))
         total = ir.Constant(ints, [0] * 16)
         for half, where in zip(halves, (first_v, second_v)):
             codes = builder.fptosi(call("llvm.rint.v16f32", floats, builder.fmul(half, spread)), ints)
             total = builder.add(total, codes)
             target = builder.bitcast(builder.gep(xq_a.data, [where]), ir.VectorType(i8, 16).as_pointer())
             builder.store(builder.trunc(codes, ir.VectorType(i8, 16)), target, align=1)
-        code_sum = builder.sitofp(reduce(total, builder.add), f32)
-        return context.make_tuple(builder, signature.return_type, [d, builder.fmul(code_sum, d)])
+        return reduce(total, builder.add)
 
-    return types.UniTuple(types.float32, 2)(x, at, xq, first, second), codegen
+    return types.int32(x, at, types.float32, xq, first, second), codegen
 
 
 @njit(cache=True, nogil=True)
@@ -811,8 +826,11 @@ def _quantize_groups(x, group, row, xq, dx, sums):  # pragma: no cover - compile
         if row:
             first = quad_layout(start, row)
             second = quad_layout(start + 16, row)
-        if group == 32 and _COMPILED:
-            dx[g], sums[g] = _quantize32(x, start, xq, first, second)
+        if group == 32 and _COMPILED:  # in vectors
+            amax = _amax32(x, start)
+            d = amax / scale_of_max if amax > 0 else np.float32(1.0)
+            dx[g] = d
+            sums[g] = np.float32(_codes32(x, start, np.float32(1.0) / d, xq, first, second)) * d
             continue
         amax = np.float32(0.0)
         for j in range(start, start + group):
