@@ -29,6 +29,7 @@ from .device import register_device
 from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
+_Q4_K, _Q6_K = KINDS["q4_k"], KINDS["q6_k"]  # the kinds that read the activations per 256
 # iq4_nl's and iq4_xs's 16 levels (ggml's kvalues_iq4nl).
 IQ4_LEVELS_INT = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 IQ4_LEVELS = np.array(IQ4_LEVELS_INT, dtype=np.float32)
@@ -211,15 +212,15 @@ def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
 
 def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     """``row(acc, flat, at, blocks, xq, dx, sums)``: acc (float32, 16 lanes) += the ``blocks``
-    super-blocks of ``kind`` (q2_k, q3_k, q5_k, q6_k, iq4_xs; q4_k has ``_q4_k_whole_row``) from
-    byte ``at`` of ``flat`` times the int8 activations ``xq`` (``dx``: their scale per 32
-    values; ``sums``: for q5_k the dequantized activations' sum per 32, for q6_k the int8 sums
-    per 16), each super-block with
-    its own float scales d and dmin (fp16, converted by the CPU). Everything in vector
-    registers: the 6-bit (or int8) sub-block scales unpacked with shuffles, the codes assembled
-    from their bit planes 64 values at a time (two sub-blocks of q5_k, four of q6_k, which
+    super-blocks of ``kind`` (q2_k, q3_k, q5_k, iq4_xs; q4_k and q6_k have ``_q4_k_whole_row``
+    and ``_q6_k_whole_row``) from byte ``at`` of ``flat`` times the int8 activations ``xq``
+    (``dx``: their scale per 32 values; ``sums``: for q5_k and iq4_xs the dequantized
+    activations' sum per 32, for q3_k the int8 sums per 16, for q2_k the dequantized sums per
+    16), each super-block with its own float scales d and dmin (fp16, converted by the CPU). Everything in vector
+    registers: the 6-bit (or 4-bit) sub-block scales unpacked with shuffles, the codes assembled
+    from their bit planes 64 values at a time (two sub-blocks of q5_k, four of q2_k/q3_k, which
     vpdpbusd's 16 lanes keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its
-    sub-block's scale, the minimum (q5_k) or the -32 offset (q6_k) taken off through the
+    sub-block's scale, the minimum (q2_k, q5_k) or the offset (q3_k) taken off through the
     sums; one load and store of ``acc`` a row."""
     from llvmlite import ir
 
@@ -387,25 +388,6 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                                 halves.append(u)
                             add(shuffle(halves[0], halves[1], list(range(64))), 128 * n + 64 * t,
                                 shuffle(scales, scales, [8 * n + 4 * t + k // 4 for k in range(16)]))
-                else:  # q6_k: ql[128] qh[64] scales[16] (int8) d; sums: the int8 activations' sums per 16
-                    dx16 = shuffle(load(dx_a, group, floats8), const(floats8, 0.0), [k // 2 for k in range(16)])
-                    scales = builder.fmul(builder.fmul(to_float(load(flat_a, at_v, v16, 192), True),
-                                                       splat(d_v, floats)), dx16)
-                    sums16 = load(sums_a, builder.mul(group, ir.Constant(group.type, 2)), floats)
-                    total = builder.fsub(total, builder.fmul(builder.fmul(scales, sums16), const(floats, 32.0)))
-                    for n in range(2):
-                        ql = load(flat_a, at_v, v64, 64 * n)
-                        qh = load(flat_a, at_v, v32, 128 + 32 * n)
-
-                        # qh and qh >> 2 side by side: bits 0-1 of each byte are the first 64
-                        # values' top bits, bits 4-5 the next 64's, already where they go (a plane
-                        # of two bits shifted and masked at a time took half again the instructions)
-                        both = shuffle(qh, builder.lshr(qh, const(v32, 2)), list(range(64)))
-                        first = builder.or_(builder.and_(ql, const(v64, 15)),
-                                            builder.shl(builder.and_(both, const(v64, 3)), const(v64, 4)))
-                        second = builder.or_(builder.lshr(ql, const(v64, 4)), builder.and_(both, const(v64, 0x30)))
-                        add(first, 128 * n, shuffle(scales, scales, [8 * n + k // 4 for k in range(16)]))
-                        add(second, 128 * n + 64, shuffle(scales, scales, [8 * n + 4 + k // 4 for k in range(16)]))
                 builder.store(total, total_p)
             builder.store(builder.load(total_p), acc_p, align=4)
             return context.get_dummy_value()
@@ -420,7 +402,7 @@ def _q4_k_whole_row(typingctx, acc, flat, at, blocks, yk, dk, bsum):  # type: ig
     """``row(acc, flat, at, blocks, yk, dk, bsum)``: acc (float32, 16 lanes) += the ``blocks``
     q4_k super-blocks at byte ``at`` of ``flat`` times activations quantized per 256 values
     (``_quantize_superblocks``: int8 ``yk`` in its layout, scale ``dk`` per 256, int32 sums per
-    32 ``bsum``), as llama.cpp's q4_K x q8_K product does: a super-block's products summed in
+    16 ``bsum``), as llama.cpp's q4_K x q8_K product does: a super-block's products summed in
     integers (vpmaddubsw pairs codes and activations, vpdpwssd scales the pairs by their
     sub-block's 6-bit scale), one float multiply-add a super-block, the minimums through the
     sums. Each 64-byte load of codes holds two 32-byte chunks: its low nibbles are sub-blocks
@@ -478,9 +460,10 @@ def _q4_k_whole_row(typingctx, acc, flat, at, blocks, yk, dk, bsum):  # type: ig
             a = builder.and_(builder.lshr(shuffle(q, q, a_idx), const(v16, a_shift)), const(v16, a_mask))
             b = builder.and_(builder.shl(builder.lshr(shuffle(q, q, b_idx), const(v16, 6)), const(v16, 4)), const(v16, b_mask))
             scmn = builder.zext(builder.or_(a, b), vec(i16, 16))  # sc 0-7, mn 8-15
-            # minimums: dmin * dk * sum_j mn_j * bsum_j
+            # minimums: dmin * dk * sum_j mn_j * (the activations' sum over sub-block j)
             mn32 = builder.zext(shuffle(scmn, scmn, list(range(8, 16))), vec(i32, 8))
-            bs = load(bsum_a, builder.mul(i, c(8)), vec(i32, 8), 0, 4)
+            halves = load(bsum_a, builder.mul(i, c(16)), vec(i32, 16), 0, 4)  # sums per 16
+            bs = builder.add(shuffle(halves, halves, list(range(0, 16, 2))), shuffle(halves, halves, list(range(1, 16, 2))))
             builder.store(builder.call(fma8, [builder.sitofp(builder.mul(mn32, bs), f8v), splat(dmin, f8v),
                                               builder.load(mins_p)]), mins_p)
             acc_i = const(d16, 0)
@@ -502,13 +485,89 @@ def _q4_k_whole_row(typingctx, acc, flat, at, blocks, yk, dk, bsum):  # type: ig
     return types.void(acc, flat, at, blocks, yk, dk, bsum), codegen
 
 
+@intrinsic
+def _q6_k_whole_row(typingctx, acc, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
+    """``row(acc, flat, at, blocks, yk, ybase, dk, bsum16)``: ``_q4_k_whole_row`` for q6_k, the
+    activations in their natural order from yk[ybase]: the codes assembled from their bit planes
+    64 at a time (as ``_superblock_intrinsic`` does), vpmaddubsw pairs them with the
+    activations, vpdpwssd scales the pairs by their sub-block's int8 scale, the -32 offset taken
+    off through the sums per 16 in the same integer accumulator; one float multiply-add a
+    super-block. From the cache on one core 1.5-1.75x the rows a second of the per-32 loop
+    (14 against 21-25 GB/s)."""
+    from llvmlite import ir
+
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        acc_a, flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                             for i in (0, 1, 4, 6, 7))
+        at0, nblocks, ybase0 = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (2, 3, 5))
+        idx_t = at0.type
+        def c(v): return ir.Constant(idx_t, v)
+        def vec(t, n): return ir.VectorType(t, n)
+        def load(array, index, t, offset=0, align=1):
+            p = builder.bitcast(builder.gep(array.data, [builder.add(index, c(offset))]), t.as_pointer())
+            return builder.load(p, align=align)
+        def const(t, values):
+            values = values if isinstance(values, list) else [values] * t.count
+            return ir.Constant(t, values)
+        def shuffle(a, b, mask):
+            return builder.shuffle_vector(a, b, ir.Constant(vec(i32, len(mask)), mask))
+        def splat(value, t):
+            one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
+            return shuffle(one, one, [0] * t.count)
+        def fn(name, ret, argtypes):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
+        v64, v32, w32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i16, 32), vec(i32, 16), vec(f32, 16)
+        maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
+        dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
+        fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
+        prefetch = fn("llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
+        total_p = cgutils.alloca_once_value(builder, const(f16v, 0.0))
+        with cgutils.for_range(builder, nblocks) as loop:
+            i = loop.index
+            at = builder.add(at0, builder.mul(i, c(210)))
+            for line in range(0, 210, 64):
+                builder.call(prefetch, [builder.gep(flat_a.data, [builder.add(at, c(vnni._PREFETCH_BYTES + line))]),
+                                        ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+            d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32), load(dk_a, i, f32, 0, 4))
+            sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
+            # -32 * sum_j sc_j * bsum16_j, in the integer accumulator
+            offs = builder.mul(builder.sext(sc, d16), load(bsum_a, builder.mul(i, c(16)), d16, 0, 4))
+            acc_i = builder.sub(const(d16, 0), builder.shl(offs, const(d16, 5)))
+            ybase = builder.add(ybase0, builder.mul(i, c(256)))
+            for n in range(2):
+                ql = load(flat_a, at, v64, 64 * n)
+                qh = load(flat_a, at, v32, 128 + 32 * n)
+                # qh and qh >> 2 side by side: bits 0-1 of each byte are the first 64 values' top
+                # bits, bits 4-5 the next 64's, already where they go (a plane of two bits
+                # shifted and masked at a time took half again the instructions)
+                both = shuffle(qh, builder.lshr(qh, const(v32, 2)), list(range(64)))
+                first = builder.or_(builder.and_(ql, const(v64, 15)),
+                                    builder.shl(builder.and_(both, const(v64, 3)), const(v64, 4)))
+                second = builder.or_(builder.lshr(ql, const(v64, 4)), builder.and_(both, const(v64, 0x30)))
+                for codes, k, sub0 in ((first, 0, 8 * n), (second, 64, 8 * n + 4)):
+                    y = load(yk_a, ybase, v64, 128 * n + k)
+                    p = builder.call(maddubs, [codes, y])
+                    lanes = shuffle(sc, sc, [sub0 + p // 8 for p in range(32)])
+                    acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
+            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]), total_p)
+        acc_p = builder.bitcast(acc_a.data, f16v.as_pointer())
+        builder.store(builder.fadd(builder.load(acc_p, align=4), builder.load(total_p)), acc_p, align=4)
+        return context.get_dummy_value()
+    return types.void(acc, flat, at, blocks, yk, ybase, dk, bsum16), codegen
+
+
 @njit(cache=True, nogil=True)
-def _quantize_superblocks(x, yk, dk, bsum):  # pragma: no cover - compiled
-    # x per 256 values: d = largest magnitude / 127 (1 for zeros), codes rint(x / d) laid out
-    # for _q4_k_whole_row (each 128 values' 32-value sub-blocks in the order 0, 2, 1, 3), the
-    # codes' sums per 32 in their natural order. In vectors (vnni's intrinsics: the VNNI kernels
-    # that read these run only where they compile).
+def _quantize_superblocks(x, cols, yk, dk, bsum, layout, natural):  # pragma: no cover - compiled
+    # Vectors of cols values (x flat) per 256 values: d = largest magnitude / 127 (1 for zeros),
+    # codes rint(x / d) into yk [vectors, 2 * cols]: with ``layout`` the first cols laid out for
+    # _q4_k_whole_row (each 128 values' 32-value sub-blocks in the order 0, 2, 1, 3), with
+    # ``natural`` the next cols in order (_q6_k_whole_row); the codes' sums per 16 in order. In
+    # vectors (vnni's intrinsics: the VNNI kernels that read these run only where they compile).
+    per = cols // 256
     for b in range(dk.shape[0]):
+        v, within = b // per, (b % per) * 256
         start = 256 * b
         amax = np.float32(0.0)
         for sub in range(8):
@@ -516,30 +575,38 @@ def _quantize_superblocks(x, yk, dk, bsum):  # pragma: no cover - compiled
         d = amax / np.float32(127) if amax > 0 else np.float32(1.0)
         inverse = np.float32(1.0) / d
         dk[b] = d
+        row = yk[v]
         for sub in range(8):
-            at = start + 32 * (sub + (1 if sub % 4 == 1 else -1 if sub % 4 == 2 else 0))
-            bsum[8 * b + sub] = vnni._codes32(x, start + 32 * sub, inverse, yk, at, at + 16)
+            if natural:
+                at = cols + within + 32 * sub
+                bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = vnni._codes32(x, start + 32 * sub, inverse,
+                                                                                   row, at, at + 16)
+            if layout:
+                at = within + 32 * (sub + (1 if sub % 4 == 1 else -1 if sub % 4 == 2 else 0))
+                bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = vnni._codes32(x, start + 32 * sub, inverse,
+                                                                                   row, at, at + 16)
 
 
-_q2_k_row, _q3_k_row, _q5_k_row, _q6_k_row, _iq4_xs_row = (
-    _superblock_intrinsic(k) for k in ("q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs"))
+_q2_k_row, _q3_k_row, _q5_k_row, _iq4_xs_row = (
+    _superblock_intrinsic(k) for k in ("q2_k", "q3_k", "q5_k", "iq4_xs"))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _k_row(flat, kind, start, blocks, xq, dx, sums, yk, dk, bsum, acc):  # pragma: no cover - compiled
     # acc += the row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start``
-    # times the int8 activations, in one compiled loop (``_superblock_intrinsic``; q4_k:
-    # ``_q4_k_whole_row`` against the activations quantized per 256, yk, dk, bsum).
+    # times the int8 activations, in one compiled loop (``_superblock_intrinsic``; q4_k and
+    # q6_k: ``_q4_k_whole_row`` and ``_q6_k_whole_row`` against the activations quantized per
+    # 256, yk, dk, bsum of ``_quantize_superblocks``).
     if kind == 2:
         _q4_k_whole_row(acc, flat, start, blocks, yk, dk, bsum)
+    elif kind == 4:
+        _q6_k_whole_row(acc, flat, start, blocks, yk, blocks * 256, dk, bsum)
     elif kind == 0:
         _q2_k_row(acc, flat, start, blocks, xq, dx, sums)
     elif kind == 1:
         _q3_k_row(acc, flat, start, blocks, xq, dx, sums)
     elif kind == 3:
         _q5_k_row(acc, flat, start, blocks, xq, dx, sums)
-    elif kind == 4:
-        _q6_k_row(acc, flat, start, blocks, xq, dx, sums)
     else:
         _iq4_xs_row(acc, flat, start, blocks, xq, dx, sums)
 
@@ -569,7 +636,7 @@ def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16,
         first = (item - e * per) * 32
         v = e if xq.shape[0] > 1 else 0
         kind = kinds[e]
-        sums = dsum16[v] if kind == 0 else isum16[v] if kind == 1 or kind == 4 else sums32[v]
+        sums = dsum16[v] if kind == 0 else isum16[v] if kind == 1 else sums32[v]
         acc = np.zeros(16, np.float32)
         for r in range(first, min(rows, first + 32)):
             acc[:] = 0
@@ -588,14 +655,15 @@ def _sums16(xq, dx, isum16, dsum16):  # pragma: no cover - compiled
         dsum16[g] = np.float32(total) * dx[g // 2]
 
 
-def _activations(x: np.ndarray, superblocks: bool) -> tuple[np.ndarray, ...]:
-    """x [n, cols] quantized for the kernels: int8 values, scales per 32, dequantized sums per
-    32, int8 sums per 16 (q3_k's and q6_k's offsets), dequantized sums per 16 (q2_k's minimums);
-    with ``superblocks`` (a q4_k matrix among them) also quantized per 256 (``yk``, ``dk``,
-    ``bsum`` of ``_quantize_superblocks``; else those are empty). Compiled, one thread: a
+def _activations(x: np.ndarray, schemes: tuple[str, ...] | str) -> tuple[np.ndarray, ...]:
+    """x [n, cols] quantized for the kernels of ``schemes``: int8 values, scales per 32,
+    dequantized sums per 32, int8 sums per 16 (q3_k's offsets), dequantized sums per 16 (q2_k's
+    minimums); and for q4_k and q6_k quantized per 256 (``yk``, ``dk``, ``bsum`` of
+    ``_quantize_superblocks``, in the layouts they read; else empty). Compiled, one thread: a
     decode step calls this twice a layer."""
     n, cols = x.shape
-    return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols, superblocks)
+    return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols, "q4_k" in schemes,
+                      "q6_k" in schemes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -613,13 +681,14 @@ def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, r
     """``vnni.rows_many`` for experts in ``vnni.KQUANTS`` schemes (mixed): [k, rows]."""
     kinds, row_bytes = _layout(tuple(schemes), x.shape[1])
     out = np.empty((len(schemes), rows), dtype=np.float32)
-    _k_rows_many(file, kinds, offsets, row_bytes, _F16_TO_F32, *_activations(x, "q4_k" in schemes), out)
+    _k_rows_many(file, kinds, offsets, row_bytes, _F16_TO_F32, *_activations(x, schemes), out)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _quantized(x, n, cols, superblocks):  # pragma: no cover - compiled
-    # n vectors of cols values quantized per 32 (what ``_activations`` returns): [n, ...] arrays
+def _quantized(x, n, cols, layout, natural):  # pragma: no cover - compiled
+    # n vectors of cols values quantized per 32 (what ``_activations`` returns): [n, ...] arrays;
+    # per 256 too for q4_k (``layout``) and q6_k (``natural``)
     groups = n * cols // 32
     xq = np.empty(n * cols, np.int8)
     dx = np.empty(groups, np.float32)
@@ -628,15 +697,23 @@ def _quantized(x, n, cols, superblocks):  # pragma: no cover - compiled
     isum16 = np.empty(2 * groups, np.float32)
     dsum16 = np.empty(2 * groups, np.float32)
     _sums16(xq, dx, isum16, dsum16)
-    whole = n * cols if superblocks else 0
-    yk = np.empty(whole, np.int8)
-    dk = np.empty(whole // 256, np.float32)
-    bsum = np.empty(whole // 32, np.int32)
-    if superblocks:
-        _quantize_superblocks(x, yk, dk, bsum)
     return (xq.reshape(n, cols), dx.reshape(n, cols // 32), sums32.reshape(n, cols // 32),
-            isum16.reshape(n, cols // 16), dsum16.reshape(n, cols // 16), yk.reshape(n, whole // n),
-            dk.reshape(n, whole // n // 256), bsum.reshape(n, whole // n // 32))
+            isum16.reshape(n, cols // 16), dsum16.reshape(n, cols // 16),
+            *superblock_activations(x, n, cols, layout, natural))
+
+
+@njit(cache=True, nogil=True)
+def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - compiled
+    """n vectors of cols values (x flat) quantized per 256 for q4_k (``layout``) and q6_k
+    (``natural``): yk [n, 2 * cols], dk [n, cols / 256], bsum [n, cols / 16]
+    (``_quantize_superblocks``); [n, 0] arrays where neither reads them."""
+    per = cols if layout or natural else 0
+    yk = np.empty((n, 2 * per), np.int8)
+    dk = np.empty(n * per // 256, np.float32)
+    bsum = np.empty(n * per // 16, np.int32)
+    if per:
+        _quantize_superblocks(x, cols, yk, dk, bsum, layout, natural)
+    return yk, dk.reshape(n, per // 256), bsum.reshape(n, per // 16)
 
 
 @njit(cache=True, nogil=True)
@@ -648,10 +725,12 @@ def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offs
     k = gu_kinds.shape[0]
     hidden = x.shape[0]
     h = np.empty((k, 2 * inter), np.float32)
-    _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table, *_quantized(x, 1, hidden, (gu_kinds == 2).any()), h)
+    _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table,
+                  *_quantized(x, 1, hidden, (gu_kinds == _Q4_K).any(), (gu_kinds == _Q6_K).any()), h)
     a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
     y = np.empty((k, hidden), np.float32)
-    _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table, *_quantized(a, k, inter, (dn_kinds == 2).any()), y)
+    _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table,
+                 *_quantized(a, k, inter, (dn_kinds == _Q4_K).any(), (dn_kinds == _Q6_K).any()), y)
     out = np.zeros(hidden, np.float32)
     for e in range(k):
         for j in range(hidden):
@@ -686,8 +765,8 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
 
     def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         rows, row_bytes = raw.shape
-        xq, dx, sums32, isum16, dsum16, yk, dk, bsum = _activations(x.reshape(1, -1), name == "q4_k")
-        sums = dsum16 if name == "q2_k" else isum16 if name in ("q3_k", "q6_k") else sums32
+        xq, dx, sums32, isum16, dsum16, yk, dk, bsum = _activations(x.reshape(1, -1), name)
+        sums = dsum16 if name == "q2_k" else isum16 if name == "q3_k" else sums32
         _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32, xq[0], dx[0], sums[0], yk[0], dk[0],
                 bsum[0], out)
         return out

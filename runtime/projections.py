@@ -21,7 +21,8 @@ from . import kquants, vnni
 
 # Kind codes: vnni.BLOCK_KINDS (0-3), then the K-quants from _KQUANT on (kquants.KINDS + _KQUANT).
 _KQUANT = 4
-_Q4_K = _KQUANT + kquants.KINDS["q4_k"]  # q4_k reads the activations quantized per 256 too
+# q4_k and q6_k read the activations quantized per 256 too
+_Q4_K, _Q6_K = _KQUANT + kquants.KINDS["q4_k"], _KQUANT + kquants.KINDS["q6_k"]
 _ROWS_PER_ITEM = 64
 
 
@@ -97,15 +98,11 @@ def stack_token(mats, f32s, kinds, starts, chunk_starts, in_order, in_quads, kqu
     dsum16 = np.empty(cols // 16, np.float32)
     if kquant:
         kquants._sums16(xq[0], dx[0], isum16, dsum16)
-    whole = cols if (kinds == _Q4_K).any() else 0
-    yk = np.empty(whole, np.int8)
-    dk = np.empty(whole // 256, np.float32)
-    bsum = np.empty(whole // 32, np.int32)
-    if whole:
-        kquants._quantize_superblocks(x, yk, dk, bsum)
+    layout, natural = (kinds == _Q4_K).any(), (kinds == _Q6_K).any()
+    yk, dk, bsum = kquants.superblock_activations(x, 1, cols, layout, natural)
     out = np.empty(starts[-1], np.float32)
     _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq[0], quads[0], dx[0], sums[0], lanes[0],
-                isum16, dsum16, yk, dk, bsum, out)
+                isum16, dsum16, yk[0], dk[0], bsum[0], out)
     return out
 
 
@@ -130,9 +127,9 @@ def _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq, quads, d
                              quads if kind >= 2 else xq, dx, xsum, lanes, dest)
             continue
         k = kind - _KQUANT
-        # q2_k's minimums take the dequantized sums per 16, q3_k's and q6_k's offsets the int8
-        # sums per 16, the others' minimums the sums per 32 (kquants._k_rows_many's choice)
-        sums = dsum16 if k == 0 else isum16 if k == 1 or k == 4 else xsum
+        # q2_k's minimums take the dequantized sums per 16, q3_k's offsets the int8 sums per 16,
+        # the others' minimums the sums per 32 (kquants._k_rows_many's choice)
+        sums = dsum16 if k == 0 else isum16 if k == 1 else xsum
         acc = np.zeros(16, np.float32)
         for r in range(first, last):
             acc[:] = 0
