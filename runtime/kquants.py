@@ -210,8 +210,22 @@ def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
                                  dl * np.float32(np.int32(u) - 32))
 
 
+def _lanes_sum(builder, value):  # type: ignore[no-untyped-def]
+    """The sum of a float vector's lanes, halves added until one is left (a row's result)."""
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+    width = value.type.count // 2
+    while width:
+        value = builder.fadd(*(builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
+                                                                                 list(range(k, k + width))))
+                               for k in (0, width)))
+        width //= 2
+    return builder.extract_element(value, ir.Constant(i32, 0))
+
+
 def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
-    """``row(acc, flat, at, blocks, xq, dx, sums)``: acc (float32, 16 lanes) += the ``blocks``
+    """``row(flat, at, blocks, xq, dx, sums) -> float32``: the dot product of the ``blocks``
     super-blocks of ``kind`` (q2_k, q3_k, q5_k, iq4_xs; q4_k and q6_k have ``_q4_k_whole_row``
     and ``_q6_k_whole_row``) from byte ``at`` of ``flat`` times the int8 activations ``xq``
     (``dx``: their scale per 32 values; ``sums``: for q5_k and iq4_xs the dequantized
@@ -221,7 +235,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     from their bit planes 64 values at a time (two sub-blocks of q5_k, four of q2_k/q3_k, which
     vpdpbusd's 16 lanes keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its
     sub-block's scale, the minimum (q2_k, q5_k) or the offset (q3_k) taken off through the
-    sums; one load and store of ``acc`` a row."""
+    sums; the lanes added once a row."""
     from llvmlite import ir
 
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -229,11 +243,11 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     words, floats, floats8 = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(f32, 8)
 
     @intrinsic
-    def row(typingctx, acc, flat, at, blocks, xq, dx, sums):  # type: ignore[no-untyped-def]
+    def row(typingctx, flat, at, blocks, xq, dx, sums):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            at0_v, blocks_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (2, 3))
-            arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6)]
-            acc_a, flat_a, xq_a, dx_a, sums_a = arrays
+            at0_v, blocks_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
+            arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 4, 5)]
+            flat_a, xq_a, dx_a, sums_a = arrays
 
             def load(array, index, vector, offset=0):  # type: ignore[no-untyped-def]
                 at_index = builder.add(index, ir.Constant(index.type, offset))
@@ -261,8 +275,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
             dmin_at = 82 if kind == "q2_k" else 2
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
                                                  "llvm.fma.v16f32")
-            acc_p = builder.bitcast(acc_a.data, floats.as_pointer())
-            total_p = cgutils.alloca_once_value(builder, builder.load(acc_p, align=4))
+            total_p = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 16))
 
             def half(index, offset):  # type: ignore[no-untyped-def]
                 bits = load(flat_a, index, ir.IntType(16), offset)
@@ -389,17 +402,16 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                             add(shuffle(halves[0], halves[1], list(range(64))), 128 * n + 64 * t,
                                 shuffle(scales, scales, [8 * n + 4 * t + k // 4 for k in range(16)]))
                 builder.store(total, total_p)
-            builder.store(builder.load(total_p), acc_p, align=4)
-            return context.get_dummy_value()
+            return _lanes_sum(builder, builder.load(total_p))
 
-        return types.void(acc, flat, at, blocks, xq, dx, sums), codegen
+        return types.float32(flat, at, blocks, xq, dx, sums), codegen
 
     return row
 
 
 @intrinsic
-def _q4_k_whole_row(typingctx, acc, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
-    """``row(acc, flat, at, blocks, yk, dk, bsum)``: acc (float32, 16 lanes) += the ``blocks``
+def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
+    """``row(flat, at, blocks, yk, dk, bsum) -> float32``: the dot product of the ``blocks``
     q4_k super-blocks at byte ``at`` of ``flat`` times activations quantized per 256 values
     (``_quantize_superblocks``: int8 ``yk`` in its layout, scale ``dk`` per 256, int32 sums per
     16 ``bsum``), as llama.cpp's q4_K x q8_K product does: a super-block's products summed in
@@ -414,8 +426,8 @@ def _q4_k_whole_row(typingctx, acc, flat, at, blocks, yk, dk, bsum):  # type: ig
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        acc_a, flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6))
-        at0, nblocks = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (2, 3))
+        flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 4, 5))
+        at0, nblocks = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
         idx_t = at0.type
         def c(v): return ir.Constant(idx_t, v)
         def vec(t, n): return ir.VectorType(t, n)
@@ -478,16 +490,13 @@ def _q4_k_whole_row(typingctx, acc, flat, at, blocks, yk, dk, bsum):  # type: ig
                     lanes = shuffle(scmn, scmn, [subs[0]] * 16 + [subs[1]] * 16)
                     acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
             builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]), total_p)
-        acc_p = builder.bitcast(acc_a.data, f16v.as_pointer())
-        total = builder.fsub(builder.load(total_p), shuffle(builder.load(mins_p), const(f8v, 0.0), list(range(8)) + [8] * 8))
-        builder.store(builder.fadd(builder.load(acc_p, align=4), total), acc_p, align=4)
-        return context.get_dummy_value()
-    return types.void(acc, flat, at, blocks, yk, dk, bsum), codegen
+        return builder.fsub(_lanes_sum(builder, builder.load(total_p)), _lanes_sum(builder, builder.load(mins_p)))
+    return types.float32(flat, at, blocks, yk, dk, bsum), codegen
 
 
 @intrinsic
-def _q6_k_whole_row(typingctx, acc, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
-    """``row(acc, flat, at, blocks, yk, ybase, dk, bsum16)``: ``_q4_k_whole_row`` for q6_k, the
+def _q6_k_whole_row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
+    """``row(flat, at, blocks, yk, ybase, dk, bsum16) -> float32``: ``_q4_k_whole_row`` for q6_k, the
     activations in their natural order from yk[ybase]: the codes assembled from their bit planes
     64 at a time (as ``_superblock_intrinsic`` does), vpmaddubsw pairs them with the
     activations, vpdpwssd scales the pairs by their sub-block's int8 scale, the -32 offset taken
@@ -499,9 +508,9 @@ def _q6_k_whole_row(typingctx, acc, flat, at, blocks, yk, ybase, dk, bsum16):  #
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        acc_a, flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
-                                             for i in (0, 1, 4, 6, 7))
-        at0, nblocks, ybase0 = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (2, 3, 5))
+        flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                      for i in (0, 3, 5, 6))
+        at0, nblocks, ybase0 = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2, 4))
         idx_t = at0.type
         def c(v): return ir.Constant(idx_t, v)
         def vec(t, n): return ir.VectorType(t, n)
@@ -552,10 +561,8 @@ def _q6_k_whole_row(typingctx, acc, flat, at, blocks, yk, ybase, dk, bsum16):  #
                     lanes = shuffle(sc, sc, [sub0 + p // 8 for p in range(32)])
                     acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
             builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]), total_p)
-        acc_p = builder.bitcast(acc_a.data, f16v.as_pointer())
-        builder.store(builder.fadd(builder.load(acc_p, align=4), builder.load(total_p)), acc_p, align=4)
-        return context.get_dummy_value()
-    return types.void(acc, flat, at, blocks, yk, ybase, dk, bsum16), codegen
+        return _lanes_sum(builder, builder.load(total_p))
+    return types.float32(flat, at, blocks, yk, ybase, dk, bsum16), codegen
 
 
 @njit(cache=True, nogil=True)
@@ -592,34 +599,30 @@ _q2_k_row, _q3_k_row, _q5_k_row, _iq4_xs_row = (
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _k_row(flat, kind, start, blocks, xq, dx, sums, yk, dk, bsum, acc):  # pragma: no cover - compiled
-    # acc += the row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start``
-    # times the int8 activations, in one compiled loop (``_superblock_intrinsic``; q4_k and
-    # q6_k: ``_q4_k_whole_row`` and ``_q6_k_whole_row`` against the activations quantized per
-    # 256, yk, dk, bsum of ``_quantize_superblocks``).
+def _k_row(flat, kind, start, blocks, xq, dx, sums, yk, dk, bsum):  # pragma: no cover - compiled
+    # The row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start`` times
+    # the int8 activations, in one compiled loop (``_superblock_intrinsic``; q4_k and q6_k:
+    # ``_q4_k_whole_row`` and ``_q6_k_whole_row`` against the activations quantized per 256, yk,
+    # dk, bsum of ``_quantize_superblocks``).
     if kind == 2:
-        _q4_k_whole_row(acc, flat, start, blocks, yk, dk, bsum)
-    elif kind == 4:
-        _q6_k_whole_row(acc, flat, start, blocks, yk, blocks * 256, dk, bsum)
-    elif kind == 0:
-        _q2_k_row(acc, flat, start, blocks, xq, dx, sums)
-    elif kind == 1:
-        _q3_k_row(acc, flat, start, blocks, xq, dx, sums)
-    elif kind == 3:
-        _q5_k_row(acc, flat, start, blocks, xq, dx, sums)
-    else:
-        _iq4_xs_row(acc, flat, start, blocks, xq, dx, sums)
+        return _q4_k_whole_row(flat, start, blocks, yk, dk, bsum)
+    if kind == 4:
+        return _q6_k_whole_row(flat, start, blocks, yk, blocks * 256, dk, bsum)
+    if kind == 0:
+        return _q2_k_row(flat, start, blocks, xq, dx, sums)
+    if kind == 1:
+        return _q3_k_row(flat, start, blocks, xq, dx, sums)
+    if kind == 3:
+        return _q5_k_row(flat, start, blocks, xq, dx, sums)
+    return _iq4_xs_row(flat, start, blocks, xq, dx, sums)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, yk, dk, bsum, out):  # pragma: no cover - compiled
     # Rows of a K-quant or iq4_xs times the int8 activations.
     for chunk in prange((rows + 63) // 64):
-        acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
-            _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum, acc)
-            out[r] = acc.sum()
+            out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -629,7 +632,7 @@ def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16,
     # activations of vector e (or of the one vector): every selected expert's matrix in one
     # parallel region, 32 rows a work item.
     k, rows = out.shape
-    cols = xq.shape[1]
+    cols = max(xq.shape[1], yk.shape[1] // 2)  # xq is empty where only q4_k and q6_k read x
     per = (rows + 31) // 32
     for item in prange(k * per):
         e = item // per
@@ -637,12 +640,9 @@ def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16,
         v = e if xq.shape[0] > 1 else 0
         kind = kinds[e]
         sums = dsum16[v] if kind == 0 else isum16[v] if kind == 1 else sums32[v]
-        acc = np.zeros(16, np.float32)
         for r in range(first, min(rows, first + 32)):
-            acc[:] = 0
-            _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, xq[v], dx[v], sums, yk[v], dk[v], bsum[v],
-                   acc)
-            out[e, r] = acc.sum()
+            out[e, r] = _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, xq[v], dx[v], sums, yk[v],
+                               dk[v], bsum[v])
 
 
 @njit(cache=True, nogil=True)
@@ -662,8 +662,9 @@ def _activations(x: np.ndarray, schemes: tuple[str, ...] | str) -> tuple[np.ndar
     ``_quantize_superblocks``, in the layouts they read; else empty). Compiled, one thread: a
     decode step calls this twice a layer."""
     n, cols = x.shape
-    return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols, "q4_k" in schemes,
-                      "q6_k" in schemes)
+    names = (schemes,) if isinstance(schemes, str) else schemes
+    return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols,
+                      any(name not in ("q4_k", "q6_k") for name in names), "q4_k" in names, "q6_k" in names)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -686,19 +687,22 @@ def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, r
 
 
 @njit(cache=True, nogil=True)
-def _quantized(x, n, cols, layout, natural):  # pragma: no cover - compiled
-    # n vectors of cols values quantized per 32 (what ``_activations`` returns): [n, ...] arrays;
-    # per 256 too for q4_k (``layout``) and q6_k (``natural``)
-    groups = n * cols // 32
-    xq = np.empty(n * cols, np.int8)
+def _quantized(x, n, cols, per32, layout, natural):  # pragma: no cover - compiled
+    # n vectors of cols values quantized (what ``_activations`` returns): [n, ...] arrays; per 32
+    # for the kinds but q4_k and q6_k (``per32``; else those arrays are empty), per 256 for q4_k
+    # (``layout``) and q6_k (``natural``)
+    groups = n * cols // 32 if per32 else 0
+    width = cols if per32 else 0
+    xq = np.empty(n * width, np.int8)
     dx = np.empty(groups, np.float32)
     sums32 = np.empty(groups, np.float32)
-    vnni._quantize_groups(x, 32, 0, xq, dx, sums32)
     isum16 = np.empty(2 * groups, np.float32)
     dsum16 = np.empty(2 * groups, np.float32)
-    _sums16(xq, dx, isum16, dsum16)
-    return (xq.reshape(n, cols), dx.reshape(n, cols // 32), sums32.reshape(n, cols // 32),
-            isum16.reshape(n, cols // 16), dsum16.reshape(n, cols // 16),
+    if per32:
+        vnni._quantize_groups(x, 32, 0, xq, dx, sums32)
+        _sums16(xq, dx, isum16, dsum16)
+    return (xq.reshape(n, width), dx.reshape(n, width // 32), sums32.reshape(n, width // 32),
+            isum16.reshape(n, width // 16), dsum16.reshape(n, width // 16),
             *superblock_activations(x, n, cols, layout, natural))
 
 
@@ -717,6 +721,15 @@ def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - c
 
 
 @njit(cache=True, nogil=True)
+def _needs_per32(kinds):  # pragma: no cover - compiled
+    # whether a kind among them reads the activations quantized per 32 (all but q4_k and q6_k)
+    for kind in kinds:
+        if kind != _Q4_K and kind != _Q6_K:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
 def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, x, weights, inter,
                    clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias):  # pragma: no cover - compiled
     # One token through k experts of K-quant kinds: the activations quantized, the gate/up rows
@@ -726,11 +739,13 @@ def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offs
     hidden = x.shape[0]
     h = np.empty((k, 2 * inter), np.float32)
     _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table,
-                  *_quantized(x, 1, hidden, (gu_kinds == _Q4_K).any(), (gu_kinds == _Q6_K).any()), h)
+                  *_quantized(x, 1, hidden, _needs_per32(gu_kinds), (gu_kinds == _Q4_K).any(), (gu_kinds == _Q6_K).any()),
+                  h)
     a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
     y = np.empty((k, hidden), np.float32)
     _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table,
-                 *_quantized(a, k, inter, (dn_kinds == _Q4_K).any(), (dn_kinds == _Q6_K).any()), y)
+                 *_quantized(a, k, inter, _needs_per32(dn_kinds), (dn_kinds == _Q4_K).any(), (dn_kinds == _Q6_K).any()),
+                 y)
     out = np.zeros(hidden, np.float32)
     for e in range(k):
         for j in range(hidden):

@@ -50,9 +50,11 @@ class Projections:
         self.starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         chunks = [(r + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM for r in rows]
         self.chunk_starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
-        self.in_order = any(k < 2 or k >= _KQUANT for k in kinds)
+        # int8, q8_0 and the K-quants but q4_k and q6_k read the activations per 32 in order,
+        # q4_0 and mxfp4 in quad_layout; q2_k and q3_k their sums per 16 too
+        self.in_order = any(k < 2 or (k >= _KQUANT and k not in (_Q4_K, _Q6_K)) for k in kinds)
         self.in_quads = any(k in (2, 3) for k in kinds)
-        self.kquant = any(k >= _KQUANT for k in kinds)
+        self.kquant = any(k in (_KQUANT + kquants.KINDS["q2_k"], _KQUANT + kquants.KINDS["q3_k"]) for k in kinds)
         self.splits = tuple(int(s) for s in self.starts[1:-1])
 
     @classmethod
@@ -130,8 +132,5 @@ def _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq, quads, d
         # q2_k's minimums take the dequantized sums per 16, q3_k's offsets the int8 sums per 16,
         # the others' minimums the sums per 32 (kquants._k_rows_many's choice)
         sums = dsum16 if k == 0 else isum16 if k == 1 else xsum
-        acc = np.zeros(16, np.float32)
         for r in range(first, last):
-            acc[:] = 0
-            kquants._k_row(flat, k, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum, acc)
-            dest[r] = acc.sum()
+            dest[r] = kquants._k_row(flat, k, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum)
