@@ -126,11 +126,12 @@ def busy_rounds(args: argparse.Namespace, cases: list, clock: gen.KernelClock, p
                                        "llama": gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new,
                                                               args.threads)})
             print(f"busy round {round_index + 1}", flush=True)
+        threads = cpu_load.default_threads(os.cpu_count() or 1)  # while the busy process runs
     finally:
         hog.kill()
         hog.wait()
-    print(f"\nbeside one busy process (ktc's default threads: {cpu_load.default_threads(os.cpu_count() or 1)} "
-          f"while it ran; llama.cpp -t {args.threads}), medians:")
+    print(f"\nbeside one busy process (ktc's default threads: {threads} while it ran; llama.cpp -t {args.threads}), "
+          f"medians:")
     for case in cases:
         kept = {}
         for side in ("ktc", "llama"):
