@@ -288,8 +288,8 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
 
     return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *parts(qkv), *parts(o), f16, e8m0,
             layer.heads, layer.kv_heads, layer.head_dim, norm_mode, q_norm.weight, np.float32(q_norm.eps),
-            k_norm.weight, np.float32(k_norm.eps), layer.clip is not None, np.float32(layer.clip or 0.0), layer.keys, layer.values,
-            np.float32(layer.scaling), layer.post_norm.weight, np.float32(layer.post_norm.eps))
+            k_norm.weight, np.float32(k_norm.eps), layer.clip is not None, np.float32(layer.clip or 0.0), layer.keys,
+            layer.values, np.float32(layer.scaling), layer.post_norm.weight, np.float32(layer.post_norm.eps))
 
 
 @njit(cache=True, nogil=True)

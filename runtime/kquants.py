@@ -291,13 +291,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                 group = builder.sdiv(xbase_v, ir.Constant(xbase_v.type, 32))  # activation group of 32
                 # Ask for the weights 4 KB ahead, every cache line of a super-block (as the other block
                 # kinds' rows do: long rows read a third faster with it here).
-                prefetch = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-                for line in range(0, {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-                                      "iq4_xs": 136}[kind], 64):
-                    ahead = builder.add(at_v, ir.Constant(at_v.type, vnni._PREFETCH_BYTES + line))
-                    builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
-                                            ir.Constant(i32, 1)])
+                _prefetch_ahead(builder, flat_a, at_v, block_bytes)
                 dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                         "llvm.x86.avx512.vpdpbusd.512")
                 total = builder.load(total_p)
@@ -409,6 +403,54 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     return row
 
 
+def _emitters(builder, index_t):  # type: ignore[no-untyped-def]
+    """The whole-row intrinsics' small LLVM helpers: an index constant, a vector type, an
+    unaligned vector load at ``index + offset`` of an array, a vector constant, a shuffle, a
+    splat and an LLVM function by name."""
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+
+    def c(v):  # type: ignore[no-untyped-def]
+        return ir.Constant(index_t, v)
+
+    def vec(t, n):  # type: ignore[no-untyped-def]
+        return ir.VectorType(t, n)
+
+    def load(array, index, t, offset=0, align=1):  # type: ignore[no-untyped-def]
+        pointer = builder.bitcast(builder.gep(array.data, [builder.add(index, c(offset))]), t.as_pointer())
+        return builder.load(pointer, align=align)
+
+    def const(t, values):  # type: ignore[no-untyped-def]
+        return ir.Constant(t, values if isinstance(values, list) else [values] * t.count)
+
+    def shuffle(a, b, mask):  # type: ignore[no-untyped-def]
+        return builder.shuffle_vector(a, b, ir.Constant(vec(i32, len(mask)), mask))
+
+    def splat(value, t):  # type: ignore[no-untyped-def]
+        one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
+        return shuffle(one, one, [0] * t.count)
+
+    def fn(name, ret, argtypes):  # type: ignore[no-untyped-def]
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
+
+    return c, vec, load, const, shuffle, splat, fn
+
+
+def _prefetch_ahead(builder, flat_a, at, nbytes):  # type: ignore[no-untyped-def]
+    """Ask for every cache line of the ``nbytes`` at ``at`` of flat_a ``vnni._PREFETCH_BYTES``
+    ahead (into L2), as the other row loops do."""
+    from llvmlite import ir
+
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+    for line in range(0, nbytes, 64):
+        ahead = builder.add(at, ir.Constant(at.type, vnni._PREFETCH_BYTES + line))
+        builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
+                                ir.Constant(i32, 1)])
+
+
 @intrinsic
 def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, yk, dk, bsum) -> float32``: the dot product of the ``blocks``
@@ -420,36 +462,21 @@ def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[
     sums. Each 64-byte load of codes holds two 32-byte chunks: its low nibbles are sub-blocks
     4h and 4h + 2, its high nibbles 4h + 1 and 4h + 3, which is how the activations are laid
     out. Against per-32 activations (``_superblock_intrinsic``: a float scale and multiply-add
-    per 64 values) 1.5x the rows a second from the cache on one core."""
+    per 64 values) 1.4x the rows a second from the cache on one core."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 4, 5))
+        flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                      for i in (0, 3, 4, 5))
         at0, nblocks = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
-        idx_t = at0.type
-        def c(v): return ir.Constant(idx_t, v)
-        def vec(t, n): return ir.VectorType(t, n)
-        def load(array, index, t, offset=0, align=1):
-            p = builder.bitcast(builder.gep(array.data, [builder.add(index, c(offset))]), t.as_pointer())
-            return builder.load(p, align=align)
-        def const(t, values):
-            values = values if isinstance(values, list) else [values] * t.count
-            return ir.Constant(t, values)
-        def shuffle(a, b, mask):
-            return builder.shuffle_vector(a, b, ir.Constant(vec(i32, len(mask)), mask))
-        def splat(value, t):
-            one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
-            return shuffle(one, one, [0] * t.count)
-        def fn(name, ret, argtypes):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
+        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at0.type)
         v64, w32, d16, f16v, f8v = vec(i8, 64), vec(i16, 32), vec(i32, 16), vec(f32, 16), vec(f32, 8)
         maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
         dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
         fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
         fma8 = fn("llvm.fma.v8f32", f8v, [f8v] * 3)
-        prefetch = fn("llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
         total_p = cgutils.alloca_once_value(builder, const(f16v, 0.0))
         mins_p = cgutils.alloca_once_value(builder, const(f8v, 0.0))
         # per lane of the 16 scale/min bytes: A byte index, shift, mask; B byte index (top 2 bits) and mask
@@ -462,20 +489,20 @@ def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[
         with cgutils.for_range(builder, nblocks) as loop:
             i = loop.index
             at = builder.add(at0, builder.mul(i, c(144)))
-            for line in range(0, 144, 64):
-                builder.call(prefetch, [builder.gep(flat_a.data, [builder.add(at, c(vnni._PREFETCH_BYTES + line))]),
-                                        ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+            _prefetch_ahead(builder, flat_a, at, 144)
             dkb = load(dk_a, i, f32, 0, 4)
             d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 0), ir.HalfType()), f32), dkb)
             dmin = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 2), ir.HalfType()), f32), dkb)
             q = load(flat_a, at, v16, 4)
             a = builder.and_(builder.lshr(shuffle(q, q, a_idx), const(v16, a_shift)), const(v16, a_mask))
-            b = builder.and_(builder.shl(builder.lshr(shuffle(q, q, b_idx), const(v16, 6)), const(v16, 4)), const(v16, b_mask))
+            b = builder.and_(builder.shl(builder.lshr(shuffle(q, q, b_idx), const(v16, 6)), const(v16, 4)),
+                             const(v16, b_mask))
             scmn = builder.zext(builder.or_(a, b), vec(i16, 16))  # sc 0-7, mn 8-15
             # minimums: dmin * dk * sum_j mn_j * (the activations' sum over sub-block j)
             mn32 = builder.zext(shuffle(scmn, scmn, list(range(8, 16))), vec(i32, 8))
             halves = load(bsum_a, builder.mul(i, c(16)), vec(i32, 16), 0, 4)  # sums per 16
-            bs = builder.add(shuffle(halves, halves, list(range(0, 16, 2))), shuffle(halves, halves, list(range(1, 16, 2))))
+            bs = builder.add(shuffle(halves, halves, list(range(0, 16, 2))),
+                             shuffle(halves, halves, list(range(1, 16, 2))))
             builder.store(builder.call(fma8, [builder.sitofp(builder.mul(mn32, bs), f8v), splat(dmin, f8v),
                                               builder.load(mins_p)]), mins_p)
             acc_i = const(d16, 0)
@@ -489,8 +516,10 @@ def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[
                     p = builder.call(maddubs, [codes, y])
                     lanes = shuffle(scmn, scmn, [subs[0]] * 16 + [subs[1]] * 16)
                     acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
-            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]), total_p)
+            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
+                          total_p)
         return builder.fsub(_lanes_sum(builder, builder.load(total_p)), _lanes_sum(builder, builder.load(mins_p)))
+
     return types.float32(flat, at, blocks, yk, dk, bsum), codegen
 
 
@@ -511,35 +540,18 @@ def _q6_k_whole_row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type
         flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
                                       for i in (0, 3, 5, 6))
         at0, nblocks, ybase0 = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2, 4))
-        idx_t = at0.type
-        def c(v): return ir.Constant(idx_t, v)
-        def vec(t, n): return ir.VectorType(t, n)
-        def load(array, index, t, offset=0, align=1):
-            p = builder.bitcast(builder.gep(array.data, [builder.add(index, c(offset))]), t.as_pointer())
-            return builder.load(p, align=align)
-        def const(t, values):
-            values = values if isinstance(values, list) else [values] * t.count
-            return ir.Constant(t, values)
-        def shuffle(a, b, mask):
-            return builder.shuffle_vector(a, b, ir.Constant(vec(i32, len(mask)), mask))
-        def splat(value, t):
-            one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
-            return shuffle(one, one, [0] * t.count)
-        def fn(name, ret, argtypes):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
+        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at0.type)
         v64, v32, w32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i16, 32), vec(i32, 16), vec(f32, 16)
         maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
         dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
         fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
-        prefetch = fn("llvm.prefetch.p0i8", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
         total_p = cgutils.alloca_once_value(builder, const(f16v, 0.0))
         with cgutils.for_range(builder, nblocks) as loop:
             i = loop.index
             at = builder.add(at0, builder.mul(i, c(210)))
-            for line in range(0, 210, 64):
-                builder.call(prefetch, [builder.gep(flat_a.data, [builder.add(at, c(vnni._PREFETCH_BYTES + line))]),
-                                        ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
-            d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32), load(dk_a, i, f32, 0, 4))
+            _prefetch_ahead(builder, flat_a, at, 210)
+            d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32),
+                             load(dk_a, i, f32, 0, 4))
             sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
             # -32 * sum_j sc_j * bsum16_j, in the integer accumulator
             offs = builder.mul(builder.sext(sc, d16), load(bsum_a, builder.mul(i, c(16)), d16, 0, 4))
@@ -560,8 +572,10 @@ def _q6_k_whole_row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type
                     p = builder.call(maddubs, [codes, y])
                     lanes = shuffle(sc, sc, [sub0 + p // 8 for p in range(32)])
                     acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
-            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]), total_p)
+            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
+                          total_p)
         return _lanes_sum(builder, builder.load(total_p))
+
     return types.float32(flat, at, blocks, yk, ybase, dk, bsum16), codegen
 
 
@@ -739,13 +753,13 @@ def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offs
     hidden = x.shape[0]
     h = np.empty((k, 2 * inter), np.float32)
     _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table,
-                  *_quantized(x, 1, hidden, _needs_per32(gu_kinds), (gu_kinds == _Q4_K).any(), (gu_kinds == _Q6_K).any()),
-                  h)
+                  *_quantized(x, 1, hidden, _needs_per32(gu_kinds), (gu_kinds == _Q4_K).any(),
+                              (gu_kinds == _Q6_K).any()), h)
     a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
     y = np.empty((k, hidden), np.float32)
     _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table,
-                 *_quantized(a, k, inter, _needs_per32(dn_kinds), (dn_kinds == _Q4_K).any(), (dn_kinds == _Q6_K).any()),
-                 y)
+                 *_quantized(a, k, inter, _needs_per32(dn_kinds), (dn_kinds == _Q4_K).any(),
+                             (dn_kinds == _Q6_K).any()), y)
     out = np.zeros(hidden, np.float32)
     for e in range(k):
         for j in range(hidden):
