@@ -5,12 +5,13 @@ Qwen3-30B-A3B's shape (a module call per projection and norm, each norm six torc
 router, the cache update, the attention interface), about twice the time its kernels take to
 read the layer's Q4_0 weights: a 48-layer model would spend most of each token there. For the
 families whose decode step it computes (``FAMILIES``) on a CPU-only model, ``FastDecode`` runs
-the step itself, a few compiled calls a layer: RMSNorm, the projections through ktc's kernels
-(the same ``HostLinear`` weights), query/key norms, the rotary embedding (cos and sin from the
-model's own rotary module, kept by blocks of positions), the keys and values into the same
-preallocated KV cache, attention over the cache, and the MoE block through
-``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``). Prefill stays
-transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
+the step itself, one compiled call a layer where the projections and experts take ktc's VNNI
+kernels (``_moe_layer_token``; two where the experts do not, a few more elsewhere): RMSNorm,
+the projections through ktc's kernels (the same ``HostLinear`` weights), query/key norms, the
+rotary embedding (cos and sin from the model's own rotary module, kept by blocks of positions),
+the keys and values into the same preallocated KV cache, attention over the cache, and the MoE
+block through ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``). Prefill
+stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
 against transformers' own steps, family by family.
 """
 
