@@ -262,3 +262,33 @@ def test_q4_k_m_fused_layer_equals_expert_by_expert(q4_k_m, tmp_path):
         assert experts.cpu[2].scheme == "q4_k+q6_k"
         experts.close()
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_q4_k_m_fast_steps_compiled_equal_step_by_step(q4_k_m, tmp_path):
+    """A Q4_K_M model's fast decode steps through the compiled attention half (q4_k and q6_k
+    projections in one call against activations quantized per 256) give what the same steps
+    give one matrix at a time."""
+    import torch
+
+    from ktc.runtime import vnni
+    from ktc.runtime.hf import from_bundle
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI (or the JIT is off)")
+    _, path = q4_k_m
+    out = str(tmp_path / "m.ktb")
+    compile_bundle(path, out)
+    prompt = torch.randint(3, 290, (1, 8), generator=torch.Generator().manual_seed(1))
+    tokens = [5, 17, 42, 99]
+    runs = []
+    with from_bundle(out) as km:
+        assert km.fast is not None and all(layer.compiled is not None for layer in km.fast.layers)
+        compiled = [layer.compiled for layer in km.fast.layers]
+        for use in (True, False):
+            for layer, args in zip(km.fast.layers, compiled):
+                layer.compiled = args if use else None
+            with torch.no_grad():
+                km.model(prompt, **{km.cache_argument: km.new_cache()})
+            runs.append([km.fast.step(t).copy() for t in tokens])
+    for got, want in zip(*runs):
+        assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-5
