@@ -138,6 +138,18 @@ def _kv_shapes(config: Any) -> list[tuple[int, int, int]] | None:
     return [(heads, head_dim, head_dim)] * layers
 
 
+def _filled_part(buffer: str) -> property:
+    """A preallocated cache layer's keys or values: the filled part of its ``buffer``, which is
+    not replaced from outside (DynamicLayer's ``__init__`` sets None, which is let pass)."""
+
+    def refuse(layer: Any, value: Any) -> None:
+        if value is not None:
+            raise KtcError("ktc's KV cache is allocated up front: its keys and values are not replaced "
+                           "(offloading, beam reordering and batch edits are not supported)")
+
+    return property(lambda layer: getattr(layer, buffer)[:, :, :layer.length], refuse)
+
+
 def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_dtype: Any) -> Any:
     """A transformers ``Cache`` whose keys and values are allocated up front for ``capacity``
     tokens (one sequence), so memory is what the plan counted and a longer request fails with a
@@ -163,27 +175,8 @@ def make_cache(config: Any, capacity: int, *, device: Any, dtype: Any, compute_d
         # The filled part of the buffers, sliced when read: a decode step of
         # runtime.fast_decode advances the length without torch (two slices cost 50 us a layer
         # there, among streaming weights).
-        @property
-        def keys(self) -> Any:
-            return self.key_buffer[:, :, :self.length]
-
-        @keys.setter
-        def keys(self, value: Any) -> None:
-            self._refuse_replacing(value)
-
-        @property
-        def values(self) -> Any:
-            return self.value_buffer[:, :, :self.length]
-
-        @values.setter
-        def values(self, value: Any) -> None:
-            self._refuse_replacing(value)
-
-        @staticmethod
-        def _refuse_replacing(value: Any) -> None:
-            if value is not None:  # DynamicLayer's __init__ sets None
-                raise KtcError("ktc's KV cache is allocated up front: its keys and values are not replaced "
-                               "(offloading, beam reordering and batch edits are not supported)")
+        keys = _filled_part("key_buffer")
+        values = _filled_part("value_buffer")
 
         @property
         def nbytes(self) -> int:

@@ -210,20 +210,6 @@ def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
                                  dl * np.float32(np.int32(u) - 32))
 
 
-def _lanes_sum(builder, value):  # type: ignore[no-untyped-def]
-    """The sum of a float vector's lanes, halves added until one is left (a row's result)."""
-    from llvmlite import ir
-
-    i32 = ir.IntType(32)
-    width = value.type.count // 2
-    while width:
-        value = builder.fadd(*(builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
-                                                                                 list(range(k, k + width))))
-                               for k in (0, width)))
-        width //= 2
-    return builder.extract_element(value, ir.Constant(i32, 0))
-
-
 def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, xq, dx, sums) -> float32``: the dot product of the ``blocks``
     super-blocks of ``kind`` (q2_k, q3_k, q5_k, iq4_xs; q4_k and q6_k have ``_q4_k_whole_row``
@@ -396,7 +382,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                             add(shuffle(halves[0], halves[1], list(range(64))), 128 * n + 64 * t,
                                 shuffle(scales, scales, [8 * n + 4 * t + k // 4 for k in range(16)]))
                 builder.store(total, total_p)
-            return _lanes_sum(builder, builder.load(total_p))
+            return vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd)
 
         return types.float32(flat, at, blocks, xq, dx, sums), codegen
 
@@ -518,7 +504,8 @@ def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[
                     acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
             builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
                           total_p)
-        return builder.fsub(_lanes_sum(builder, builder.load(total_p)), _lanes_sum(builder, builder.load(mins_p)))
+        return builder.fsub(vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd),
+                            vnni._reduce_lanes(builder, builder.load(mins_p), builder.fadd))
 
     return types.float32(flat, at, blocks, yk, dk, bsum), codegen
 
@@ -574,7 +561,7 @@ def _q6_k_whole_row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type
                     acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
             builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
                           total_p)
-        return _lanes_sum(builder, builder.load(total_p))
+        return vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd)
 
     return types.float32(flat, at, blocks, yk, ybase, dk, bsum16), codegen
 
@@ -613,30 +600,32 @@ _q2_k_row, _q3_k_row, _q5_k_row, _iq4_xs_row = (
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _k_row(flat, kind, start, blocks, xq, dx, sums, yk, dk, bsum):  # pragma: no cover - compiled
+def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bsum):  # pragma: no cover - compiled
     # The row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start`` times
-    # the int8 activations, in one compiled loop (``_superblock_intrinsic``; q4_k and q6_k:
-    # ``_q4_k_whole_row`` and ``_q6_k_whole_row`` against the activations quantized per 256, yk,
-    # dk, bsum of ``_quantize_superblocks``).
+    # the int8 activations, in one compiled loop (``_superblock_intrinsic``, whose minimums or
+    # offsets take q2_k the dequantized sums per 16, q3_k the int8 sums per 16, the others the
+    # sums per 32; q4_k and q6_k: ``_q4_k_whole_row`` and ``_q6_k_whole_row`` against the
+    # activations quantized per 256, yk, dk, bsum of ``_quantize_superblocks``).
     if kind == 2:
         return _q4_k_whole_row(flat, start, blocks, yk, dk, bsum)
     if kind == 4:
         return _q6_k_whole_row(flat, start, blocks, yk, blocks * 256, dk, bsum)
     if kind == 0:
-        return _q2_k_row(flat, start, blocks, xq, dx, sums)
+        return _q2_k_row(flat, start, blocks, xq, dx, dsum16)
     if kind == 1:
-        return _q3_k_row(flat, start, blocks, xq, dx, sums)
+        return _q3_k_row(flat, start, blocks, xq, dx, isum16)
     if kind == 3:
-        return _q5_k_row(flat, start, blocks, xq, dx, sums)
-    return _iq4_xs_row(flat, start, blocks, xq, dx, sums)
+        return _q5_k_row(flat, start, blocks, xq, dx, sums32)
+    return _iq4_xs_row(flat, start, blocks, xq, dx, sums32)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums, yk, dk, bsum, out):  # pragma: no cover - compiled
+def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums32, isum16, dsum16, yk, dk, bsum,
+            out):  # pragma: no cover - compiled
     # Rows of a K-quant or iq4_xs times the int8 activations.
     for chunk in prange((rows + 63) // 64):
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum)
+            out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums32, isum16, dsum16, yk, dk, bsum)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -653,10 +642,9 @@ def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16,
         first = (item - e * per) * 32
         v = e if xq.shape[0] > 1 else 0
         kind = kinds[e]
-        sums = dsum16[v] if kind == 0 else isum16[v] if kind == 1 else sums32[v]
         for r in range(first, min(rows, first + 32)):
-            out[e, r] = _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, xq[v], dx[v], sums, yk[v],
-                               dk[v], bsum[v])
+            out[e, r] = _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, xq[v], dx[v], sums32[v],
+                               isum16[v], dsum16[v], yk[v], dk[v], bsum[v])
 
 
 @njit(cache=True, nogil=True)
@@ -794,10 +782,8 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
 
     def run(raw, x, out, scales):  # type: ignore[no-untyped-def]
         rows, row_bytes = raw.shape
-        xq, dx, sums32, isum16, dsum16, yk, dk, bsum = _activations(x.reshape(1, -1), name)
-        sums = dsum16 if name == "q2_k" else isum16 if name == "q3_k" else sums32
-        _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32, xq[0], dx[0], sums[0], yk[0], dk[0],
-                bsum[0], out)
+        _k_vnni(raw.reshape(-1), kind, row_bytes, rows, x.shape[0], _F16_TO_F32,
+                *(a[0] for a in _activations(x.reshape(1, -1), name)), out)
         return out
 
     return run

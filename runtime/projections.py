@@ -38,8 +38,6 @@ class Projections:
     """Matrices (``HostLinear``) sharing one input, run together by ``__call__``."""
 
     def __init__(self, linears: Sequence[Any], kinds: list[int]) -> None:
-        self.linears = tuple(linears)
-        self.cols = int(linears[0].in_features)
         self.mats = tuple(lin.raw for lin in linears)
         self.kinds = np.array(kinds, dtype=np.int64)
         # int8 rows end in their float32 scale, read through a float32 view of the matrix;
@@ -54,7 +52,7 @@ class Projections:
         # q4_0 and mxfp4 in quad_layout; q2_k and q3_k their sums per 16 too
         self.in_order = any(k < 2 or (k >= _KQUANT and k not in (_Q4_K, _Q6_K)) for k in kinds)
         self.in_quads = any(k in (2, 3) for k in kinds)
-        self.kquant = any(k in (_KQUANT + kquants.KINDS["q2_k"], _KQUANT + kquants.KINDS["q3_k"]) for k in kinds)
+        self.sums16 = any(k in (_KQUANT + kquants.KINDS["q2_k"], _KQUANT + kquants.KINDS["q3_k"]) for k in kinds)
         self.splits = tuple(int(s) for s in self.starts[1:-1])
 
     @classmethod
@@ -82,7 +80,7 @@ class Projections:
         """The matrices' outputs for x (float32 [cols]), one after another: float32 [sum of rows]."""
         f16, e8m0 = vnni._tables()
         return stack_token(self.mats, self.f32s, self.kinds, self.starts, self.chunk_starts, self.in_order,
-                           self.in_quads, self.kquant, f16, e8m0, np.ascontiguousarray(x, dtype=np.float32))
+                           self.in_quads, self.sums16, f16, e8m0, np.ascontiguousarray(x, dtype=np.float32))
 
     def split(self, out: np.ndarray) -> list[np.ndarray]:
         """``out`` of ``__call__`` cut into each matrix's part."""
@@ -90,15 +88,16 @@ class Projections:
 
 
 @njit(cache=True, nogil=True)
-def stack_token(mats, f32s, kinds, starts, chunk_starts, in_order, in_quads, kquant, f16, e8m0,
+def stack_token(mats, f32s, kinds, starts, chunk_starts, in_order, in_quads, sums16, f16, e8m0,
                 x):  # pragma: no cover - compiled
     """``Projections.__call__`` compiled, callable from other compiled steps."""
     cols = x.shape[0]
     xq, quads, dx, sums = vnni._quantized_both(x, 1, cols, in_order, in_quads)
-    lanes = vnni._lanes(dx, sums)
+    # the block kinds' per-lane activation terms, where one reads them
+    lanes = vnni._lanes(dx, sums) if (kinds < _KQUANT).any() else np.zeros((1, 0), np.float32)
     isum16 = np.empty(cols // 16, np.float32)
     dsum16 = np.empty(cols // 16, np.float32)
-    if kquant:
+    if sums16:
         kquants._sums16(xq[0], dx[0], isum16, dsum16)
     layout, natural = (kinds == _Q4_K).any(), (kinds == _Q6_K).any()
     yk, dk, bsum = kquants.superblock_activations(x, 1, cols, layout, natural)
@@ -128,9 +127,6 @@ def _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, xq, quads, d
             vnni._block_rows(kind, flat, f32s[m], f16, e8m0, 0, row_bytes, first, last,
                              quads if kind >= 2 else xq, dx, xsum, lanes, dest)
             continue
-        k = kind - _KQUANT
-        # q2_k's minimums take the dequantized sums per 16, q3_k's offsets the int8 sums per 16,
-        # the others' minimums the sums per 32 (kquants._k_rows_many's choice)
-        sums = dsum16 if k == 0 else isum16 if k == 1 else xsum
         for r in range(first, last):
-            dest[r] = kquants._k_row(flat, k, r * row_bytes, cols // 256, xq, dx, sums, yk, dk, bsum)
+            dest[r] = kquants._k_row(flat, kind - _KQUANT, r * row_bytes, cols // 256, xq, dx, xsum, isum16, dsum16,
+                                     yk, dk, bsum)

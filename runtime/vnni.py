@@ -151,6 +151,21 @@ _CODE_OFFSET = (128.0, 128.0, 8.0, 12.0)
 _PREFETCH_BYTES = 4096
 
 
+def _reduce_lanes(builder, value, op):  # type: ignore[no-untyped-def]
+    """A vector's lanes combined by ``op`` (an add, a max), halves at a time until one is left:
+    a row's sum in the row intrinsics, a group's largest magnitude or code sum."""
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+    width = value.type.count // 2
+    while width:
+        halves = [builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
+                                                                   list(range(k, k + width)))) for k in (0, width)]
+        value = op(*halves)
+        width //= 2
+    return builder.extract_element(value, ir.Constant(i32, 0))
+
+
 def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     """``row(flat, at, steps, xq, dx, xsum, e8m0) -> float32``: the dot product of the ``steps`` * n
     blocks of BLOCK_KINDS ``kind`` at byte ``at`` of ``flat`` with the int8 activations xq (block
@@ -279,11 +294,7 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                                                             mask([lane // per_block for lane in range(16)]))
                         scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
                     builder.store(builder.call(fma, [scales, term, builder.load(acc_p)]), acc_p)
-            acc = builder.load(acc_p)
-            for width in (8, 4, 2, 1):  # the lanes' sum: halves added until one is left
-                acc = builder.fadd(builder.shuffle_vector(acc, acc, mask(range(width))),
-                                   builder.shuffle_vector(acc, acc, mask(range(width, 2 * width))))
-            return builder.extract_element(acc, ir.Constant(i32, 0))
+            return _reduce_lanes(builder, builder.load(acc_p), builder.fadd)
 
         return types.float32(flat, at, steps, xq, lanes, lbase, lspan, e8m0), codegen
 
@@ -751,8 +762,7 @@ def _vector_codegen(builder, context, signature, args):  # type: ignore[no-untyp
     the first argument (two 16-lane vectors), and calls of LLVM's vector functions."""
     from llvmlite import ir
 
-    f32, i32 = ir.FloatType(), ir.IntType(32)
-    floats = ir.VectorType(f32, 16)
+    floats = ir.VectorType(ir.FloatType(), 16)
     x_a = context.make_array(signature.args[0])(context, builder, args[0])
     at_v = context.cast(builder, args[1], signature.args[1], types.intp)
 
@@ -760,15 +770,9 @@ def _vector_codegen(builder, context, signature, args):  # type: ignore[no-untyp
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in values]), name)
         return builder.call(fn, list(values))
 
-    def reduce(value, op):  # type: ignore[no-untyped-def]
-        for width in (8, 4, 2, 1):  # halves combined until one lane is left
-            mask = [ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))) for k in (0, width)]
-            value = op(builder.shuffle_vector(value, value, mask[0]), builder.shuffle_vector(value, value, mask[1]))
-        return builder.extract_element(value, ir.Constant(i32, 0))
-
     halves = [builder.load(builder.bitcast(builder.gep(x_a.data, [builder.add(at_v, ir.Constant(at_v.type, k))]),
                                            floats.as_pointer()), align=4) for k in (0, 16)]
-    return halves, call, reduce
+    return halves, call
 
 
 @intrinsic
@@ -779,9 +783,9 @@ def _amax32(typingctx, x, at):  # type: ignore[no-untyped-def]
     floats = ir.VectorType(ir.FloatType(), 16)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        halves, call, reduce = _vector_codegen(builder, context, signature, args)
+        halves, call = _vector_codegen(builder, context, signature, args)
         largest = call("llvm.maxnum.v16f32", floats, *(call("llvm.fabs.v16f32", floats, h) for h in halves))
-        return reduce(largest, lambda a, b: call(f"llvm.maxnum.v{a.type.count}f32", a.type, a, b))
+        return _reduce_lanes(builder, largest, lambda a, b: call(f"llvm.maxnum.v{a.type.count}f32", a.type, a, b))
 
     return types.float32(x, at), codegen
 
@@ -790,15 +794,15 @@ def _amax32(typingctx, x, at):  # type: ignore[no-untyped-def]
 def _codes32(typingctx, x, at, inverse, xq, first, second):  # type: ignore[no-untyped-def]
     """x[at:at + 32] times ``inverse``, rounded to the nearest integer (ties to even, as
     np.rint) as int8: the first 16 stored at xq[first], the last 16 at xq[second]; returns the
-    sums of those 16 codes and of these. In vectors: Numba's loops over a group's values ran a value at a time (2.4 ns a
-    value, 5 us for a 2048-wide vector, several times a layer)."""
+    sums of those 16 codes and of these. In vectors: Numba's loops over a group's values ran a
+    value at a time (2.4 ns a value, 5 us for a 2048-wide vector, several times a layer)."""
     from llvmlite import ir
 
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
     floats, ints = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        halves, call, reduce = _vector_codegen(builder, context, signature, args)
+        halves, call = _vector_codegen(builder, context, signature, args)
         xq_a = context.make_array(signature.args[3])(context, builder, args[3])
         first_v, second_v = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (4, 5))
         one = builder.insert_element(ir.Constant(floats, ir.Undefined), args[2], ir.Constant(i32, 0))
@@ -806,7 +810,7 @@ def _codes32(typingctx, x, at, inverse, xq, first, second):  # type: ignore[no-u
         totals = []
         for half, where in zip(halves, (first_v, second_v)):
             codes = builder.fptosi(call("llvm.rint.v16f32", floats, builder.fmul(half, spread)), ints)
-            totals.append(reduce(codes, builder.add))
+            totals.append(_reduce_lanes(builder, codes, builder.add))
             target = builder.bitcast(builder.gep(xq_a.data, [where]), ir.VectorType(i8, 16).as_pointer())
             builder.store(builder.trunc(codes, ir.VectorType(i8, 16)), target, align=1)
         return context.make_tuple(builder, signature.return_type, totals)
