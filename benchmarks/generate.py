@@ -172,13 +172,14 @@ class KernelClock:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from ktc.runtime import fast_decode, kernels, moe, vnni
+        from ktc.runtime import fast_decode, kernels, moe, rows, vnni
         from ktc.runtime.linear import BundleEmbedding
 
         for name in ("matvec", "_int8_rows_many", "_int8_gemm", "_bf16_gemm", "matmul_t", "decode"):
             setattr(kernels, name, self.wrap(getattr(kernels, name)))
-        for name in ("rows_many", "experts_token_blocks", "chosen_experts_token"):
-            setattr(vnni, name, self.wrap(getattr(vnni, name)))
+        setattr(vnni, "rows_many", self.wrap(vnni.rows_many))
+        for name in ("token", "chosen_experts_token"):
+            setattr(rows, name, self.wrap(getattr(rows, name)))
         BundleEmbedding.rows = self.wrap(BundleEmbedding.rows)
         moe._moe_token = self.wrap(moe._moe_token)  # the fast decode step's MoE block, one call
         layer_step = fast_decode.FastDecode._layer_step

@@ -39,9 +39,9 @@ def median(values: list[float]) -> float:
 
 class StepClock:
     """Times the parts of a MoE layer's one-token forward separately, from the cycle stamps of
-    the layer's compiled one-token call (block schemes, ``vnni.STAMPS``): routing (the router's
-    product and top-k), the activations' quantization, the two multi-expert kernels, the
-    activation function between them, the weighted sum of the experts' outputs. Where that call
+    the layer's compiled one-token call (``vnni.STAMPS``): routing (the router's product and
+    top-k), the activations' quantization, the two multi-expert kernels, the activation function
+    between them, the weighted sum of the experts' outputs. Where that call
     does not run (no VNNI, int4) the Python functions doing those parts are wrapped instead. The
     rest is the layer's own checks and calls."""
 
@@ -194,11 +194,6 @@ def main() -> int:
             print(f"   {scheme:<6} {1e3 * got['total']:6.3f} ms per token, {read / got['total'] / 1e9:5.1f} GB/s; "
                   f"{100 * fraction:3.0f}% of its round's bandwidth (median {got['bandwidth'] / 1e9:.1f} GB/s; "
                   "target 60%)")
-            if got["kernels"] == 0:  # kquants._experts_token: one compiled call without cycle stamps
-                print(f"          one compiled call without stamps (routing {1e3 * got['routing']:.3f} ms apart): "
-                      "the time beside its kernels is not measured")
-                layer.close()
-                continue
             print(f"          kernels {1e3 * got['kernels']:.3f} ms; beside them routing {1e3 * got['routing']:.3f}, "
                   f"activation quantization {1e3 * got['quantize']:.3f}, activation function "
                   f"{1e3 * got['activation']:.3f}, combination {1e3 * got['combine']:.3f}, the rest (checks, "

@@ -20,7 +20,7 @@ from ktc.formats.bundle import Bundle
 from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
-from . import vnni
+from . import rows, vnni
 from .device import check_device, matmul, upload
 from .kernels import expert_forward, expert_forward_batch, experts_token
 
@@ -94,8 +94,8 @@ class ExpertSet:
         # Every CPU expert in a scheme that has a multi-expert kernel (int8; on a VNNI CPU any
         # mix of int8, q8_0, q4_0, mxfp4, int4, the K-quants and iq4_xs, gate/up and down in
         # different ones too) and uncompressed: one token takes a fused path that runs all its
-        # experts in two parallel regions (more where int4 group sizes or K-quants mix with the
-        # others) instead of two per expert.
+        # experts in two parallel regions (more where int4 group sizes mix with the others)
+        # instead of two per expert.
         self._fused = None
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         self._one_call: tuple | None = None  # type: ignore[type-arg]
@@ -253,16 +253,17 @@ class ExpertSet:
         """One token whose experts all run on the CPU (a decode step): counted, then fused."""
         tables = self.one_call_tables()
         if tables is not None:
-            return vnni.chosen_experts_token(*tables, np.ascontiguousarray(experts, dtype=np.int64),
+            return rows.chosen_experts_token(*tables, np.ascontiguousarray(experts, dtype=np.int64),
                                              np.ascontiguousarray(weights, dtype=np.float32),
                                              np.ascontiguousarray(x, dtype=np.float32), vnni.stamps())
         self.counts[experts] += 1
         return self._fused_token(x, experts, weights)
 
     def one_call_tables(self) -> tuple | None:  # type: ignore[type-arg]
-        """The per-expert tables (and counts) of ``vnni.chosen_experts_token`` for this layer, or
+        """The per-expert tables (and counts) of ``rows.chosen_experts_token`` for this layer, or
         None where one token does not take that path: every expert on the CPU in the fused path,
-        in block schemes, on a VNNI CPU. Built once per fused setup."""
+        its gate/up and down in kinds of ``rows`` (the block kinds, the K-quants, iq4_xs), on a
+        VNNI CPU. Built once per fused setup."""
         fused = self._fused
         if fused is None or self._device_index or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
             return None
@@ -271,14 +272,16 @@ class ExpertSet:
             return cached[1]
         scheme, file, gate_up, down = fused
         names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
+        pairs = [expert_schemes(name) for name in names]  # each expert's gate/up and down schemes
+        gu_names, dn_names = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)
         tables = None
-        if all(name in vnni.BLOCK_KINDS for name in names):
-            (_, _, kinds, gate_up_rows, _, _), = vnni.split_schemes(tuple(names), self.hidden_size)
-            down_rows = vnni.split_schemes(tuple(names), self.intermediate_size)[0][3]
+        if all(rows.kind(name) is not None for name in gu_names + dn_names):
+            gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
+            dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
             f16, e8m0 = vnni._tables()
             biases = self._fused_biases
             none = np.zeros((1, 1), dtype=np.float32)
-            tables = (file, file.view(np.float32), f16, e8m0, kinds, gate_up, gate_up_rows, down, down_rows,
+            tables = (file, file.view(np.float32), f16, e8m0, gu_kinds, gate_up, gu_rows, dn_kinds, down, dn_rows,
                       self.intermediate_size, self.activation == "swiglu_clamped",
                       np.float32(7.0 if self.swiglu_limit is None else self.swiglu_limit),
                       np.float32(1.702 if self.swiglu_alpha is None else self.swiglu_alpha),

@@ -285,7 +285,7 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
     k_norm = layer.k_norm or _Norm(_NO_NORM, 0.0)
 
     def parts(p: Projections) -> tuple:  # type: ignore[type-arg]
-        return p.mats, p.f32s, p.kinds, p.starts, p.chunk_starts, p.in_order, p.in_quads, p.sums16
+        return p.mats, p.f32s, p.kinds, p.starts, p.chunk_starts
 
     return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *parts(qkv), *parts(o), f16, e8m0,
             layer.heads, layer.kv_heads, layer.head_dim, norm_mode, q_norm.weight, np.float32(q_norm.eps),
@@ -294,16 +294,15 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
 
 
 @njit(cache=True, nogil=True)
-def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, qkv_order, qkv_quads,
-                     qkv_sums16, o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_order, o_quads, o_sums16, f16, e8m0,
-                     heads, kv_heads, head_dim, norm_mode, q_w, q_eps, k_w, k_eps, clipped, clip, keys, values,
-                     scaling, post_w, post_eps, x, cos, sin, position, start):  # pragma: no cover - compiled
+def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, o_mats, o_f32s, o_kinds,
+                     o_starts, o_chunks, f16, e8m0, heads, kv_heads, head_dim, norm_mode, q_w, q_eps, k_w, k_eps,
+                     clipped, clip, keys, values, scaling, post_w, post_eps, x, cos, sin, position,
+                     start):  # pragma: no cover - compiled
     # The attention half of a decode step in one call (``FastDecode._layer_step``'s steps, the
     # projections each set in one parallel region): returns x plus attention, and it after the
     # post-attention norm. norm_mode: 0 no query/key norms, 1 per head, 2 over all heads.
     h = _rms_norm(x, in_w, in_eps)
-    qkv = stack_token(qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, qkv_order, qkv_quads, qkv_sums16,
-                      f16, e8m0, h)
+    qkv = stack_token(qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, f16, e8m0, h)
     nq, nk = heads * head_dim, kv_heads * head_dim
     q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
     if norm_mode == 2:
@@ -318,8 +317,7 @@ def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qk
                     part[r, j] = min(max(part[r, j], -clip), clip)
     _rope_into(q2, k2, v2, cos, sin, keys, values, position)
     attended = _attend(q2, keys, values, start, position + 1, scaling)
-    out = x + stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_order, o_quads, o_sums16, f16, e8m0,
-                          attended)
+    out = x + stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, attended)
     return out, _rms_norm(out, post_w, post_eps)
 
 

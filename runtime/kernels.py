@@ -332,32 +332,25 @@ def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np
         schemes = (scheme,) * k if isinstance(scheme, str) else tuple(scheme)
         pairs = [expert_schemes(name) for name in schemes]  # an expert's gate/up and down schemes
         gu_schemes, dn_schemes = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)
-        if all(name in vnni.KQUANTS for name in gu_schemes + dn_schemes):  # one compiled call
-            return kquants.experts_token(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter,
-                                         x, weights, activation == "swiglu_clamped",
-                                         7.0 if limit is None else limit, 1.702 if alpha is None else alpha,
-                                         gate_up_bias, down_bias)
-        if any(a != b for a, b in zip(gu_schemes, dn_schemes)):
-            return _experts_token_rows(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter,
-                                       x, weights, activation, gate_up_bias, down_bias, limit, alpha)
-        if all(name in vnni.BLOCK_KINDS for name in schemes):  # one compiled call
-            return vnni.experts_token_blocks(file, schemes, gate_up_offsets, down_offsets, hidden, inter, x,
-                                             weights, activation == "swiglu_clamped",
-                                             7.0 if limit is None else limit, 1.702 if alpha is None else alpha,
-                                             gate_up_bias, down_bias)
+        if all(rows.kind(name) is not None for name in gu_schemes + dn_schemes):  # one compiled call
+            return rows.token(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter, x, weights,
+                              activation == "swiglu_clamped", 7.0 if limit is None else limit,
+                              1.702 if alpha is None else alpha, gate_up_bias, down_bias)
+        return _experts_token_rows(file, gu_schemes, dn_schemes, gate_up_offsets, down_offsets, hidden, inter,
+                                   x, weights, activation, gate_up_bias, down_bias, limit, alpha)
     if scheme == "int8" and not vnni.HAVE_VNNI:
         xs = np.ascontiguousarray(np.broadcast_to(x.astype(np.float32), (k, hidden)))
         codes, scales = file.view(np.int8), file.view(np.float32)
 
-        def rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
+        def int8_rows(offsets: np.ndarray, n: int, v: np.ndarray) -> np.ndarray:
             out = np.empty((k, n), dtype=np.float32)
             _int8_rows_many(codes, scales, offsets, v, out)
             return out
-        h = rows(gate_up_offsets, 2 * inter, xs)
+        h = int8_rows(gate_up_offsets, 2 * inter, xs)
         if gate_up_bias is not None:
             h += gate_up_bias
         a = np.ascontiguousarray(_act(h, inter, activation, limit, alpha), dtype=np.float32)
-        y = rows(down_offsets, hidden, a)
+        y = int8_rows(down_offsets, hidden, a)
         if down_bias is not None:
             y += down_bias
         return _combine(weights, y)
@@ -757,4 +750,4 @@ for _group in (32, 64, 128):
     register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group),
                                                block_decoder(_decode_int4, _group)))
 
-from . import fp8, kquants, vnni  # noqa: E402,F401  (the VNNI kernels, used above; the K-quants and fp8 register themselves)
+from . import fp8, kquants, rows, vnni  # noqa: E402,F401  (the VNNI kernels, used above; the K-quants and fp8 register themselves)

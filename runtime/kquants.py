@@ -722,60 +722,6 @@ def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - c
     return yk, dk.reshape(n, per // 256), bsum.reshape(n, per // 16)
 
 
-@njit(cache=True, nogil=True)
-def _needs_per32(kinds):  # pragma: no cover - compiled
-    # whether a kind among them reads the activations quantized per 32 (all but q4_k and q6_k)
-    for kind in kinds:
-        if kind != _Q4_K and kind != _Q6_K:
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _experts_token(file, table, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, x, weights, inter,
-                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias):  # pragma: no cover - compiled
-    # One token through k experts of K-quant kinds: the activations quantized, the gate/up rows
-    # of every expert in one parallel region, the activation function, the down rows in another,
-    # the weighted sum; one compiled call (vnni._experts_token_blocks for the other block kinds).
-    k = gu_kinds.shape[0]
-    hidden = x.shape[0]
-    h = np.empty((k, 2 * inter), np.float32)
-    _k_rows_many(file, gu_kinds, gu_offsets, gu_rows, table,
-                  *_quantized(x, 1, hidden, _needs_per32(gu_kinds), (gu_kinds == _Q4_K).any(),
-                              (gu_kinds == _Q6_K).any()), h)
-    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
-    y = np.empty((k, hidden), np.float32)
-    _k_rows_many(file, dn_kinds, dn_offsets, dn_rows, table,
-                 *_quantized(a, k, inter, _needs_per32(dn_kinds), (dn_kinds == _Q4_K).any(),
-                             (dn_kinds == _Q6_K).any()), y)
-    out = np.zeros(hidden, np.float32)
-    for e in range(k):
-        for j in range(hidden):
-            out[j] += weights[e] * (y[e, j] + dn_bias[e, j] if has_dn_bias else y[e, j])
-    return out
-
-
-_NO_BIAS = np.zeros((1, 1), dtype=np.float32)
-
-
-def experts_token(file: np.ndarray, gu_schemes: tuple[str, ...], dn_schemes: tuple[str, ...],
-                  gate_up_offsets: np.ndarray, down_offsets: np.ndarray, hidden: int, inter: int, x: np.ndarray,
-                  weights: np.ndarray, clamped: bool, limit: float, alpha: float,
-                  gate_up_bias: np.ndarray | None, down_bias: np.ndarray | None) -> np.ndarray:
-    """``kernels.experts_token`` for experts whose matrices are all in ``vnni.KQUANTS`` schemes
-    (gate/up and down may differ): one compiled call."""
-    gu_kinds, gu_rows = _layout(gu_schemes, hidden)
-    dn_kinds, dn_rows = _layout(dn_schemes, inter)
-    return _experts_token(file, _F16_TO_F32, gu_kinds, np.ascontiguousarray(gate_up_offsets, dtype=np.int64), gu_rows,
-                          dn_kinds, np.ascontiguousarray(down_offsets, dtype=np.int64), dn_rows,
-                          np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(weights, dtype=np.float32),
-                          inter, clamped, np.float32(limit), np.float32(alpha),
-                          _NO_BIAS if gate_up_bias is None else np.ascontiguousarray(gate_up_bias, dtype=np.float32),
-                          gate_up_bias is not None,
-                          _NO_BIAS if down_bias is None else np.ascontiguousarray(down_bias, dtype=np.float32),
-                          down_bias is not None)
-
-
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
     """The one-token kernel of a K-quant or iq4_xs through VNNI (C-contiguous rows)."""
     kind = KINDS[name]

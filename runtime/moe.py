@@ -11,9 +11,9 @@ from ktc.errors import BundleError, KtcError, UnsupportedModelError
 from ktc.formats.bundle import Bundle
 
 from . import vnni
-# Imported by name for the compiled _moe_token: a benchmark's clock may wrap vnni's attribute
-# in Python, which compiled code cannot call.
-from .vnni import chosen_experts_token
+# Imported by name for the compiled _moe_token: a benchmark's clock may wrap the module's
+# attribute in Python, which compiled code cannot call.
+from .rows import chosen_experts_token
 from .experts import ExpertSet, tensor_float32
 from .kernels import _matvec_f32, matmul_t
 
@@ -118,7 +118,7 @@ class MoELayer:
             raise KtcError(f"hidden states have shape {hidden.shape}; this layer takes [tokens, "
                            f"{self.hidden_size}]")
         args = self._one_call() if hidden.shape[0] == 1 else None
-        if args is not None:  # a decode step through block-scheme experts: one compiled call
+        if args is not None:  # a decode step through VNNI experts: one compiled call
             out = _moe_token(self.router, *args, hidden[0], vnni.stamps())
             if out.shape[0] == 0:
                 raise KtcError("hidden states contain NaN or Inf")
@@ -159,10 +159,10 @@ class MoELayer:
 
 
 @njit(cache=True, nogil=True)
-def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file, f32, f16, e8m0, kinds,
-               gu_offsets, gu_rows, dn_offsets, dn_rows, inter, clamped, limit, alpha, gu_bias, has_gu_bias,
+def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file, f32, f16, e8m0, gu_kinds,
+               gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter, clamped, limit, alpha, gu_bias, has_gu_bias,
                dn_bias, has_dn_bias, counts, x, stamps):  # pragma: no cover - compiled
-    # One token through the layer: its router (softmax, top k), then vnni's one call over the
+    # One token through the layer: its router (softmax, top k), then rows' one call over the
     # chosen experts. Empty when x is not finite. Stamps 7 and 8 (vnni.STAMPS) bracket the
     # routing.
     for j in range(x.shape[0]):
@@ -179,8 +179,8 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
     weights *= scaling
     if timed:
         stamps[8] = vnni._cycles()
-    return chosen_experts_token(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, inter,
-                                clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
+    return chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows,
+                                inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
                                 idx, weights, x, stamps)
 
 

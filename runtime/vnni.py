@@ -10,7 +10,7 @@ int8, q8_0, q4_0 or mxfp4 as one LLVM loop (``_row_intrinsic``: two or four bloc
 step, mxfp4's e2m1 codes made integers with one ``pshufb``); int4 (codes then scale/minimum
 pairs) a group at a time; each for one matrix, for the same matrix of all the selected experts
 of a layer at once (``rows_many``, schemes mixed), and for one token through a layer's experts
-in one call (``experts_token_blocks``). Used when the CPU has AVX-512 VNNI and the JIT is on;
+in one call (``rows.experts_token``, with the K-quants). Used when the CPU has AVX-512 VNNI and the JIT is on;
 otherwise ``kernels.py``'s float kernels run. ``KTC_NO_VNNI=1`` forces those.
 """
 from __future__ import annotations
@@ -574,25 +574,6 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
     return _F16_TO_F32, _E8M0
 
 
-def experts_token_blocks(file: np.ndarray, schemes: tuple[str, ...], gate_up_offsets: np.ndarray,
-                         down_offsets: np.ndarray, hidden: int, inter: int, x: np.ndarray, weights: np.ndarray,
-                         clamped: bool, limit: float, alpha: float, gate_up_bias: np.ndarray | None,
-                         down_bias: np.ndarray | None) -> np.ndarray:
-    """``kernels.experts_token`` for experts all of ``BLOCK_KINDS`` (``schemes``: one each) in one
-    compiled call: the activations' quantization, both multi-expert kernels, the activation
-    between them and the weighted sum, without the Python between them."""
-    (_, _, kinds, gu_rows, in_order, in_quads), = split_schemes(schemes, hidden)
-    dn_rows = split_schemes(schemes, inter)[0][3]
-    f16, e8m0 = _tables()
-    none = _NO_ROW_SCALES.reshape(1, 1)
-    return _experts_token_blocks(file, file.view(np.float32), f16, e8m0, kinds, gate_up_offsets, gu_rows, down_offsets,
-                                 dn_rows, np.ascontiguousarray(x, dtype=np.float32), weights, inter, in_order,
-                                 in_quads, clamped, np.float32(limit), np.float32(alpha),
-                                 none if gate_up_bias is None else gate_up_bias, gate_up_bias is not None,
-                                 none if down_bias is None else down_bias, down_bias is not None,
-                                 stamps())
-
-
 # Set to an int64 array of 9 (benchmarks/kernels.py does) to have each compiled one-token call
 # stamp the cycle counter at its start, after quantizing x, after the gate/up kernel, after the
 # activation, after quantizing it, after the down kernel and at its end; the MoE layer's call
@@ -604,26 +585,6 @@ _NO_STAMPS = np.zeros(0, dtype=np.int64)
 def stamps() -> np.ndarray:
     """``STAMPS``, or an empty array (no stamps) when it is not set."""
     return _NO_STAMPS if STAMPS is None else STAMPS
-
-
-@njit(cache=True, nogil=True)
-def chosen_experts_token(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, inter, clamped,
-                         limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, idx, weights, x,
-                         stamps):  # pragma: no cover - compiled
-    """One token through the layer's experts ``idx`` (weighted by ``weights``; per-expert tables
-    for the whole layer, as ``experts.ExpertSet.one_call_tables`` builds them): counted, then
-    ``_experts_token_blocks`` over them."""
-    k = idx.shape[0]
-    chosen = kinds[idx]
-    in_order, in_quads = False, False
-    for e in range(k):
-        counts[idx[e]] += 1
-        in_order |= chosen[e] < 2
-        in_quads |= chosen[e] >= 2
-    return _experts_token_blocks(file, f32, f16, e8m0, chosen, gu_offsets[idx], gu_rows[idx], dn_offsets[idx],
-                                 dn_rows[idx], x, weights, inter, in_order, in_quads, clamped, limit, alpha,
-                                 gu_bias[idx] if has_gu_bias else gu_bias, has_gu_bias,
-                                 dn_bias[idx] if has_dn_bias else dn_bias, has_dn_bias, stamps)
 
 
 @njit(cache=True, nogil=True)
@@ -663,41 +624,6 @@ def activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias):  # pragma: 
             else:
                 a[e * inter + j] = gate / (one + np.exp(-gate)) * up
     return a
-
-
-@njit(cache=True, nogil=True)
-def _experts_token_blocks(file, f32, f16, e8m0, kinds, gu_offsets, gu_rows, dn_offsets, dn_rows, x, weights, inter,
-                          in_order, in_quads, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias,
-                          has_dn_bias, stamps):  # pragma: no cover - compiled
-    k = kinds.shape[0]
-    hidden = x.shape[0]
-    timed = stamps.shape[0] >= 7
-    if timed:
-        stamps[0] = _cycles()
-    xq, xq_quads, dx, sums = _quantized_both(x, 1, hidden, in_order, in_quads)
-    if timed:
-        stamps[1] = _cycles()
-    h = np.empty((k, 2 * inter), np.float32)
-    _block_rows_many(file, f32, kinds, f16, e8m0, gu_offsets, gu_rows, xq, xq_quads, dx, sums, h)
-    if timed:
-        stamps[2] = _cycles()
-    a = activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
-    if timed:
-        stamps[3] = _cycles()
-    aq, aq_quads, adx, asums = _quantized_both(a, k, inter, in_order, in_quads)
-    if timed:
-        stamps[4] = _cycles()
-    y = np.empty((k, hidden), np.float32)
-    _block_rows_many(file, f32, kinds, f16, e8m0, dn_offsets, dn_rows, aq, aq_quads, adx, asums, y)
-    if timed:
-        stamps[5] = _cycles()
-    out = np.zeros(hidden, np.float32)
-    for e in range(k):
-        for j in range(hidden):
-            out[j] += weights[e] * (y[e, j] + dn_bias[e, j] if has_dn_bias else y[e, j])
-    if timed:
-        stamps[6] = _cycles()
-    return out
 
 
 _NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks

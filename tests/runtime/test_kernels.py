@@ -345,20 +345,26 @@ def test_fused_experts_of_mixed_schemes(cols, shared):
         np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=scheme)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32"])
+@pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "q4_k", "q5_k", "q4_k+q6_k",
+                                    ("q4_0", "q4_k+q6_k", "q8_0")])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
 def test_experts_token_equals_experts_one_by_one(scheme, activation):
     """One token through k experts of a layer at once (the fused decode path: int8's float
-    kernel, or VNNI for every scheme; also run with NUMBA_DISABLE_JIT=1 by
+    kernel, or VNNI for every scheme, the block kinds and K-quants in one call, gate/up and down
+    in different schemes, each expert in its own; also run with NUMBA_DISABLE_JIT=1 by
     test_kernels_without_jit) equals the weighted sum of each expert's own forward."""
+    from ktc.formats.schemes import expert_schemes
     from ktc.runtime.kernels import experts_token
 
     if scheme != "int8" and not vnni.HAVE_VNNI:
         pytest.skip("the fused path of this scheme needs AVX-512 VNNI")
     rng = np.random.default_rng(11)
-    hidden, inter, k = 256, 128, 3
-    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, scheme),
-                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, scheme)) for _ in range(k)]
+    k = 3
+    names = [scheme] * k if isinstance(scheme, str) else list(scheme)
+    pairs = [tuple(part.name for part in expert_schemes(name)) for name in names]
+    hidden, inter = 256, 256 if any(part.endswith("_k") for pair in pairs for part in pair) else 128
+    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
+                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in pairs]
     file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
     file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
     sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
@@ -368,9 +374,9 @@ def test_experts_token_equals_experts_one_by_one(scheme, activation):
     weights = rng.uniform(0.1, 1, k).astype(np.float32)
     biases = ((rng.standard_normal((k, 2 * inter)).astype(np.float32), rng.standard_normal((k, hidden)).astype(np.float32))
               if activation != "silu" else (None, None))
-    got = experts_token(file, scheme, gate_up_offsets, down_offsets, hidden, inter, x, weights, activation=activation,
-                        gate_up_bias=biases[0], down_bias=biases[1])
-    want = sum(weights[e] * expert_forward(gu, dn, scheme, x, activation=activation,
+    got = experts_token(file, scheme if isinstance(scheme, str) else names, gate_up_offsets, down_offsets, hidden,
+                        inter, x, weights, activation=activation, gate_up_bias=biases[0], down_bias=biases[1])
+    want = sum(weights[e] * expert_forward(gu, dn, names[e], x, activation=activation,
                                            gate_up_bias=None if biases[0] is None else biases[0][e],
                                            down_bias=None if biases[1] is None else biases[1][e])
                for e, (gu, dn) in enumerate(experts))

@@ -1,0 +1,179 @@
+"""One token's rows of every VNNI kind at once, mixed in one parallel region: the block kinds
+(``vnni.BLOCK_KINDS``: int8, q8_0, q4_0, mxfp4) and the K-quants and iq4_xs
+(``kquants.KINDS``), with the activations quantized once in every form the kinds present read.
+
+Two users: a layer's projections that share their input (``projections.py``), and one token
+through a layer's experts (``experts_token``; ``chosen_experts_token`` also routes the counts and
+picks the experts' tables, for the MoE layer's one compiled call). A model quantized by
+llama.cpp mixes families within a layer (Q4_K_M: q4_k gate/up, q6_k down in some layers; a
+q8_0 attention beside q4_0 experts), so one code path serves every mix instead of one per family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, prange
+
+from ktc.formats.schemes import get_scheme
+
+from . import kquants, vnni
+
+# Kind codes: vnni.BLOCK_KINDS (0-3), then the K-quants from KQUANT on (kquants.KINDS + KQUANT).
+KQUANT = 4
+# q4_k and q6_k read the activations quantized per 256; q2_k and q3_k the sums per 16 too
+_Q4_K, _Q6_K = KQUANT + kquants.KINDS["q4_k"], KQUANT + kquants.KINDS["q6_k"]
+_Q2_K, _Q3_K = KQUANT + kquants.KINDS["q2_k"], KQUANT + kquants.KINDS["q3_k"]
+ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call
+
+
+def kind(scheme: str) -> int | None:
+    """The kind code of ``scheme``, or None where these kernels do not read it."""
+    if scheme in vnni.BLOCK_KINDS:
+        return vnni.BLOCK_KINDS[scheme]
+    if scheme in vnni.KQUANTS:
+        return KQUANT + kquants.KINDS[scheme]
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kind codes, bytes a row) of matrices of ``cols`` columns in ``schemes``; kept per
+    selection (a decode step's Python runs among streaming weights, where each small step costs
+    microseconds)."""
+    return (np.array([kind(name) for name in schemes], dtype=np.int64),
+            np.array([get_scheme(name).matrix_bytes(1, cols) for name in schemes], dtype=np.int64))
+
+
+@njit(cache=True, nogil=True)
+def activations(x, n, cols, kinds):  # pragma: no cover - compiled
+    """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
+    sums, lanes, isum16, dsum16, yk, dk, bsum), each [n, ...]: int8 values per 32 in order (int8,
+    q8_0, the K-quants but q4_k and q6_k) and in quad_layout (q4_0, mxfp4), their scales and
+    dequantized sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized
+    sums per 16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k and q6_k
+    (``kquants.superblock_activations``). What no kind present reads is left unfilled, or empty."""
+    in_order, in_quads, sums16, blocks = False, False, False, False
+    for code in kinds:
+        in_order |= code < 2 or (code >= KQUANT and code != _Q4_K and code != _Q6_K)
+        in_quads |= code == 2 or code == 3
+        sums16 |= code == _Q2_K or code == _Q3_K
+        blocks |= code < KQUANT
+    xq, quads, dx, sums = vnni._quantized_both(x, n, cols, in_order, in_quads)
+    lanes = vnni._lanes(dx, sums) if blocks else np.zeros((n, 0), np.float32)
+    isum16 = np.empty((n, cols // 16), np.float32)
+    dsum16 = np.empty((n, cols // 16), np.float32)
+    if sums16:
+        kquants._sums16(xq.reshape(-1), dx.reshape(-1), isum16.reshape(-1), dsum16.reshape(-1))
+    yk, dk, bsum = kquants.superblock_activations(x, n, cols, (kinds == _Q4_K).any(), (kinds == _Q6_K).any())
+    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum
+
+
+@njit(cache=True, nogil=True, inline="always")
+def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v, out):  # pragma: no cover - compiled
+    """out[r] for rows first..last of the matrix of kind ``code`` at byte ``base`` of flat (f32: a
+    float32 view of the same bytes, where int8 rows keep their scales) times vector v of ``act``
+    (``activations``)."""
+    xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum = act
+    if code < KQUANT:
+        vnni._block_rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, quads[v] if code >= 2 else xq[v],
+                         dx[v], sums[v], lanes[v], out)
+        return
+    for r in range(first, last):
+        out[r] = kquants._k_row(flat, code - KQUANT, base + r * row_bytes, cols // 256, xq[v], dx[v], sums[v],
+                                isum16[v], dsum16[v], yk[v], dk[v], bsum[v])
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def rows_many(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, out):  # pragma: no cover - compiled
+    """out[e, r] = row r of the matrix of kind kinds[e] (row_bytes[e] bytes a row) at byte
+    offsets[e] of flat times vector e of ``act`` (or its one vector): the same matrix of every
+    selected expert of a layer, whatever their kinds, in one parallel region, ``ROWS_PER_ITEM``
+    rows a work item over all of them, so both threads finish together."""
+    k, n_rows = out.shape
+    chunks = (n_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    shared = act[2].shape[0] == 1  # one vector for every expert (gate/up of one token)
+    for item in prange(k * chunks):
+        e = item // chunks
+        first = (item - e * chunks) * ROWS_PER_ITEM
+        rows(kinds[e], flat, f32, f16, e8m0, offsets[e], row_bytes[e], first, min(n_rows, first + ROWS_PER_ITEM),
+             cols, act, 0 if shared else e, out[e])
+
+
+@njit(cache=True, nogil=True)
+def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, x, weights,
+                  inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias,
+                  stamps):  # pragma: no cover - compiled
+    """One token x through k experts (their gate/up and down matrices' kinds, byte offsets in
+    file and bytes a row), weighted by ``weights`` and summed, in one compiled call: x quantized,
+    every gate/up in one parallel region, the activation (``vnni.activate``), it quantized, every
+    down in another. With ``stamps`` of 7 or more (``vnni.STAMPS``), the cycle counter at the
+    start, after quantizing x, after the gate/up rows, after the activation, after quantizing
+    it, after the down rows and at the end."""
+    k = gu_kinds.shape[0]
+    hidden = x.shape[0]
+    timed = stamps.shape[0] >= 7
+    if timed:
+        stamps[0] = vnni._cycles()
+    act = activations(x, 1, hidden, gu_kinds)
+    if timed:
+        stamps[1] = vnni._cycles()
+    h = np.empty((k, 2 * inter), np.float32)
+    rows_many(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, hidden, act, h)
+    if timed:
+        stamps[2] = vnni._cycles()
+    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias)
+    if timed:
+        stamps[3] = vnni._cycles()
+    act_a = activations(a, k, inter, dn_kinds)
+    if timed:
+        stamps[4] = vnni._cycles()
+    y = np.empty((k, hidden), np.float32)
+    rows_many(file, f32, f16, e8m0, dn_kinds, dn_offsets, dn_rows, inter, act_a, y)
+    if timed:
+        stamps[5] = vnni._cycles()
+    out = np.zeros(hidden, np.float32)
+    for e in range(k):
+        for j in range(hidden):
+            out[j] += weights[e] * (y[e, j] + dn_bias[e, j] if has_dn_bias else y[e, j])
+    if timed:
+        stamps[6] = vnni._cycles()
+    return out
+
+
+@njit(cache=True, nogil=True)
+def chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter,
+                         clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, idx, weights, x,
+                         stamps):  # pragma: no cover - compiled
+    """One token through the layer's experts ``idx`` (weighted by ``weights``; the tables are
+    the whole layer's, per expert, as ``experts.ExpertSet.one_call_tables`` builds them): counted,
+    then ``experts_token`` over them."""
+    for e in idx:
+        counts[e] += 1
+    return experts_token(file, f32, f16, e8m0, gu_kinds[idx], gu_offsets[idx], gu_rows[idx], dn_kinds[idx],
+                         dn_offsets[idx], dn_rows[idx], x, weights, inter, clamped, limit, alpha,
+                         gu_bias[idx] if has_gu_bias else gu_bias, has_gu_bias,
+                         dn_bias[idx] if has_dn_bias else dn_bias, has_dn_bias, stamps)
+
+
+_NO_BIAS = np.zeros((1, 1), dtype=np.float32)
+
+
+def token(file: np.ndarray, gu_schemes: tuple[str, ...], dn_schemes: tuple[str, ...], gate_up_offsets: np.ndarray,
+          down_offsets: np.ndarray, hidden: int, inter: int, x: np.ndarray, weights: np.ndarray, clamped: bool,
+          limit: float, alpha: float, gate_up_bias: np.ndarray | None, down_bias: np.ndarray | None) -> np.ndarray:
+    """``kernels.experts_token`` for experts whose matrices all have a kind (gate/up and down may
+    differ): one compiled call (``experts_token``)."""
+    gu_kinds, gu_rows = layout(gu_schemes, hidden)
+    dn_kinds, dn_rows = layout(dn_schemes, inter)
+    f16, e8m0 = vnni._tables()
+    return experts_token(file, file.view(np.float32), f16, e8m0, gu_kinds,
+                         np.ascontiguousarray(gate_up_offsets, dtype=np.int64), gu_rows, dn_kinds,
+                         np.ascontiguousarray(down_offsets, dtype=np.int64), dn_rows,
+                         np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(weights, dtype=np.float32),
+                         inter, clamped, np.float32(limit), np.float32(alpha),
+                         _NO_BIAS if gate_up_bias is None else np.ascontiguousarray(gate_up_bias, dtype=np.float32),
+                         gate_up_bias is not None,
+                         _NO_BIAS if down_bias is None else np.ascontiguousarray(down_bias, dtype=np.float32),
+                         down_bias is not None, vnni.stamps())
