@@ -345,6 +345,26 @@ def test_fused_experts_of_mixed_schemes(cols, shared):
         np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=scheme)
 
 
+@pytest.mark.parametrize("clamped", [False, True])
+def test_activation_matches_its_definition(clamped):
+    """The experts' activation between gate/up and down (``vnni.activate``, its exponential a
+    polynomial in 16-lane loops) against SiLU(gate) * up and gpt-oss's clamped SwiGLU in float64,
+    with biases, element by element, for gates from -50 to 50 (exp(-1.702 * gate) near float32's
+    largest)."""
+    rng = np.random.default_rng(5)
+    k, inter = 3, 400
+    h = (rng.standard_normal((k, 2 * inter)) * rng.choice([0.1, 3.0, 20.0], (k, 2 * inter))).astype(np.float32)
+    bias = rng.standard_normal((k, 2 * inter)).astype(np.float32)
+    h = np.clip(h + bias, -50, 50) - bias
+    limit, alpha = np.float32(7.0), np.float32(1.702)
+    got = vnni.activate(h, inter, clamped, limit, alpha, bias, True)
+    gate, up = (h + bias)[:, :inter].astype(np.float64), (h + bias)[:, inter:].astype(np.float64)
+    if clamped:
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit) + 1
+    want = gate / (1 + np.exp(-(alpha if clamped else 1) * gate)) * up
+    np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "q4_k", "q5_k", "q4_k+q6_k",
                                     ("q4_0", "q4_k+q6_k", "q8_0")])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
