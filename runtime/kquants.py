@@ -29,7 +29,8 @@ from .device import register_device
 from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
-_Q4_K, _Q6_K = KINDS["q4_k"], KINDS["q6_k"]  # the kinds that read the activations per 256
+# the kinds that read the activations per 256: q4_k and q5_k in one layout, q6_k in order
+PER_256 = ("q4_k", "q5_k", "q6_k")
 # iq4_nl's and iq4_xs's 16 levels (ggml's kvalues_iq4nl).
 IQ4_LEVELS_INT = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 IQ4_LEVELS = np.array(IQ4_LEVELS_INT, dtype=np.float32)
@@ -156,9 +157,10 @@ def _decode(raw, cols, kind, elems, block_bytes, table, levels, bf16, out32, out
 
 
 # ------------------------------------------------------------------------------------------------
-# One token through q4_k, q5_k and q6_k on a VNNI CPU: the activations quantized to int8 per 32
-# (``vnni.quantize_activations``), each super-block's codes assembled from their bit planes into
-# unsigned bytes in vector registers and multiplied by vpdpbusd, one float scale per sub-block.
+# One token through the K-quants and iq4_xs on a VNNI CPU: q4_k, q5_k and q6_k against the
+# activations quantized to int8 per 256 (``_q45_k_intrinsic``, ``_q6_k_whole_row``), the others
+# per 32 (``_superblock_intrinsic``); each super-block's codes assembled from their bit planes
+# into unsigned bytes in vector registers.
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -212,16 +214,15 @@ def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
 
 def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, xq, dx, sums) -> float32``: the dot product of the ``blocks``
-    super-blocks of ``kind`` (q2_k, q3_k, q5_k, iq4_xs; q4_k and q6_k have ``_q4_k_whole_row``
-    and ``_q6_k_whole_row``) from byte ``at`` of ``flat`` times the int8 activations ``xq``
-    (``dx``: their scale per 32 values; ``sums``: for q5_k and iq4_xs the dequantized
-    activations' sum per 32, for q3_k the int8 sums per 16, for q2_k the dequantized sums per
-    16), each super-block with its own float scales d and dmin (fp16, converted by the CPU). Everything in vector
-    registers: the 6-bit (or 4-bit) sub-block scales unpacked with shuffles, the codes assembled
-    from their bit planes 64 values at a time (two sub-blocks of q5_k, four of q2_k/q3_k, which
-    vpdpbusd's 16 lanes keep apart: lane k holds values 4k to 4k + 3), each lane scaled by its
-    sub-block's scale, the minimum (q2_k, q5_k) or the offset (q3_k) taken off through the
-    sums; the lanes added once a row."""
+    super-blocks of ``kind`` (q2_k, q3_k, iq4_xs; q4_k, q5_k and q6_k have their own, against
+    activations per 256) from byte ``at`` of ``flat`` times the int8 activations ``xq`` (``dx``:
+    their scale per 32 values; ``sums``: for iq4_xs the dequantized activations' sum per 32, for
+    q3_k the int8 sums per 16, for q2_k the dequantized sums per 16), each super-block with its
+    own float scales d and dmin (fp16, converted by the CPU). Everything in vector registers: the
+    sub-block scales unpacked with shuffles, the codes assembled from their bit planes 64
+    values at a time (four sub-blocks of q2_k/q3_k, which vpdpbusd's 16 lanes keep apart: lane k
+    holds values 4k to 4k + 3), each lane scaled by its sub-block's scale, the minimum (q2_k) or
+    the offset (q3_k) taken off through the sums; the lanes added once a row."""
     from llvmlite import ir
 
     i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -256,7 +257,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                 wide = (builder.sext if signed else builder.zext)(bytes_, ir.VectorType(i32, n))
                 return builder.sitofp(wide, ir.VectorType(f32, n))
 
-            block_bytes = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}[kind]
+            block_bytes = {"q2_k": 84, "q3_k": 110, "iq4_xs": 136}[kind]
             d_at = {"q2_k": 80, "q3_k": 108, "q6_k": 208}.get(kind, 0)
             dmin_at = 82 if kind == "q2_k" else 2
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
@@ -288,38 +289,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                                                 builder.bitcast(load(xq_a, xbase_v, v64, x_offset), words)])
                     total = builder.call(fma, [builder.sitofp(dot, floats), lane_scale, total])
 
-                if kind == "q5_k":
-                    q = load(flat_a, at_v, v16, 4)  # the 12 scale bytes (and 4 more, unused)
-                    low6 = const(v8, [63] * 4 + [15] * 4)
-                    high2 = const(v8, [0] * 4 + [0x30] * 4)
-                    top = const(v8, 6)
-
-                    def six_bits(a, b, shift):  # type: ignore[no-untyped-def]
-                        # j < 4: a_j & 63; j >= 4: (a_j >> shift_j) & 15 | (b_j >> 6) << 4
-                        first = builder.and_(builder.lshr(a, shift), low6)
-                        return builder.or_(first, builder.and_(builder.shl(builder.lshr(b, top), const(v8, 4)), high2))
-
-                    sc = six_bits(shuffle(q, q, [0, 1, 2, 3, 8, 9, 10, 11]), shuffle(q, q, [0, 1, 2, 3, 0, 1, 2, 3]),
-                                  const(v8, 0))
-                    mn = six_bits(shuffle(q, q, [4, 5, 6, 7, 8, 9, 10, 11]), shuffle(q, q, [4, 5, 6, 7, 4, 5, 6, 7]),
-                                  const(v8, [0] * 4 + [4] * 4))
-                    dx8 = load(dx_a, group, floats8)
-                    scales = builder.fmul(builder.fmul(to_float(sc, False), splat(d_v, floats8)), dx8)
-                    minimum = builder.fmul(builder.fmul(to_float(mn, False), splat(dmin_v, floats8)),
-                                           load(sums_a, group, floats8))
-                    total = builder.fsub(total, shuffle(minimum, const(floats8, 0.0), list(range(8)) + [8] * 8))
-                    fifth = load(flat_a, at_v, v32, 16)
-                    for c in range(4):
-                        packed = load(flat_a, at_v, v32, 48 + 32 * c)
-                        low = builder.and_(packed, const(v32, 15))
-                        high = builder.lshr(packed, const(v32, 4))
-                        # bit 2c of qh is sub-block 2c's fifth bit, 2c + 1 the next's
-                        low = builder.or_(low, builder.shl(builder.and_(builder.lshr(fifth, const(v32, 2 * c)),
-                                                                        const(v32, 1)), const(v32, 4)))
-                        high = builder.or_(high, builder.shl(builder.and_(
-                            builder.lshr(fifth, const(v32, 2 * c + 1)), const(v32, 1)), const(v32, 4)))
-                        add(shuffle(low, high, list(range(64))), 64 * c, shuffle(scales, scales, [2 * c] * 8 + [2 * c + 1] * 8))
-                elif kind == "iq4_xs":  # d, scales_h (u16), scales_l[4], qs[128]; sums as q5_k's
+                if kind == "iq4_xs":  # d, scales_h (u16), scales_l[4], qs[128]; the sums per 32
                     # eight 6-bit scales: low 4 bits from scales_l's nibbles, high 2 bits from scales_h
                     low4 = load(flat_a, at_v, ir.VectorType(i8, 4), 4)
                     nibbles = builder.lshr(shuffle(low4, low4, [k // 2 for k in range(8)]), const(v8, [0, 4] * 4))
@@ -437,12 +407,12 @@ def _prefetch_ahead(builder, flat_a, at, nbytes):  # type: ignore[no-untyped-def
                                 ir.Constant(i32, 1)])
 
 
-@intrinsic
-def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
+def _q45_k_intrinsic(five: bool):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, yk, dk, bsum) -> float32``: the dot product of the ``blocks``
-    q4_k super-blocks at byte ``at`` of ``flat`` times activations quantized per 256 values
-    (``_quantize_superblocks``: int8 ``yk`` in its layout, scale ``dk`` per 256, int16 sums per
-    16 ``bsum``), as llama.cpp's q4_K x q8_K product does: a super-block's products summed in
+    q4_k super-blocks (with ``five``, q5_k: the same scales, minimums and nibbles, and a fifth
+    bit per code from its 32 ``qh`` bytes, 16 where set) at byte ``at`` of ``flat`` times
+    activations quantized per 256 values (``_quantize_superblocks``: int8 ``yk`` in its layout,
+    scale ``dk`` per 256, int16 sums per 16 ``bsum``), as llama.cpp's q4_K x q8_K product does: a super-block's products summed in
     integers (vpmaddubsw pairs codes and activations, vpdpwssd scales the pairs by their
     sub-block's 6-bit scale), one float multiply-add a super-block, the minimums through the
     sums. Each 64-byte load of codes holds two 32-byte chunks: its low nibbles are sub-blocks
@@ -452,74 +422,90 @@ def _q4_k_whole_row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    size, codes_at = (176, 48) if five else (144, 16)  # bytes a super-block; where its nibbles start
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
-                                      for i in (0, 3, 4, 5))
-        at0, nblocks = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
-        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at0.type)
-        v64, w32, d16, f16v, f8v = vec(i8, 64), vec(i16, 32), vec(i32, 16), vec(f32, 16), vec(f32, 8)
-        maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
-        dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
-        fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
-        fma8 = fn("llvm.fma.v8f32", f8v, [f8v] * 3)
-        maddwd = fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2)
-        total_p = cgutils.alloca_once_value(builder, const(f16v, 0.0))
-        mins_p = cgutils.alloca_once_value(builder, const(f8v, 0.0))
-        i64 = ir.IntType(64)
-        v16 = vec(i8, 16)
+    @intrinsic
+    def row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                          for i in (0, 3, 4, 5))
+            at0, nblocks = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2))
+            c, vec, load, const, shuffle, splat, fn = _emitters(builder, at0.type)
+            v64, w32, d16, f16v, f8v = vec(i8, 64), vec(i16, 32), vec(i32, 16), vec(f32, 16), vec(f32, 8)
+            maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
+            dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
+            fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
+            fma8 = fn("llvm.fma.v8f32", f8v, [f8v] * 3)
+            maddwd = fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2)
+            total_p = cgutils.alloca_once_value(builder, const(f16v, 0.0))
+            mins_p = cgutils.alloca_once_value(builder, const(f8v, 0.0))
+            i64 = ir.IntType(64)
+            v16 = vec(i8, 16)
 
-        def c64(v):  # type: ignore[no-untyped-def]
-            return ir.Constant(i64, v)
+            def c64(v):  # type: ignore[no-untyped-def]
+                return ir.Constant(i64, v)
 
-        def bytes64(value):  # type: ignore[no-untyped-def]
-            return ir.Constant(i64, int.from_bytes(bytes([value] * 8), "little"))
-        with cgutils.for_range(builder, nblocks) as loop:
-            i = loop.index
-            at = builder.add(at0, builder.mul(i, c(144)))
-            _prefetch_ahead(builder, flat_a, at, 144)
-            dkb = load(dk_a, i, f32, 0, 4)
-            d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 0), ir.HalfType()), f32), dkb)
-            dmin = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 2), ir.HalfType()), f32), dkb)
-            # The 12 bytes of 6-bit scales and minimums unpacked in 64-bit integer registers (as
-            # llama.cpp does in 32-bit ones): the integer units are idle beside the vector work,
-            # where byte-wise shifts and shuffles took a fifth of the row's time. lo holds bytes
-            # 0-7, hi bytes 8-11 (the low nibbles for the scales 4-7 in its low half, the high
-            # nibbles for the minimums 4-7 in its high half); sc 0-7 and mn 0-7 come out as bytes.
-            lo = load(flat_a, at, i64, 4)
-            h32 = builder.zext(load(flat_a, at, i32, 12), i64)
-            hi = builder.and_(builder.or_(h32, builder.shl(builder.lshr(h32, c64(4)), c64(32))), bytes64(15))
-            upper = builder.or_(hi, builder.shl(builder.and_(builder.lshr(lo, c64(6)), bytes64(3)), c64(4)))
-            lower = builder.and_(lo, bytes64(63))
-            low32 = ir.Constant(i64, 0xFFFFFFFF)
-            sc = builder.or_(builder.and_(lower, low32), builder.shl(upper, c64(32)))
-            mn = builder.or_(builder.lshr(lower, c64(32)), builder.and_(upper, ir.Constant(i64, 0xFFFFFFFF << 32)))
-            pair = builder.insert_element(builder.insert_element(ir.Constant(vec(i64, 2), ir.Undefined), sc,
-                                                                 ir.Constant(i32, 0)), mn, ir.Constant(i32, 1))
-            scmn = builder.zext(builder.bitcast(pair, v16), vec(i16, 16))  # sc 0-7, mn 8-15
-            # minimums: dmin * dk * sum_j mn_j * (the activations' sum over sub-block j), vpmaddwd
-            # pairing each minimum (twice) with the sums of its two halves
-            mn2 = shuffle(scmn, scmn, [8 + j // 2 for j in range(16)])
-            halves = load(bsum_a, builder.mul(i, c(16)), vec(i16, 16), 0, 2)  # sums per 16
-            builder.store(builder.call(fma8, [builder.sitofp(builder.call(maddwd, [mn2, halves]), f8v),
-                                              splat(dmin, f8v), builder.load(mins_p)]), mins_p)
-            acc_i = const(d16, 0)
-            ybase = builder.mul(i, c(256))
-            for half in range(2):
-                packed = load(flat_a, at, v64, 16 + 64 * half)
-                low = builder.and_(packed, const(v64, 15))
-                high = builder.lshr(packed, const(v64, 4))
-                for codes, k, subs in ((low, 0, (4 * half, 4 * half + 2)), (high, 64, (4 * half + 1, 4 * half + 3))):
-                    y = load(yk_a, ybase, v64, 128 * half + k)
-                    p = builder.call(maddubs, [codes, y])
-                    lanes = shuffle(scmn, scmn, [subs[0]] * 16 + [subs[1]] * 16)
-                    acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
-            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
-                          total_p)
-        return builder.fsub(vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd),
-                            vnni._reduce_lanes(builder, builder.load(mins_p), builder.fadd))
+            def bytes64(value):  # type: ignore[no-untyped-def]
+                return ir.Constant(i64, int.from_bytes(bytes([value] * 8), "little"))
+            with cgutils.for_range(builder, nblocks) as loop:
+                i = loop.index
+                at = builder.add(at0, builder.mul(i, c(size)))
+                _prefetch_ahead(builder, flat_a, at, size)
+                dkb = load(dk_a, i, f32, 0, 4)
+                d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 0), ir.HalfType()), f32), dkb)
+                dmin = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 2), ir.HalfType()), f32), dkb)
+                # The 12 bytes of 6-bit scales and minimums unpacked in 64-bit integer registers (as
+                # llama.cpp does in 32-bit ones): the integer units are idle beside the vector work,
+                # where byte-wise shifts and shuffles took a fifth of the row's time. lo holds bytes
+                # 0-7, hi bytes 8-11 (the low nibbles for the scales 4-7 in its low half, the high
+                # nibbles for the minimums 4-7 in its high half); sc 0-7 and mn 0-7 come out as bytes.
+                lo = load(flat_a, at, i64, 4)
+                h32 = builder.zext(load(flat_a, at, i32, 12), i64)
+                hi = builder.and_(builder.or_(h32, builder.shl(builder.lshr(h32, c64(4)), c64(32))), bytes64(15))
+                upper = builder.or_(hi, builder.shl(builder.and_(builder.lshr(lo, c64(6)), bytes64(3)), c64(4)))
+                lower = builder.and_(lo, bytes64(63))
+                low32 = ir.Constant(i64, 0xFFFFFFFF)
+                sc = builder.or_(builder.and_(lower, low32), builder.shl(upper, c64(32)))
+                mn = builder.or_(builder.lshr(lower, c64(32)), builder.and_(upper, ir.Constant(i64, 0xFFFFFFFF << 32)))
+                pair = builder.insert_element(builder.insert_element(ir.Constant(vec(i64, 2), ir.Undefined), sc,
+                                                                     ir.Constant(i32, 0)), mn, ir.Constant(i32, 1))
+                scmn = builder.zext(builder.bitcast(pair, v16), vec(i16, 16))  # sc 0-7, mn 8-15
+                # minimums: dmin * dk * sum_j mn_j * (the activations' sum over sub-block j), vpmaddwd
+                # pairing each minimum (twice) with the sums of its two halves
+                mn2 = shuffle(scmn, scmn, [8 + j // 2 for j in range(16)])
+                halves = load(bsum_a, builder.mul(i, c(16)), vec(i16, 16), 0, 2)  # sums per 16
+                builder.store(builder.call(fma8, [builder.sitofp(builder.call(maddwd, [mn2, halves]), f8v),
+                                                  splat(dmin, f8v), builder.load(mins_p)]), mins_p)
+                acc_i = const(d16, 0)
+                ybase = builder.mul(i, c(256))
+                if five:  # the 32 bytes of fifth bits, twice: the first 32 codes of a load, then the next
+                    qh32 = load(flat_a, at, vec(i8, 32), 16)
+                    qh = shuffle(qh32, qh32, list(range(32)) * 2)
+                for half in range(2):
+                    packed = load(flat_a, at, v64, codes_at + 64 * half)
+                    low = builder.and_(packed, const(v64, 15))
+                    high = builder.lshr(packed, const(v64, 4))
+                    for codes, k, subs in ((low, 0, (4 * half, 4 * half + 2)),
+                                           (high, 64, (4 * half + 1, 4 * half + 3))):
+                        if five:  # bit s of qh[l]: the fifth bit of value l of sub-block s
+                            bits = const(v64, [1 << (subs[0])] * 32 + [1 << (subs[1])] * 32)
+                            set_ = builder.icmp_unsigned("!=", builder.and_(qh, bits), const(v64, 0))
+                            codes = builder.or_(codes, builder.select(set_, const(v64, 16), const(v64, 0)))
+                        y = load(yk_a, ybase, v64, 128 * half + k)
+                        p = builder.call(maddubs, [codes, y])
+                        lanes = shuffle(scmn, scmn, [subs[0]] * 16 + [subs[1]] * 16)
+                        acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
+                builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
+                              total_p)
+            return builder.fsub(vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd),
+                                vnni._reduce_lanes(builder, builder.load(mins_p), builder.fadd))
 
-    return types.float32(flat, at, blocks, yk, dk, bsum), codegen
+        return types.float32(flat, at, blocks, yk, dk, bsum), codegen
+
+    return row
+
+
+_q4_k_whole_row, _q5_k_whole_row = _q45_k_intrinsic(False), _q45_k_intrinsic(True)
 
 
 @intrinsic
@@ -609,17 +595,17 @@ def _quantize_superblocks(x, cols, yk, dk, bsum, layout, natural):  # pragma: no
                                                                                    row, at, at + 16)
 
 
-_q2_k_row, _q3_k_row, _q5_k_row, _iq4_xs_row = (
-    _superblock_intrinsic(k) for k in ("q2_k", "q3_k", "q5_k", "iq4_xs"))
+_q2_k_row, _q3_k_row, _iq4_xs_row = (_superblock_intrinsic(k) for k in ("q2_k", "q3_k", "iq4_xs"))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bsum):  # pragma: no cover - compiled
     # The row of ``blocks`` super-blocks of KINDS ``kind`` (not iq4_nl) at byte ``start`` times
     # the int8 activations, in one compiled loop (``_superblock_intrinsic``, whose minimums or
-    # offsets take q2_k the dequantized sums per 16, q3_k the int8 sums per 16, the others the
-    # sums per 32; q4_k and q6_k: ``_q4_k_whole_row`` and ``_q6_k_whole_row`` against the
-    # activations quantized per 256, yk, dk, bsum of ``_quantize_superblocks``).
+    # offsets take q2_k the dequantized sums per 16, q3_k the int8 sums per 16, iq4_xs the sums
+    # per 32; q4_k, q5_k and q6_k: ``_q4_k_whole_row``, ``_q5_k_whole_row`` and
+    # ``_q6_k_whole_row`` against the activations quantized per 256, yk, dk, bsum of
+    # ``_quantize_superblocks``).
     if kind == 2:
         return _q4_k_whole_row(flat, start, blocks, yk, dk, bsum)
     if kind == 4:
@@ -629,7 +615,7 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
     if kind == 1:
         return _q3_k_row(flat, start, blocks, xq, dx, isum16)
     if kind == 3:
-        return _q5_k_row(flat, start, blocks, xq, dx, sums32)
+        return _q5_k_whole_row(flat, start, blocks, yk, dk, bsum)
     return _iq4_xs_row(flat, start, blocks, xq, dx, sums32)
 
 
@@ -674,13 +660,14 @@ def _sums16(xq, dx, isum16, dsum16):  # pragma: no cover - compiled
 def _activations(x: np.ndarray, schemes: tuple[str, ...] | str) -> tuple[np.ndarray, ...]:
     """x [n, cols] quantized for the kernels of ``schemes``: int8 values, scales per 32,
     dequantized sums per 32, int8 sums per 16 (q3_k's offsets), dequantized sums per 16 (q2_k's
-    minimums); and for q4_k and q6_k quantized per 256 (``yk``, ``dk``, ``bsum`` of
+    minimums); and for q4_k, q5_k and q6_k quantized per 256 (``yk``, ``dk``, ``bsum`` of
     ``_quantize_superblocks``, in the layouts they read; else empty). Compiled, one thread: a
     decode step calls this twice a layer."""
     n, cols = x.shape
     names = (schemes,) if isinstance(schemes, str) else schemes
     return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols,
-                      any(name not in ("q4_k", "q6_k") for name in names), "q4_k" in names, "q6_k" in names)
+                      any(name not in PER_256 for name in names), "q4_k" in names or "q5_k" in names,
+                      "q6_k" in names)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -724,7 +711,7 @@ def _quantized(x, n, cols, per32, layout, natural):  # pragma: no cover - compil
 
 @njit(cache=True, nogil=True)
 def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - compiled
-    """n vectors of cols values (x flat) quantized per 256 for q4_k (``layout``) and q6_k
+    """n vectors of cols values (x flat) quantized per 256 for q4_k and q5_k (``layout``) and q6_k
     (``natural``): yk [n, 2 * cols], dk [n, cols / 256], bsum [n, cols / 16]
     (``_quantize_superblocks``); [n, 0] arrays where neither reads them."""
     per = cols if layout or natural else 0

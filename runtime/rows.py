@@ -22,8 +22,8 @@ from . import kquants, vnni
 
 # Kind codes: vnni.BLOCK_KINDS (0-3), then the K-quants from KQUANT on (kquants.KINDS + KQUANT).
 KQUANT = 4
-# q4_k and q6_k read the activations quantized per 256; q2_k and q3_k the sums per 16 too
-_Q4_K, _Q6_K = KQUANT + kquants.KINDS["q4_k"], KQUANT + kquants.KINDS["q6_k"]
+# q4_k, q5_k and q6_k read the activations quantized per 256; q2_k and q3_k the sums per 16 too
+_Q4_K, _Q5_K, _Q6_K = (KQUANT + kquants.KINDS[name] for name in kquants.PER_256)
 _Q2_K, _Q3_K = KQUANT + kquants.KINDS["q2_k"], KQUANT + kquants.KINDS["q3_k"]
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call
 
@@ -50,13 +50,13 @@ def layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]
 def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
     sums, lanes, isum16, dsum16, yk, dk, bsum), each [n, ...]: int8 values per 32 in order (int8,
-    q8_0, the K-quants but q4_k and q6_k) and in quad_layout (q4_0, mxfp4), their scales and
-    dequantized sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized
-    sums per 16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k and q6_k
-    (``kquants.superblock_activations``). What no kind present reads is left unfilled, or empty."""
+    q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4), their scales and dequantized sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized
+    sums per 16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k, q5_k and
+    q6_k (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
+    empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
     for code in kinds:
-        in_order |= code < 2 or (code >= KQUANT and code != _Q4_K and code != _Q6_K)
+        in_order |= code < 2 or (code >= KQUANT and code != _Q4_K and code != _Q5_K and code != _Q6_K)
         in_quads |= code == 2 or code == 3
         sums16 |= code == _Q2_K or code == _Q3_K
         blocks |= code < KQUANT
@@ -66,7 +66,8 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     dsum16 = np.empty((n, cols // 16), np.float32)
     if sums16:
         kquants._sums16(xq.reshape(-1), dx.reshape(-1), isum16.reshape(-1), dsum16.reshape(-1))
-    yk, dk, bsum = kquants.superblock_activations(x, n, cols, (kinds == _Q4_K).any(), (kinds == _Q6_K).any())
+    yk, dk, bsum = kquants.superblock_activations(x, n, cols, ((kinds == _Q4_K) | (kinds == _Q5_K)).any(),
+                                                  (kinds == _Q6_K).any())
     return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum
 
 

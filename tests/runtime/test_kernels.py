@@ -263,11 +263,11 @@ def _per_256(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("scheme", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("shape", [(9, 256), (64, 2048), (3, 768)])
-def test_q4_k_and_q6_k_vnni_match_their_definition(scheme, shape):
-    """q4_k and q6_k through VNNI: the dequantized weights times the activations quantized per
-    256 values (llama.cpp's q4_K x q8_K and q6_K x q8_K products), exactly but for float
+def test_q4_k_q5_k_and_q6_k_vnni_match_their_definition(scheme, shape):
+    """q4_k, q5_k and q6_k through VNNI: the dequantized weights times the activations quantized
+    per 256 values (llama.cpp's q4_K, q5_K and q6_K x q8_K products), exactly but for float
     rounding; the activations' layouts and sums are what the kernels read."""
     from ktc.runtime import kquants
 
@@ -282,7 +282,7 @@ def test_q4_k_and_q6_k_vnni_match_their_definition(scheme, shape):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     yk, dk, bsum = kquants.superblock_activations(x, 1, cols, True, True)
     codes = np.rint(_per_256(x).reshape(-1, 256) / dk[0][:, None]).astype(np.int64)
-    order = [0, 2, 1, 3, 4, 6, 5, 7]  # q4_k: each 128 values' sub-blocks as the codes' nibbles hold them
+    order = [0, 2, 1, 3, 4, 6, 5, 7]  # q4_k, q5_k: each 128 values' sub-blocks as the codes' nibbles hold them
     np.testing.assert_array_equal(yk[0, :cols].reshape(-1, 8, 32), codes.reshape(-1, 8, 32)[:, order])
     np.testing.assert_array_equal(yk[0, cols:], codes.reshape(-1))  # q6_k: in order
     np.testing.assert_array_equal(bsum[0], codes.reshape(-1, 16).sum(axis=1))
