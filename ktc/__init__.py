@@ -6,9 +6,67 @@ embedded; the entry points below load their modules on first use.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_CACHES_KEPT = 6  # source versions whose compiled kernels stay on disk
+
+
+def _source_roots() -> list[Path]:
+    """The package's source directories (``ktc`` and, in a source checkout, the ``formats``,
+    ``passes`` and ``runtime`` directories beside it that ``ktc.formats`` and the rest map to)."""
+    package = Path(__file__).resolve().parent
+    return [package] + [package.parent / name for name in ("formats", "passes", "runtime")
+                        if (package.parent / name / "__init__.py").is_file()]
+
+
+def _source_key(roots: list[Path]) -> str:
+    """A hash of every Python source under ``roots`` (names and contents)."""
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _use_numba_cache_dir() -> None:
+    """Numba's on-disk cache checks a compiled function against its own source file only: after
+    an edit or a ``git pull`` that changes one module but not another whose compiled functions
+    inline its intrinsics (runtime/rows.py and kquants.py), the unchanged one loads stale
+    machine code, which crashed with a segmentation fault. So the cache lives in a directory
+    named by a hash of every source of the package (``$NUMBA_CACHE_DIR``, where set, or
+    ``$XDG_CACHE_HOME/ktc/numba`` under it): any change compiles afresh, and checkouts of the same
+    sources share it. The last few versions are kept. Nothing happens where the directory
+    cannot be made (Numba then caches beside the sources, as it does by default)."""
+    try:
+        configured = os.environ.get("NUMBA_CACHE_DIR")
+        if configured and Path(configured).name.startswith("ktc-"):  # set by ktc in a parent process
+            configured = str(Path(configured).parent)
+        cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        base = Path(configured) if configured else cache_home / "ktc" / "numba"
+        target = base / f"ktc-{_source_key(_source_roots())}"
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "last-used").touch()
+        versions = sorted(base.glob("ktc-*"), key=lambda p: (p / "last-used").stat().st_mtime
+                          if (p / "last-used").exists() else 0.0, reverse=True)
+        for stale in versions[_CACHES_KEPT:]:
+            shutil.rmtree(stale, ignore_errors=True)
+    except (OSError, RuntimeError):  # RuntimeError: no home directory
+        return
+    os.environ["NUMBA_CACHE_DIR"] = str(target)  # read by Numba when it is imported
+    numba = sys.modules.get("numba")
+    if numba is not None:  # imported already: its configuration has been read
+        numba.config.CACHE_DIR = str(target)
+
+
+_use_numba_cache_dir()
 
 if TYPE_CHECKING:
     from ktc.api import generate_gpu_experts_masks, load_model, plan

@@ -750,4 +750,5 @@ for _group in (32, 64, 128):
     register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group),
                                                block_decoder(_decode_int4, _group)))
 
-from . import fp8, kquants, rows, vnni  # noqa: E402,F401  (the VNNI kernels, used above; the K-quants and fp8 register themselves)
+# the VNNI kernels, used above; the K-quants and fp8 register themselves
+from . import fp8, kquants, rows, vnni  # noqa: E402,F401

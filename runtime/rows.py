@@ -50,9 +50,10 @@ def layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]
 def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
     sums, lanes, isum16, dsum16, yk, dk, bsum), each [n, ...]: int8 values per 32 in order (int8,
-    q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4), their scales and dequantized sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized
-    sums per 16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k, q5_k and
-    q6_k (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
+    q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4), their scales and dequantized
+    sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized sums per
+    16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k, q5_k and q6_k
+    (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
     empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
     for code in kinds:

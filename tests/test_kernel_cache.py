@@ -1,0 +1,39 @@
+"""Numba's compiled kernels are cached in a directory named by the package's sources
+(``ktc._use_numba_cache_dir``): a change to any source compiles afresh, so no module loads
+machine code compiled against another module's older intrinsics."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ktc
+
+
+def test_source_key_follows_every_file(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.py").write_text(f"X = '{name}'\n")
+    roots = [tmp_path / "a", tmp_path / "b"]
+    first = ktc._source_key(roots)
+    assert ktc._source_key(roots) == first
+    (tmp_path / "b" / "m.py").write_text("X = 'changed'\n")
+    assert ktc._source_key(roots) != first
+    (tmp_path / "b" / "m.py").write_text("X = 'b'\n")
+    assert ktc._source_key(roots) == first
+    (tmp_path / "b" / "n.py").write_text("")
+    assert ktc._source_key(roots) != first
+
+
+def test_numba_caches_under_a_directory_named_by_the_sources(tmp_path: Path) -> None:
+    code = ("import numba, ktc, os, subprocess, sys; print(numba.config.CACHE_DIR); "
+            "print(subprocess.run([sys.executable, '-c', 'import ktc, numba; print(numba.config.CACHE_DIR)'], "
+            "capture_output=True, text=True).stdout.strip())")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    parent, child = out.stdout.split()
+    assert Path(parent) == tmp_path / f"ktc-{ktc._source_key(ktc._source_roots())}"
+    assert child == parent  # a child process keeps it (no directory inside it)
+    assert (Path(parent) / "last-used").is_file()
