@@ -49,4 +49,3 @@ def test_sets_one_call_cannot_take_are_refused():
     assert Projections.of([q4, _linear(rng, "q4_0", 8, 512)]) is None  # inputs of other lengths
     assert Projections.of([q4, HostLinear(q4.raw, "q4_0", 256, 8, bias=torch.ones(8))]) is None
     assert Projections.of([q4, _linear(rng, "q8_0", 8, 256)]) is not None
-
