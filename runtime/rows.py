@@ -3,8 +3,8 @@
 (``kquants.KINDS``), with the activations quantized once in every form the kinds present read.
 
 Two users: a layer's projections that share their input (``projections.py``), and one token
-through a layer's experts (``experts_token``; ``chosen_experts_token`` also routes the counts and
-picks the experts' tables, for the MoE layer's one compiled call). A model quantized by
+through a layer's experts (``experts_token``; ``chosen_experts_token`` also counts the chosen
+experts and picks their tables from the layer's, for the MoE layer's one compiled call). A model quantized by
 llama.cpp mixes families within a layer (Q4_K_M: q4_k gate/up, q6_k down in some layers; a
 q8_0 attention beside q4_0 experts), so one code path serves every mix instead of one per family.
 """
