@@ -6,8 +6,9 @@ under the scheme's name.
 One token on the CPU: the K-quants and iq4_xs through AVX-512 VNNI where the CPU has it, a
 super-block a call (codes assembled from their bit planes in vector registers, activations
 quantized to int8 per 32 as llama.cpp does), also for every selected expert of a layer at once
-(``rows_many``); iq4_nl, and every type without VNNI, decode each block into a float32 buffer
-that stays in L1 and multiply it by the activations there (the float path). Decoding is bit for
+(``rows_many``); iq4_nl through vnni's block kernels (its blocks are q4_0's with a level table);
+every type without VNNI decodes each block into a float32 buffer that stays in L1 and
+multiplies it by the activations there (the float path). Decoding is bit for
 bit the ``gguf`` package's (float32 products in its order, no fused multiply-add), which the
 tests check.
 """
@@ -32,7 +33,7 @@ KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq
 # the kinds that read the activations per 256: q4_k and q5_k in one layout, q6_k in order
 PER_256 = ("q4_k", "q5_k", "q6_k")
 # iq4_nl's and iq4_xs's 16 levels (ggml's kvalues_iq4nl).
-IQ4_LEVELS_INT = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_LEVELS_INT = vnni.IQ4_LEVELS_INT
 IQ4_LEVELS = np.array(IQ4_LEVELS_INT, dtype=np.float32)
 
 
@@ -307,7 +308,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                     total = builder.fsub(total, shuffle(offset, const(floats8, 0.0), list(range(8)) + [8] * 8))
                     lut_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64]),
                                                             "llvm.x86.avx512.pshuf.b.512")
-                    lut = const(v64, [level + 128 for level in IQ4_LEVELS_INT] * 4)
+                    lut = const(v64, list(vnni.IQ4_PLUS_128) * 4)
                     for pair in range(4):
                         parts = []
                         for ib in (2 * pair, 2 * pair + 1):
@@ -740,7 +741,13 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
 def _cpu(name: str) -> CpuKernels:
     scheme = get_scheme(name)
     kind, elems, block_bytes = KINDS[name], scheme.block_elems, scheme.block_bytes
-    fast = vnni_matvec(name) if vnni.HAVE_VNNI and name != "iq4_nl" else None
+    if not vnni.HAVE_VNNI:
+        fast = None
+    elif name == "iq4_nl":  # blocks of 32 as q4_0's, through vnni's block kernels
+        def fast(raw, x, out, scales):  # type: ignore[no-untyped-def]
+            return vnni.matvec_blocks(raw, name, x, out)
+    else:
+        fast = vnni_matvec(name)
 
     def matvec(raw, x, out, scales):  # type: ignore[no-untyped-def]
         if fast is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous:

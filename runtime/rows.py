@@ -1,5 +1,5 @@
 """One token's rows of every VNNI kind at once, mixed in one parallel region: the block kinds
-(``vnni.BLOCK_KINDS``: int8, q8_0, q4_0, mxfp4) and the K-quants and iq4_xs
+(``vnni.BLOCK_KINDS``: int8, q8_0, q4_0, mxfp4, iq4_nl) and the K-quants and iq4_xs
 (``kquants.KINDS``), with the activations quantized once in every form the kinds present read.
 
 Two users: a layer's projections that share their input (``projections.py``), and one token
@@ -20,8 +20,8 @@ from ktc.formats.schemes import get_scheme
 
 from . import kquants, vnni
 
-# Kind codes: vnni.BLOCK_KINDS (0-3), then the K-quants from KQUANT on (kquants.KINDS + KQUANT).
-KQUANT = 4
+# Kind codes: vnni.BLOCK_KINDS (0-4), then the K-quants from KQUANT on (kquants.KINDS + KQUANT).
+KQUANT = len(vnni.BLOCK_KINDS)
 # q4_k, q5_k and q6_k read the activations quantized per 256; q2_k and q3_k the sums per 16 too
 _Q4_K, _Q5_K, _Q6_K = (KQUANT + kquants.KINDS[name] for name in kquants.PER_256)
 _Q2_K, _Q3_K = KQUANT + kquants.KINDS["q2_k"], KQUANT + kquants.KINDS["q3_k"]
@@ -50,7 +50,7 @@ def layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]
 def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
     sums, lanes, isum16, dsum16, yk, dk, bsum), each [n, ...]: int8 values per 32 in order (int8,
-    q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4), their scales and dequantized
+    q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4, iq4_nl), their scales and dequantized
     sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized sums per
     16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k, q5_k and q6_k
     (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
@@ -58,7 +58,7 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     in_order, in_quads, sums16, blocks = False, False, False, False
     for code in kinds:
         in_order |= code < 2 or (code >= KQUANT and code != _Q4_K and code != _Q5_K and code != _Q6_K)
-        in_quads |= code == 2 or code == 3
+        in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
         blocks |= code < KQUANT
     xq, quads, dx, sums = vnni._quantized_both(x, n, cols, in_order, in_quads)

@@ -6,12 +6,13 @@ code, built with ``numba.extending.intrinsic``, multiplies codes by the activati
 int8; the rest of each kernel is ordinary Numba. Activations are quantized per group of the
 weights (32 for ggml's blocks), with one float32 scale each, as llama.cpp does for its q8
 activations (about 0.5% relative error, far below 4-bit weights' own). Kernels: a whole row of
-int8, q8_0, q4_0 or mxfp4 as one LLVM loop (``_row_intrinsic``: two or four blocks a 512-bit
-step, mxfp4's e2m1 codes made integers with one ``pshufb``); int4 (codes then scale/minimum
-pairs) a group at a time; each for one matrix, for the same matrix of all the selected experts
-of a layer at once (``rows_many``, schemes mixed), and for one token through a layer's experts
-in one call (``rows.experts_token``, with the K-quants). Used when the CPU has AVX-512 VNNI and the JIT is on;
-otherwise ``kernels.py``'s float kernels run. ``KTC_NO_VNNI=1`` forces those.
+int8, q8_0, q4_0, mxfp4 or iq4_nl as one LLVM loop (``_row_intrinsic``: two or four blocks a
+512-bit step, mxfp4's e2m1 codes and iq4_nl's levels made unsigned integers with one
+``pshufb``); int4 (codes then scale/minimum pairs) a group at a time; each for one matrix, for
+the same matrix of all the selected experts of a layer at once (``rows_many``, schemes mixed),
+and for one token through a layer's experts in one call (``rows.experts_token``, with the
+K-quants). Used when the CPU has AVX-512 VNNI and the JIT is on; otherwise ``kernels.py``'s
+float kernels run. ``KTC_NO_VNNI=1`` forces those.
 """
 from __future__ import annotations
 
@@ -137,14 +138,18 @@ _signed_bytes32 = _signed_bytes_intrinsic(32)
 # bytes by signed ones); the 12 is taken back through the activations' sums.
 E2M1_TWICE_PLUS_12 = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
 _e2m1_group16 = _group_intrinsic(16, E2M1_TWICE_PLUS_12)
+# ggml's iq4_nl/iq4_xs levels; plus 128 they are unsigned bytes for vpdpbusd (1 to 241)
+IQ4_LEVELS_INT = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_PLUS_128 = tuple(level + 128 for level in IQ4_LEVELS_INT)
+_iq4_group16 = _group_intrinsic(16, IQ4_PLUS_128)
 
 
 
 # Per kind of BLOCK_KINDS: bytes of a block, of its scale (before its codes), and blocks a step
 # of the row loop; and the offset that makes the codes unsigned for vpdpbusd (taken back through
 # the activations' sums: in the row loop's lanes, ``_lanes``, and in the blocks past its steps).
-_ROW_STEP = {0: (32, 0, 2), 1: (34, 2, 2), 2: (18, 2, 4), 3: (17, 1, 4)}
-_CODE_OFFSET = (128.0, 128.0, 8.0, 12.0)
+_ROW_STEP = {0: (32, 0, 2), 1: (34, 2, 2), 2: (18, 2, 4), 3: (17, 1, 4), 4: (18, 2, 4)}
+_CODE_OFFSET = (128.0, 128.0, 8.0, 12.0, 128.0)
 # Each step asks for the weights this many bytes ahead (into L2, not L1). Rows of 14336 columns
 # read 14-20 GB/s without, 29-35 with (q8_0 and q4_0; 4096 columns 24-33 either way; medians of
 # 11 interleaved rounds); 2048 and 8192 bytes ahead, or into L1, did less.
@@ -233,8 +238,8 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                                                        load(flat_a, plus(at_i, size + scale_bytes), vector(i8, 32)),
                                                        mask(range(64)))
                     pairs = [(builder.xor(codes, ir.Constant(bytes64, [0x80] * 64)), x_i)]
-                elif kind == 2:
-                    # q4_0: the four blocks' 72 bytes in two 64-byte loads, their 16 bytes of
+                elif kind == 2 or kind == 4:
+                    # q4_0 (and iq4_nl, the same layout): the four blocks' 72 bytes in two 64-byte loads, their 16 bytes of
                     # nibbles each picked by one permute (3-10% faster than four 16-byte loads
                     # and inserts; slower for mxfp4's 17-byte blocks, 22-26 against 26-28 GB/s)
                     head = load(flat_a, at_i, bytes64)
@@ -251,10 +256,10 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                 if per_step == 4:
                     low = builder.and_(packed, ir.Constant(bytes64, [15] * 64))
                     high = builder.lshr(packed, ir.Constant(bytes64, [4] * 64))
-                    if kind == 3:  # e2m1 codes -> integers, one table look-up per byte
+                    if kind >= 3:  # e2m1 codes or iq4 levels -> unsigned integers, one table look-up a byte
                         shuffle = cgutils.get_or_insert_function(
                             builder.module, ir.FunctionType(bytes64, [bytes64] * 2), "llvm.x86.avx512.pshuf.b.512")
-                        table = ir.Constant(bytes64, list(E2M1_TWICE_PLUS_12) * 4)
+                        table = ir.Constant(bytes64, list(E2M1_TWICE_PLUS_12 if kind == 3 else IQ4_PLUS_128) * 4)
                         low, high = builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])
                     pairs = [(low, x_i), (high, plus(x_i, 64))]
                 for line in range(0, size * per_step, 64):  # see _PREFETCH_BYTES
@@ -281,7 +286,7 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                             scales = builder.insert_element(scales, value, ir.Constant(i32, j))
                         scales = per_lane(scales)
                     else:  # fp16 scales, each repeated over its block's lanes before one conversion
-                        if kind == 2:  # from the first load
+                        if kind == 2 or kind == 4:  # from the first load
                             halves = builder.shuffle_vector(builder.bitcast(head, vector(i16, 32)),
                                                             ir.Constant(vector(i16, 32), ir.Undefined),
                                                             mask([(lane // per_block) * size // 2 for lane in range(16)]))
@@ -301,7 +306,7 @@ def _row_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return row
 
 
-_int8_row, _q8_0_row, _q4_0_row, _mxfp4_row = (_row_intrinsic(kind) for kind in range(4))
+_int8_row, _q8_0_row, _q4_0_row, _mxfp4_row, _iq4_nl_row = (_row_intrinsic(kind) for kind in range(5))
 
 
 @intrinsic
@@ -398,17 +403,18 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
 @njit(cache=True, nogil=True, inline="always")  # inlined into the parallel kernels that call it
 def _lanes(dx, xsum):  # pragma: no cover - compiled
     """The activations' side of ``_row_intrinsic``'s steps, lane by lane, for n vectors quantized
-    per 32 values (dx, xsum [n, blocks]): [n, 6 * span], span = blocks * 8, holding for the
-    steps of two blocks (int8, q8_0), of four q4_0 blocks and of four mxfp4 blocks each lane's
+    per 32 values (dx, xsum [n, blocks]): [n, 8 * span], span = blocks * 8, holding for the
+    steps of two blocks (int8, q8_0), of four q4_0 blocks, of four mxfp4 blocks and of four
+    iq4_nl blocks each lane's
     block scale (span values), then minus its block sum times the codes' offset over the block's
     lanes (span values). Built once a vector instead of per step of every row: the per-lane
     shuffles and products took a third of a 4-bit row's instructions, which bound the kernels
     at about 32 GB/s on two cores."""
     n, blocks = dx.shape
     span = blocks * 8
-    out = np.zeros((n, 6 * span), np.float32)
+    out = np.zeros((n, 8 * span), np.float32)
     for v in range(n):
-        for part in range(3):  # int8/q8_0, q4_0, mxfp4
+        for part in range(4):  # int8/q8_0, q4_0, mxfp4, iq4_nl
             per_step = 2 if part == 0 else 4
             per_block = 16 // per_step
             offset = np.float32(_CODE_OFFSET[part + 1] / per_block)
@@ -425,24 +431,26 @@ def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, lanes, acc):  
     # The row of ``blocks`` blocks of BLOCK_KINDS[kind] at byte ``base`` times the activations
     # (int8 xq, quantized per 32 values: dx[b], xsum[b]; ``lanes``: _lanes of them). kind 0:
     # int8 (the row's codes, then a float32 row scale: not applied here), 1: q8_0, 2: q4_0,
-    # 3: mxfp4 (ggml blocks).
+    # 3: mxfp4, 4: iq4_nl (ggml blocks).
     # Whole steps of the row in LLVM's loop (_row_intrinsic), then the blocks past the last
     # whole step one by one (their activations in order): at most three, in rows that are not
     # whole steps (gpt-oss's 2880 values), so one loop serves every kind.
-    span = lanes.shape[0] // 6
+    span = lanes.shape[0] // 8
     if kind == 0:
         total, step = _int8_row(flat, base, blocks // 2, xq, lanes, 0, span, e8m0), 2
     elif kind == 1:
         total, step = _q8_0_row(flat, base, blocks // 2, xq, lanes, 0, span, e8m0), 2
     elif kind == 2:
         total, step = _q4_0_row(flat, base, blocks // 4, xq, lanes, 2 * span, span, e8m0), 4
-    else:
+    elif kind == 3:
         total, step = _mxfp4_row(flat, base, blocks // 4, xq, lanes, 4 * span, span, e8m0), 4
+    else:
+        total, step = _iq4_nl_row(flat, base, blocks // 4, xq, lanes, 6 * span, span, e8m0), 4
     if blocks % step == 0:
         return total
     acc[:] = 0
     shift = np.float32(0.0)
-    size = (32, 34, 18, 17)[kind]
+    size = (32, 34, 18, 17, 18)[kind]
     for b in range(blocks // step * step, blocks):
         at = base + b * size
         if kind == 0:  # the row scale is the caller's
@@ -457,8 +465,10 @@ def _block_row(kind, flat, f16, e8m0, base, blocks, xq, dx, xsum, lanes, acc):  
             _signed_bytes32(acc, flat, at + 2, xq, b * 32, d * dx[b])
         elif kind == 2:
             _group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
-        else:
+        elif kind == 3:
             _e2m1_group16(acc, flat, at + 1, xq, b * 32, d * dx[b])
+        else:
+            _iq4_group16(acc, flat, at + 2, xq, b * 32, d * dx[b])
         shift += d * xsum[b]
     return total + acc.sum() - np.float32(_CODE_OFFSET[kind]) * shift
 
@@ -496,7 +506,7 @@ def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_qua
 
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
 FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
-BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3}
+BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4}
 # ggml's K-quants and iq4_xs: their multi-expert kernel is ``kquants.rows_many``.
 KQUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"})
 FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS) | KQUANTS
@@ -552,8 +562,8 @@ def split_schemes(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.nd
     """The selected experts' schemes split into the calls rows_many makes: the block kinds
     together, each int4 scheme apart; per call the experts (None: all of them), their kinds, row
     sizes, and whether some read the activations in order (int8, q8_0) and some in quad_layout
-    (q4_0, mxfp4). Kept per selection: a decode step's Python runs among streaming weights that
-    evict it from the caches, where each of these steps costs microseconds."""
+    (q4_0, mxfp4, iq4_nl). Kept per selection: a decode step's Python runs among streaming
+    weights that evict it from the caches, where each of these steps costs microseconds."""
     members: dict[str, list[int]] = {}
     for e, name in enumerate(schemes):
         members.setdefault("blocks" if name in BLOCK_KINDS else "kquants" if name in KQUANTS else name, []).append(e)

@@ -183,26 +183,29 @@ def test_kernels_without_jit():
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", ["q4_0", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["q4_0", "mxfp4", "iq4_nl"])
 @pytest.mark.parametrize("shape", [(9, 256), (64, 1024), (3, 384), (5, 352), (2, 96)])
 def test_block_vnni_matches_its_definition(scheme, shape):
-    """q4_0 and mxfp4 through VNNI compute each block's integer codes (q - 8; twice the e2m1
-    value) times the activations quantized per 32, scaled by the block's scale (d; half the
-    e8m0 power of two) and dx, exactly."""
+    """q4_0, mxfp4 and iq4_nl through VNNI compute each block's integer codes (q - 8; twice the
+    e2m1 value; the iq4 level) times the activations quantized per 32, scaled by the block's
+    scale (d; half the e8m0 power of two; d) and dx, exactly."""
+    from model_factory import random_blocks
+
     from ktc.runtime.kernels import _E8M0
 
     rows, cols = shape
     rng = np.random.default_rng(cols)
     w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 2)
     x = rng.standard_normal(cols).astype(np.float32) * rng.uniform(0.1, 10)
-    raw = quantize(w, scheme)
+    raw = random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl" else quantize(w, scheme)
     blocks = cols // 32
-    size = 18 if scheme == "q4_0" else 17
+    size = 17 if scheme == "mxfp4" else 18
     b = raw.reshape(rows, blocks, size)
     packed = b[..., size - 16:]
     codes = np.concatenate([packed & 15, packed >> 4], axis=2)
-    if scheme == "q4_0":
-        ints = codes.astype(np.float64) - 8
+    if scheme != "mxfp4":
+        levels = np.arange(16) - 8 if scheme == "q4_0" else np.array(vnni.IQ4_LEVELS_INT)
+        ints = levels.astype(np.float64)[codes]
         scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
     else:
         ints = np.array(vnni.E2M1_TWICE_PLUS_12, dtype=np.float64)[codes] - 12
