@@ -46,12 +46,11 @@ class StepClock:
     rest is the layer's own checks and calls."""
 
     def __init__(self, layer) -> None:  # type: ignore[no-untyped-def]
-        from ktc.runtime import kernels, kquants, vnni
+        from ktc.runtime import kernels, vnni
 
         self.vnni = vnni
         self.seconds: dict[str, float] = {}
-        self.patched = [(vnni, "quantize_activations", "quantize"), (vnni, "_block_rows_many", "kernels"),
-                        (vnni, "_rows_many", "kernels"), (kquants, "_k_rows_many", "kernels"),
+        self.patched = [(vnni, "quantize_activations", "quantize"), (vnni, "_rows_many", "kernels"),
                         (kernels, "_act", "activation"),
                         (kernels, "_combine", "combine"), (type(layer), "route", "routing")]
         self.saved = [getattr(owner, name) for owner, name, _ in self.patched]

@@ -3,19 +3,17 @@ at the bytes a GGUF stores (layouts in ``ktc.formats.codec_kquants``): the CPU's
 decode kernels (Numba) and the device decoder (torch), each registered in the runtime's tables
 under the scheme's name.
 
-One token on the CPU: the K-quants and iq4_xs through AVX-512 VNNI where the CPU has it, a
-super-block a call (codes assembled from their bit planes in vector registers, activations
-quantized to int8 per 32 as llama.cpp does), also for every selected expert of a layer at once
-(``rows_many``); iq4_nl through vnni's block kernels (its blocks are q4_0's with a level table);
-every type without VNNI decodes each block into a float32 buffer that stays in L1 and
-multiplies it by the activations there (the float path). Decoding is bit for
-bit the ``gguf`` package's (float32 products in its order, no fused multiply-add), which the
+One token on the CPU: the K-quants and iq4_xs through AVX-512 VNNI where the CPU has it, a row
+in one LLVM loop (codes assembled from their bit planes in vector registers, activations
+quantized to int8 as llama.cpp does), also for every selected expert of a layer at once
+(``rows.rows_many``); iq4_nl through vnni's block kernels (its blocks are q4_0's with a level
+table); every type without VNNI decodes each block into a float32 buffer that stays in L1 and
+multiplies it by the activations there (the float path). Decoding is bit for bit the ``gguf`` package's (float32 products in its order, no fused multiply-add), which the
 tests check.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -630,25 +628,6 @@ def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums32, isum16, ds
             out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums32, isum16, dsum16, yk, dk, bsum)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _k_rows_many(flat, kinds, offsets, row_bytes, table, xq, dx, sums32, isum16, dsum16, yk, dk, bsum,
-                 out):  # pragma: no cover - compiled
-    # out[e, r] = row r of the matrix of KINDS kinds[e] at byte offsets[e] of flat times the
-    # activations of vector e (or of the one vector): every selected expert's matrix in one
-    # parallel region, 32 rows a work item.
-    k, rows = out.shape
-    cols = max(xq.shape[1], yk.shape[1] // 2)  # xq is empty where only q4_k and q6_k read x
-    per = (rows + 31) // 32
-    for item in prange(k * per):
-        e = item // per
-        first = (item - e * per) * 32
-        v = e if xq.shape[0] > 1 else 0
-        kind = kinds[e]
-        for r in range(first, min(rows, first + 32)):
-            out[e, r] = _k_row(flat, kind, offsets[e] + r * row_bytes[e], cols // 256, xq[v], dx[v], sums32[v],
-                               isum16[v], dsum16[v], yk[v], dk[v], bsum[v])
-
-
 @njit(cache=True, nogil=True)
 def _sums16(xq, dx, isum16, dsum16):  # pragma: no cover - compiled
     for g in range(isum16.shape[0]):
@@ -670,25 +649,6 @@ def _activations(x: np.ndarray, schemes: tuple[str, ...] | str) -> tuple[np.ndar
     return _quantized(np.ascontiguousarray(x, dtype=np.float32).reshape(-1), n, cols,
                       any(name not in PER_256 for name in names), "q4_k" in names or "q5_k" in names,
                       "q6_k" in names)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """(kinds, row bytes) of the selected experts' matrices, kept per selection (a decode step's
-    Python runs among streaming weights, where each small step costs microseconds)."""
-    from ktc.formats.schemes import get_scheme
-
-    return (np.array([KINDS[name] for name in schemes], dtype=np.int64),
-            np.array([get_scheme(name).matrix_bytes(1, cols) for name in schemes], dtype=np.int64))
-
-
-def rows_many(file: np.ndarray, schemes: tuple[str, ...], offsets: np.ndarray, rows: int,
-              x: np.ndarray) -> np.ndarray:
-    """``vnni.rows_many`` for experts in ``vnni.KQUANTS`` schemes (mixed): [k, rows]."""
-    kinds, row_bytes = _layout(tuple(schemes), x.shape[1])
-    out = np.empty((len(schemes), rows), dtype=np.float32)
-    _k_rows_many(file, kinds, offsets, row_bytes, _F16_TO_F32, *_activations(x, schemes), out)
-    return out
 
 
 @njit(cache=True, nogil=True)

@@ -484,30 +484,10 @@ def _block_rows(kind, flat, f32, f16, e8m0, base, row_bytes, r0, r1, xq, dx, xsu
             out[r] *= f32[(base + r * row_bytes + cols) // 4]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _block_rows_many(flat, f32, kinds, f16, e8m0, offsets, row_bytes, xq, xq_quads, dx, xsum, out):  # pragma: no cover - compiled
-    # out[e, r] = row r of the matrix of BLOCK_KINDS kinds[e] (row_bytes[e] bytes a row) at byte
-    # offsets[e] of flat . the activations xq[e] (q4_0 and mxfp4: xq_quads[e], in quad_layout);
-    # one parallel region for the same matrix of every selected expert of a layer, whatever
-    # their kinds, 64 rows a work item over all of them, so both threads finish together.
-    k, rows = out.shape
-    chunks = (rows + 63) // 64
-    shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
-    lanes = _lanes(dx, xsum)
-    for item in prange(k * chunks):
-        e = item // chunks
-        chunk = item - e * chunks
-        v = 0 if shared else e
-        kind = kinds[e]
-        xe = xq_quads[v] if kind >= 2 else xq[v]
-        _block_rows(kind, flat, f32, f16, e8m0, offsets[e], row_bytes[e], chunk * 64, min(rows, chunk * 64 + 64),
-                    xe, dx[v], xsum[v], lanes[v], out[e])
-
-
 # Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
 FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
 BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4}
-# ggml's K-quants and iq4_xs: their multi-expert kernel is ``kquants.rows_many``.
+# ggml's K-quants and iq4_xs: rows_many runs them with the block kinds (``rows.rows_many``).
 KQUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"})
 FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS) | KQUANTS
 
@@ -522,30 +502,20 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     vectors, cols = x.shape
     k = offsets.shape[0]
     out = np.empty((k, rows), dtype=np.float32)
-    for part, picked, kinds, row_bytes, in_order, in_quads in split_schemes(
-            (scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols):
+    for part, picked, kinds, row_bytes in split_schemes((scheme,) * k if isinstance(scheme, str) else tuple(scheme),
+                                                        cols):
         whole = picked is None
         offs = offsets if whole else offsets[picked]
         xs = x if whole or vectors == 1 else x[picked]
         n = xs.shape[0]
         dest = out if whole else np.empty((len(picked), rows), dtype=np.float32)
-        if part == "kquants":
-            from .kquants import rows_many as kquant_rows_many
+        if part == "rows":  # the block kinds and the K-quants, mixed: one region
+            from . import rows as kinds_rows
 
-            names = tuple(scheme if isinstance(scheme, str) else scheme[e] for e in
-                          (range(k) if whole else picked.tolist()))
-            dest[:] = kquant_rows_many(file, names, offs, rows, xs)
-        elif part == "blocks":
-            # int8/q8_0 read the activations in order, q4_0/mxfp4 in quad_layout; the scales
-            # and sums are the same.
-            natural = quantize_activations(xs.reshape(-1), 32) if in_order else None
-            quads = quantize_activations(xs.reshape(-1), 32, cols) if in_quads else None
-            xq, dx, xsum = natural if natural is not None else quads  # type: ignore[misc]
-            xq_quads = quads[0] if quads is not None else xq
             f16, e8m0 = _tables()
-            _block_rows_many(file, file.view(np.float32), kinds, f16, e8m0, offs, row_bytes,
-                             xq.reshape(n, cols), xq_quads.reshape(n, cols), dx.reshape(n, -1), xsum.reshape(n, -1),
-                             dest)
+            kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offs, row_bytes, cols,
+                                 kinds_rows.activations(np.ascontiguousarray(xs, dtype=np.float32).reshape(-1), n,
+                                                        cols, kinds), dest)
         else:
             group = FUSED_GROUPS[part]
             xq, dx, xsum = quantize_activations(xs.reshape(-1), group)  # groups never straddle two rows
@@ -557,22 +527,26 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
 
 
 @functools.lru_cache(maxsize=4096)
-def split_schemes(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray, np.ndarray,
-                                                              bool, bool], ...]:
-    """The selected experts' schemes split into the calls rows_many makes: the block kinds
-    together, each int4 scheme apart; per call the experts (None: all of them), their kinds, row
-    sizes, and whether some read the activations in order (int8, q8_0) and some in quad_layout
-    (q4_0, mxfp4, iq4_nl). Kept per selection: a decode step's Python runs among streaming
-    weights that evict it from the caches, where each of these steps costs microseconds."""
+def split_schemes(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray,
+                                                              np.ndarray], ...]:
+    """The selected experts' schemes split into the calls rows_many makes: the block kinds and
+    the K-quants together (``rows``), each int4 scheme apart; per call the experts (None: all of
+    them), their kind codes (``rows.kind``) and row sizes. Kept per selection: a decode step's
+    Python runs among streaming weights that evict it from the caches, where each of these steps
+    costs microseconds."""
+    from . import rows as kinds_rows
+
     members: dict[str, list[int]] = {}
     for e, name in enumerate(schemes):
-        members.setdefault("blocks" if name in BLOCK_KINDS else "kquants" if name in KQUANTS else name, []).append(e)
+        members.setdefault("rows" if kinds_rows.kind(name) is not None else name, []).append(e)
     parts = []
     for part, picked in members.items():
-        kinds = np.array([BLOCK_KINDS.get(schemes[e], -1) for e in picked], dtype=np.int64)
+        names = tuple(schemes[e] for e in picked)
+        kinds, row_bytes = kinds_rows.layout(names, cols) if part == "rows" else (
+            np.full(len(picked), -1, dtype=np.int64),
+            np.array([get_scheme(name).matrix_bytes(1, cols) for name in names], dtype=np.int64))
         parts.append((part, None if len(picked) == len(schemes) else np.asarray(picked, dtype=np.int64), kinds,
-                      np.array([get_scheme(schemes[e]).matrix_bytes(1, cols) for e in picked], dtype=np.int64),
-                      bool((kinds == 0).any() or (kinds == 1).any()), bool((kinds >= 2).any())))
+                      row_bytes))
     return tuple(parts)
 
 
