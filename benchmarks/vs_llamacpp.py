@@ -8,8 +8,9 @@ MXFP4 experts and Q8_0 matrices.
 
 Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -n N
 -p P -t T`` and ktc's whole-model decode (``ktc run``'s loop, greedy, the same prompt and
-generation lengths). Printed per case: medians of tokens/s for both, the median of the per-round
-ratios, and each as a fraction of its round's bandwidth. No best-of-N figures.
+generation lengths), which of the two goes first swapped every round. Printed per case: medians
+of tokens/s for both, the median of the per-round ratios (and each round's), and each as a
+fraction of its round's bandwidth. No best-of-N figures.
 
 With ``--busy``, as many rounds again run beside one competing busy process (a Python loop): ktc
 with its default thread count (which leaves the core that process takes alone), llama.cpp with
@@ -83,9 +84,13 @@ def main() -> int:
         bandwidth = read_bandwidth()
         bandwidths.append(bandwidth)
         for case in cases:
-            case.rows.append({"bandwidth": bandwidth,
-                              "ktc": gen.run_ktc(case, clock, prompt, args.new, args.threads),
-                              "llama": gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new, args.threads)})
+            # the two sides in turn, the first of them swapped every round: the bandwidth drifts
+            # within a round, and neither side always runs first
+            row = {"bandwidth": bandwidth}
+            for side in ("ktc", "llama") if round_index % 2 == 0 else ("llama", "ktc"):
+                row[side] = (gen.run_ktc(case, clock, prompt, args.new, args.threads) if side == "ktc" else
+                             gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new, args.threads))
+            case.rows.append(row)
         print(f"round {round_index + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     print(f"\nmedians over {args.rounds} rounds (read bandwidth median {gen.median(bandwidths) / 1e9:.1f} GB/s):")
     worst = float("inf")
@@ -95,12 +100,14 @@ def main() -> int:
             rows = [r[side] for r in case.rows]
             fraction = [r[side]["decode"] * r[side]["bytes_per_token"] / r["bandwidth"] for r in case.rows]
             parts[side] = (gen.median([x["decode"] for x in rows]), gen.median(fraction), rows[0]["bytes_per_token"])
-        ratio = gen.median([r["ktc"]["decode"] / r["llama"]["decode"] for r in case.rows])
+        ratios = [r["ktc"]["decode"] / r["llama"]["decode"] for r in case.rows]
+        ratio = gen.median(ratios)
         worst = min(worst, ratio)
         print(f"{case.shape:<8} {case.scheme:<10} decode: ktc {parts['ktc'][0]:6.1f} tok/s "
               f"({parts['ktc'][1] * 100:3.0f}% of the bandwidth, {parts['ktc'][2] / 1e6:.0f} MB/token), "
               f"llama.cpp {parts['llama'][0]:6.1f} tok/s ({parts['llama'][1] * 100:3.0f}%, "
-              f"{parts['llama'][2] / 1e6:.0f} MB/token): ktc/llama.cpp {ratio:.2f}x")
+              f"{parts['llama'][2] / 1e6:.0f} MB/token): ktc/llama.cpp {ratio:.2f}x "
+              f"(rounds {' '.join(f'{x:.2f}' for x in ratios)})")
     print(f"\nworst case ktc/llama.cpp decode: {worst:.2f}x (target at least 1.0x: {'met' if worst >= 1 else 'NOT met'}; "
           "goal 1.15x)")
     if args.busy:
