@@ -289,6 +289,14 @@ def _int(value: Any, what: str, path: str) -> int:
     return value
 
 
+def is_bundle_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a file that starts as a bundle does (its magic bytes)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
 def open_bundle(path: str | os.PathLike[str]) -> Bundle:
     """Open and validate a bundle's header and manifest. Maps nothing until a tensor is read."""
     path = os.fspath(path)

@@ -100,6 +100,8 @@ def main() -> None:
       ktc compile ./Qwen3-30B-A3B -o q.ktb --vram 24GiB
       ktc verify q.ktb && ktc bench q.ktb           check the bundle, time its CPU experts
       ktc run q.ktb -p "Hello" -n 32                generate text with the whole model
+      ktc perplexity q.ktb --text t.txt --reference ./Qwen3-30B-A3B   what the quantization cost
+      ktc profile q.ktb --text t.txt -o p.json      routing counts for ktc plan --profile
     """
 
 
@@ -121,11 +123,12 @@ def inspect(path: str, as_json: bool, tensors: bool) -> None:
       ktc inspect qwen3-30b-a3b-q8_0.gguf --tensors
     """
     from ktc.api import load_model
+    from ktc.formats.bundle import is_bundle_file
     from ktc.summary import render_text, summarize
 
     if not os.path.exists(path):
         raise KtcError("no such file or folder", path=path)
-    if os.path.isfile(path) and _is_bundle(path):
+    if is_bundle_file(path):
         _inspect_bundle(path, as_json, tensors)
         return
     started = time.perf_counter()
@@ -144,13 +147,6 @@ def inspect(path: str, as_json: bool, tensors: bool) -> None:
         click.echo("")
         for row in _tensor_rows(ir):
             click.echo(f"  {row['name']:<64} {row['role']:<15} {row['dtype']:<8} {row['shape']}")
-
-
-def _is_bundle(path: str) -> bool:
-    from ktc.formats.bundle import MAGIC
-
-    with open(path, "rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
 
 
 def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
@@ -654,11 +650,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
     if (prompt is None) == (prompt_file is None):
         raise KtcError("give the prompt with -p TEXT or --prompt-file FILE (one of them)")
     if prompt_file is not None:
-        try:
-            with open(prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise KtcError(f"cannot read the prompt: {exc}", path=prompt_file) from None
+        prompt = _read_text(prompt_file, "prompt")
     if not os.path.exists(bundle):
         raise KtcError("no such bundle", path=bundle)
     sampling = Sampling(temperature, top_k, top_p, seed)
@@ -707,6 +699,142 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         shown = peak_device if peak_device is not None else device_bytes
         memory += f"; device {format_bytes(shown)}" + (f" of the plan's {format_bytes(plan_bytes)}" if plan_bytes else "")
     click.echo(memory, err=True)
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KtcError(f"cannot read the {what}: {exc}", path=path) from None
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(exists=False))
+@click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False),
+              help="The text to score (UTF-8).")
+@click.option("--ctx", type=click.IntRange(min=4), default=512, show_default=True,
+              help="Tokens a window; the second half of each is scored.")
+@click.option("--batch", type=click.IntRange(min=1), help="Tokens a forward pass [default: the bundle's prefill chunk].")
+@click.option("--chunks", type=click.IntRange(min=1), help="Score at most this many windows (the first ones).")
+@click.option("--reference", type=click.Path(exists=False),
+              help="Compare with this model's token distributions: another bundle, or a checkpoint folder "
+                   "transformers loads (run in float32).")
+@click.option("--logits", "logits_file", type=click.Path(dir_okay=False),
+              help="Compare with log-probabilities saved by --save-logits (the reference computed once).")
+@click.option("--save-logits", type=click.Path(dir_okay=False),
+              help="Save this model's log-probabilities, for --logits in later runs (4 bytes per vocabulary "
+                   "entry and scored token).")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
+@_handle_errors
+def perplexity(bundle: str, text_file: str, ctx: int, batch: int | None, chunks: int | None, reference: str | None,
+               logits_file: str | None, save_logits: str | None, threads: int | None, as_json: bool) -> None:
+    """Perplexity of a bundle's model over a text, and its KL divergence from a reference.
+
+    Computed as llama-perplexity computes it, so the two compare on the same text and tokenizer:
+    the text is tokenized once and cut into non-overlapping windows of --ctx tokens (the last
+    partial one dropped; where the tokenizer starts texts with BOS, each window's first token is
+    BOS); each window runs from an empty KV cache and only its second half is scored (the logits
+    at positions ctx/2 .. ctx-2 against the next tokens). PPL = exp(mean negative log-likelihood)
+    +/- its standard error.
+
+    With --reference or --logits, on the same positions: the KL divergence from the reference's
+    distribution (mean +/- error, median, 99th percentile, maximum), how often both models' most
+    likely tokens agree, and the RMS of the change of the correct token's probability, as
+    llama-perplexity --kl-divergence reports them. The reference's perplexity is printed too.
+
+    \b
+    Examples:
+      ktc perplexity q4.ktb --text wiki.test.raw --ctx 512
+      ktc perplexity q4.ktb --text wiki.test.raw --reference ./Qwen3-30B-A3B --chunks 20
+      ktc perplexity f32.ktb --text wiki.test.raw --save-logits f32.logprobs
+      ktc perplexity q4.ktb --text wiki.test.raw --logits f32.logprobs --json
+    """
+    from ktc.runtime.perplexity import measure
+
+    if not os.path.exists(bundle):
+        raise KtcError("no such bundle", path=bundle)
+    if reference is not None and not os.path.exists(reference):
+        raise KtcError("no such reference model", path=reference)
+    if save_logits is not None and logits_file is not None and os.path.abspath(save_logits) == os.path.abspath(logits_file):
+        raise KtcError("--save-logits would write over the --logits file it reads", path=save_logits)
+    text = _read_text(text_file, "text")
+    result = measure(bundle, text, ctx=ctx, batch=batch, threads=threads, max_windows=chunks, reference=reference,
+                     logits=logits_file, save_logits=save_logits, progress=not as_json)
+    result["text"] = text_file
+    if as_json:
+        _print_json("perplexity", result)
+        return
+    click.echo(f"{bundle}: {result['windows']} windows of {ctx} tokens, {result['scored_per_window']} scored in "
+               f"each (the second half), {result['tokens']} tokens scored of the text's {result['text_tokens']}")
+    click.echo(f"PPL = {result['perplexity']:.4f} +/- {result['perplexity_error']:.5f}")
+    ref = result.get("reference")
+    if ref is not None:
+        click.echo(f"against {ref['source']}: reference PPL = {ref['perplexity']:.4f} +/- "
+                   f"{ref['perplexity_error']:.5f}")
+        click.echo(f"  KLD: mean {ref['kld_mean']:.4g} +/- {ref['kld_mean_error']:.2g}, median "
+                   f"{ref['kld_median']:.4g}, 99% {ref['kld_p99']:.4g}, max {ref['kld_max']:.4g}")
+        click.echo(f"  same top token: {100 * ref['top1_agreement']:.2f} +/- {100 * ref['top1_agreement_error']:.2f} %;"
+                   f" RMS change of the correct token's probability: {100 * ref['rms_delta_p']:.3f} +/- "
+                   f"{100 * ref['rms_delta_p_error']:.3f} %")
+    if save_logits is not None:
+        click.echo(f"log-probabilities saved to {save_logits}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(exists=False))
+@click.option("--text", "text_file", type=click.Path(dir_okay=False),
+              help="A text to run through the model (UTF-8), cut into sequences of --ctx tokens.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
+              help="Prompts to run instead, one per line (each its own sequence).")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the profile (JSON, for ktc plan --profile).")
+@click.option("--ctx", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens a sequence at most (each from an empty KV cache).")
+@click.option("--batch", type=click.IntRange(min=1), help="Tokens a forward pass [default: the bundle's prefill chunk].")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@_handle_errors
+def profile(bundle: str, text_file: str | None, prompts_file: str | None, output: str, ctx: int,
+            batch: int | None, threads: int | None, as_json: bool) -> None:
+    """Record how often each MoE layer's router chooses each expert on your text.
+
+    Runs the text through the bundle's model (prefill only, sequences of at most --ctx tokens,
+    each from an empty KV cache) and writes per layer and expert the number of times the router
+    chose it, in the format ktc plan --profile reads: a plan then puts the experts your text
+    uses most on the GPU. Prints per layer how skewed the routing is.
+
+    \b
+    Examples:
+      ktc profile qwen.ktb --text my-corpus.txt -o profile.json
+      ktc profile qwen.ktb --prompts prompts.txt -o profile.json --ctx 2048
+      ktc plan ./Qwen3-30B-A3B --vram 24GiB --profile profile.json
+    """
+    import statistics
+
+    from ktc.runtime.profile import record
+
+    if not os.path.exists(bundle):
+        raise KtcError("no such bundle", path=bundle)
+    if (text_file is None) == (prompts_file is None):
+        raise KtcError("give the text to profile with --text FILE or --prompts FILE (one of them)")
+    text = _read_text(text_file, "text") if text_file is not None else None
+    prompts = _read_text(prompts_file, "prompts").splitlines() if prompts_file is not None else None
+    recorded, figures = record(bundle, text=text, prompts=prompts, ctx=ctx, batch=batch, threads=threads,
+                               progress=not as_json, source=output)
+    recorded.save(output)
+    figures |= {"bundle": bundle, "output": output}
+    if as_json:
+        _print_json("profile", figures)
+        return
+    shares = figures["top_expert_share"]
+    uniform = 1 / figures["num_experts"]
+    click.echo(f"{output}: the routing of {figures['tokens']} tokens ({figures['sequences']} sequences) through "
+               f"{figures['moe_layers']} MoE layers of {figures['num_experts']} experts (top {figures['top_k']})")
+    click.echo(f"  the most chosen expert of a layer takes {100 * min(shares):.1f}-{100 * max(shares):.1f}% of its "
+               f"choices (median {100 * statistics.median(shares):.1f}%; {100 * uniform:.1f}% if routing were uniform)")
+    click.echo(f"  use it: ktc plan MODEL --profile {output}")
 
 
 @main.command()

@@ -34,6 +34,15 @@ def _from_source(plan: Plan, schemes: tuple[str, ...] | None = None) -> str:
     return f" ({own}: the source's own, passed through as stored{per_layer})"
 
 
+def _routing(plan: Plan) -> str:
+    """Where the plan's routing statistics came from, and how many tokens they hold."""
+    profile = plan.profile
+    if profile.source == "uniform":
+        return "uniform (no --profile)"
+    tokens = profile.counts.sum(axis=1).max() / max(plan.model.top_k, 1)
+    return f"the profile {profile.source} ({tokens:,.0f} tokens a layer)"
+
+
 def render_plan_text(plan: Plan) -> str:
     m = plan.model
     mem = plan.memory
@@ -48,10 +57,10 @@ def render_plan_text(plan: Plan) -> str:
     ]
     from ktc.formats.model_config import OTHER_ROUTERS
 
+    lines.append(f"routing statistics: {_routing(plan)}")
     if m.family in OTHER_ROUTERS:
-        source = "the profile's" if plan.profile.source != "uniform" else "uniform (no --profile)"
         lines.append(f"routing: {m.family} routes with {OTHER_ROUTERS[m.family]}, which ktc's MoE layer "
-                     f"does not compute; the routing statistics here are {source}")
+                     "does not compute; the plan takes its statistics from the profile (uniform without one)")
     per_layer = plan.placement.gpu_experts_per_layer()
     lines.append(f"GPU experts: {sum(per_layer)} of {len(per_layer) * m.num_experts}; per layer "
                  f"{_runs(plan.placement.layers, per_layer)}")
@@ -207,7 +216,7 @@ def render_plan_html(plan: Plan) -> str:
                        f"PCIe {hw.pcie_bandwidth / 1e9:.0f} GB/s"),
         ("CPU-GPU sync", f"{sync_ms * 1e3:.0f} us per layer with a CPU expert"),
         ("workload", f"batch {w.batch}, KV cache {w.max_tokens} tokens at {w.kv_dtype}"),
-        ("routing", "the profile's" if plan.profile.source != "uniform" else "uniform (no --profile)"),
+        ("routing", _routing(plan)),
     ], ("assumption", "value"))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>ktc plan: {html.escape(m.family)}</title>

@@ -301,6 +301,32 @@ class KtcModel:
         with torch.inference_mode():
             return self.model.generate(input_ids.to(self.input_device), **kwargs)
 
+    def forward_window(self, ids: np.ndarray, lo: int, hi: int, batch: int | None = None) -> np.ndarray:
+        """Runs the token ids ``ids`` from an empty KV cache, ``batch`` tokens a forward (default:
+        the prefill chunk), and returns the float32 logits [hi - lo, vocab] of positions lo to
+        hi - 1 (none where lo == hi; transformers then computes the last position's only)."""
+        import inspect
+
+        import torch
+
+        self.check_capacity(len(ids), 0)
+        step = batch or self.prefill_chunk
+        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        cache = self.new_cache()
+        kept = []
+        with torch.inference_mode():
+            for start in range(0, len(ids), step):
+                end = min(len(ids), start + step)
+                first, last = max(start, lo), min(end, hi)  # the positions wanted in this chunk
+                chunk = torch.as_tensor(np.asarray(ids[start:end], dtype=np.int64)[None, :], device=self.input_device)
+                options = {"logits_to_keep": max(end - first, 1)} if keeps else {}  # the last n
+                logits = self.model(input_ids=chunk, **{self.cache_argument: cache}, use_cache=True,
+                                    **options).logits[0]
+                if last > first:
+                    at = logits.shape[0] - (end - first)
+                    kept.append(logits[at:at + last - first].float().cpu().numpy())
+        return np.concatenate(kept) if kept else np.empty((0, 0), dtype=np.float32)
+
     @property
     def cache_argument(self) -> str:
         """The name under which this transformers takes a KV cache (``cache`` from 5.x on, where

@@ -1,0 +1,99 @@
+"""``ktc profile`` (``runtime.profile``): its counts against the routing transformers' own model
+makes on the same sequences (its routers hooked), and ``ktc plan --profile`` reading them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import model_factory as mf
+from ktc.cli import main
+from ktc.compile import compile_bundle
+from ktc.formats.activation_profile import load_activation_profile
+from ktc.runtime.profile import record, sequences
+
+CTX = 24
+TEXT = ("Mixture-of-Experts layers route each token to a few experts; a profile counts how often each "
+        "expert of each layer is chosen, so that a plan keeps the busiest ones on the GPU. ") * 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profile")
+    hf = mf.build_hf_model("qwen3_moe").eval()
+    folder = str(root / "src")
+    mf.write_safetensors(hf, folder)
+    mf.write_char_tokenizer(folder, 96)
+    bundle = str(root / "f32.ktb")
+    compile_bundle(folder, bundle, cpu_scheme="f32", dense_scheme="f32", max_tokens=64)
+    return hf, folder, bundle
+
+
+def transformers_counts(hf, runs: list[list[int]]) -> np.ndarray:
+    """Per MoE layer and expert, how often transformers' model routes to it over ``runs``,
+    read from its routers' top-k indices."""
+    layers = [layer.mlp.gate for layer in hf.model.layers]
+    counts = np.zeros((len(layers), hf.config.num_experts), dtype=np.int64)
+
+    def hook(i):
+        def record_choice(module, args, output):
+            counts[i] += np.bincount(output[2].reshape(-1).numpy(), minlength=counts.shape[1])
+        return record_choice
+
+    handles = [gate.register_forward_hook(hook(i)) for i, gate in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for ids in runs:
+                hf(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def test_counts_equal_transformers_routing(model):
+    hf, folder, bundle = model
+    profile, figures = record(bundle, text=TEXT, ctx=CTX)
+    from transformers import AutoTokenizer
+
+    runs = sequences(AutoTokenizer.from_pretrained(folder), text=TEXT, ctx=CTX)
+    assert len(runs) == figures["sequences"] > 1 and max(map(len, runs)) == CTX
+    want = transformers_counts(hf, runs)
+    assert profile.layers == (0, 1, 2)
+    np.testing.assert_array_equal(profile.counts, want)
+    assert (profile.counts.sum(axis=1) == figures["tokens"] * figures["top_k"]).all()
+    assert figures["tokens"] == len(TEXT)  # one token a character
+
+
+def test_prompts_are_sequences_of_their_own(model):
+    hf, folder, bundle = model
+    prompts = ["route this line", "", "and this longer line of text, cut at the window"]
+    profile, figures = record(bundle, prompts=prompts, ctx=CTX)
+    from transformers import AutoTokenizer
+
+    runs = sequences(AutoTokenizer.from_pretrained(folder), prompts=prompts, ctx=CTX)
+    assert figures["sequences"] == len(runs) == 3  # the empty line skipped, the long one cut in two
+    np.testing.assert_array_equal(profile.counts, transformers_counts(hf, runs))
+
+
+def test_cli_profile_then_plan(model, tmp_path):
+    _, folder, bundle = model
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = str(tmp_path / "profile.json")
+    runner = CliRunner()
+    result = runner.invoke(main, ["profile", bundle, "--text", str(text), "-o", out, "--ctx", str(CTX), "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output)
+    assert figures["format"] == "ktc-profile" and figures["tokens"] == len(TEXT)
+    loaded = load_activation_profile(out, moe_layers=(0, 1, 2), num_layers=3, num_experts=8)
+    assert (loaded.counts.sum(axis=1) == 2 * len(TEXT)).all()
+    result = runner.invoke(main, ["plan", folder, "--vram", "1040MiB", "--profile", out])
+    assert result.exit_code == 0, result.output
+    assert f"routing statistics: the profile {out} ({len(TEXT):,} tokens a layer)" in result.output
+    result = runner.invoke(main, ["profile", bundle, "-o", out])
+    assert result.exit_code != 0 and "--text FILE or --prompts FILE" in result.output
