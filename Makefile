@@ -1,4 +1,4 @@
-# Quick start:  make demo  (set up, build the demo model, inspect it)
+# Quick start:  make demo  (set up, build and train the demo model, run the loop on it)
 #               make test  (set up, run the test suite)
 PYTHON ?= python3
 VENV ?= .venv

@@ -887,12 +887,16 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection and plan as JSON.")
 @_handle_errors
 def demo(out: str | None, vram: str, as_json: bool) -> None:
-    """Build the built-in demo MoE model (Qwen3-MoE layout); inspect, plan, compile and run it.
+    """Build the built-in demo MoE model (Qwen3-MoE layout) and run the loop a user runs.
 
-    The demo model has 4 layers of 16 experts (top-4) with random weights, a byte-level BPE
-    tokenizer, and a synthetic Zipf-skewed routing profile; the plan is made for a tiny GPU so
-    that experts must be split. It ends by timing the bundle's MoE layers (ktc bench) and
-    generating text from the whole model (ktc run).
+    The demo model has 4 layers of 16 experts (top-4) and a byte-level BPE tokenizer; with
+    transformers installed it is trained first (about a minute on two cores, once: the weights
+    are cached) on a snapshot of ktc's own documentation, so that its text is words and its
+    routing skewed. Then: inspect it; plan it for a tiny GPU with uniform routing; compile,
+    verify and time the bundle (ktc bench); generate text (ktc run); record the routing on
+    held-out text (ktc profile); plan again with that profile (the predicted gain over the
+    uniform plan) and compile again; score the bundle's quantization against the f32 checkpoint
+    on the held-out text (ktc perplexity --reference).
 
     \b
     Example:
@@ -900,69 +904,111 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
     """
     from ktc.api import load_model
     from ktc.api import plan as make_plan
-    from ktc.demo import default_cache_dir, write_demo_model, write_demo_profile
+    from ktc.compile import compile_bundle
+    from ktc.demo import default_cache_dir, demo_corpus, write_demo_model
+    from ktc.formats.bundle import open_bundle
     from ktc.plan_report import render_plan_text
-    from ktc.summary import render_text, summarize
+    from ktc.summary import format_bytes, render_text, summarize
 
+    say = (lambda text="": None) if as_json else click.echo
     folder = out or os.path.join(default_cache_dir(), "demo-model")
+    trained = True
     try:
-        write_demo_model(folder)
-        profile = write_demo_profile(folder)
+        try:
+            write_demo_model(folder, trained=True, progress=not as_json)
+        except KtcError:  # transformers not installed: random weights, and no whole-model steps
+            trained = False
+            write_demo_model(folder)
     except OSError as exc:
         raise KtcError(f"cannot write the demo model: {exc.strerror}", path=folder) from None
     ir = load_model(folder)
     summary = summarize(ir)
-    result = make_plan(ir, vram=vram, ram="1GiB", reserve=0, max_tokens=4096, profile=profile)
-    from ktc.compile import compile_bundle
-    from ktc.formats.bundle import open_bundle
-    from ktc.summary import format_bytes
+    say(f"demo model written to {folder}" + ("" if trained else " (random weights: transformers is not installed)"))
+    say("")
+    say(render_text(summary))
 
-    plan_path = os.path.join(folder, "demo-plan.json")
-    bundle_path = os.path.join(folder, "demo.ktb")
-    _write_text(plan_path, json.dumps(result.to_json(), indent=1) + "\n")
-    compiled = compile_bundle(folder, bundle_path, plan_path=plan_path, cpu_scheme="int8")
-    with open_bundle(bundle_path) as bundle:
-        problems = bundle.verify()
-    if problems:
-        raise KtcError("the demo bundle failed verification: " + problems[0], path=bundle_path)
+    def plan_and_compile(profile: str | None, name: str) -> tuple[Any, Any, str]:
+        planned = make_plan(ir, vram=vram, ram="1GiB", reserve=0, max_tokens=4096, profile=profile)
+        plan_path = os.path.join(folder, f"{name}-plan.json")
+        bundle_path = os.path.join(folder, f"{name}.ktb")
+        _write_text(plan_path, json.dumps(planned.to_json(), indent=1) + "\n")
+        say(f"\n$ ktc plan {folder} --vram {vram} --ram 1GiB --reserve 0"
+            + (f" --profile {profile}" if profile else "") + f" -o {plan_path}")
+        say(render_plan_text(planned))
+        compiled = compile_bundle(folder, bundle_path, plan_path=plan_path, cpu_scheme="int8")
+        with open_bundle(bundle_path) as bundle:
+            problems = bundle.verify()
+        if problems:
+            raise KtcError("the demo bundle failed verification: " + problems[0], path=bundle_path)
+        say(f"\n$ ktc compile {folder} --plan {plan_path} -o {bundle_path} && ktc verify {bundle_path}")
+        say(f"wrote {bundle_path}: {format_bytes(compiled.file_bytes)}, {compiled.gpu_experts} GPU experts (bf16) "
+            f"and {compiled.cpu_experts} CPU experts (int8); verified, sha256 {compiled.sha256[:16]}…")
+        return planned, compiled, bundle_path
+
+    result, compiled, bundle_path = plan_and_compile(None, "demo")
     from ktc.runtime.bench import bench_bundle
 
     ran = bench_bundle(bundle_path, tokens=(1, 16), steps=3)
-    if not as_json:
-        click.echo(f"demo model written to {folder}\n")
-        click.echo(render_text(summary))
-        click.echo(f"\n$ ktc plan {folder} --vram {vram} --ram 1GiB --reserve 0 --profile {profile} -o {plan_path}")
-        click.echo(render_plan_text(result))
-        click.echo(f"\n$ ktc compile {folder} --plan {plan_path} -o {bundle_path} && ktc verify {bundle_path}")
-        click.echo(f"wrote {bundle_path}: {format_bytes(compiled.file_bytes)}, {compiled.gpu_experts} GPU experts "
-                   f"(bf16) and {compiled.cpu_experts} CPU experts (int8); verified, sha256 {compiled.sha256[:16]}…")
-        click.echo(f"\n$ ktc bench {bundle_path} --tokens 1,16")
-        for count, figures in ran["tokens"].items():
-            click.echo(f"{count:>2} tokens: {figures['ms_per_step']:.3f} ms per step through the "
-                       f"{len(figures['layers'])} MoE layers (every expert on the CPU kernels; the cost "
-                       f"model gives {figures['roofline_ms_per_step']:.3f} ms for these bytes at the "
-                       f"{ran['roofline_gbps']:.0f} GB/s measured, {figures['weight_gbps']:.1f} GB/s reached)")
-    prompt = "A compiler for such models"
-    try:
-        generated = _demo_generate(bundle_path, prompt, None if as_json else (lambda t: click.echo(t, nl=False)),
-                                   announce=None if as_json else (
-                                       lambda: click.echo(f"\n$ ktc run {bundle_path} -p \"{prompt}\" -n 48 --seed 0")))
-    except KtcError as exc:  # transformers not installed: everything but the whole-model run works
-        generated = None
-        skipped = str(exc)
+    say(f"\n$ ktc bench {bundle_path} --tokens 1,16")
+    for count, figures in ran["tokens"].items():
+        say(f"{count:>2} tokens: {figures['ms_per_step']:.3f} ms per step through the {len(figures['layers'])} MoE "
+            f"layers (every expert on the CPU kernels; the cost model gives {figures['roofline_ms_per_step']:.3f} ms "
+            f"for these bytes at the {ran['roofline_gbps']:.0f} GB/s measured, {figures['weight_gbps']:.1f} GB/s "
+            "reached)")
+    report: dict[str, Any] = {**summary.to_json(), "trained": trained, "plan": _plan_json(result),
+                              "bundle": compiled.to_json(), "bench": ran}
+    if trained:
+        report |= _demo_loop(folder, ir, bundle_path, result, plan_and_compile, say, as_json)
+    else:
+        say("\n(skipped ktc run, ktc profile and ktc perplexity: they need transformers, pip install 'ktc[hf]')")
     if as_json:
-        plan_json = result.to_json()
-        plan_json.pop("placement")
-        _print_json("demo", {**summary.to_json(), "plan": plan_json, "bundle": compiled.to_json(), "bench": ran,
-                               "run": generated})
-        return
-    if generated is None:
-        click.echo(f"\n(skipped `ktc run`: {skipped})")
-        return
-    click.echo(f"\n[prompt {generated['prompt_tokens']} tokens, {generated['prefill_tokens_per_s']:.0f} tokens/s; "
-               f"generated {len(generated['generated_tokens'])} tokens, {generated['decode_tokens_per_s']:.0f} "
-               f"tokens/s; first token after {generated['ttft_s'] * 1e3:.0f} ms]")
-    click.echo("(the demo model's weights are random, so its text is noise: the demo shows the path and its speed)")
+        _print_json("demo", report)
+
+
+def _plan_json(result: Any) -> dict[str, Any]:
+    out = result.to_json()
+    out.pop("placement")
+    return out
+
+
+def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_compile: Callable[..., Any],
+               say: Callable[..., None], as_json: bool) -> dict[str, Any]:
+    """The demo's run, profile, replan and perplexity steps on the trained model."""
+    from ktc.demo import demo_corpus
+    from ktc.passes.planner import placement_ms_per_token
+    from ktc.runtime.perplexity import measure
+    from ktc.runtime.profile import record
+
+    prompt = "A compiler for such models"
+    generated = _demo_generate(bundle_path, prompt, None if as_json else (lambda t: click.echo(t, nl=False)),
+                               announce=lambda: say(f"\n$ ktc run {bundle_path} -p \"{prompt}\" -n 48 --seed 0"))
+    say(f"\n[prompt {generated['prompt_tokens']} tokens, {generated['prefill_tokens_per_s']:.0f} tokens/s; "
+        f"generated {len(generated['generated_tokens'])} tokens, {generated['decode_tokens_per_s']:.0f} "
+        f"tokens/s; first token after {generated['ttft_s'] * 1e3:.0f} ms]")
+    held_out = os.path.join(folder, "held-out.txt")
+    _write_text(held_out, demo_corpus()[1])
+    profile_path = os.path.join(folder, "demo-profile.json")
+    recorded, figures = record(bundle_path, text=demo_corpus()[1], ctx=256, source=profile_path)
+    recorded.save(profile_path)
+    shares = figures["top_expert_share"]
+    say(f"\n$ ktc profile {bundle_path} --text {held_out} -o {profile_path} --ctx 256")
+    say(f"the routing of {figures['tokens']} held-out tokens: the most chosen expert of a layer takes "
+        f"{100 * min(shares):.0f}-{100 * max(shares):.0f}% of its choices ({100 / figures['num_experts']:.1f}% if "
+        "routing were uniform)")
+    profiled, _, profiled_path = plan_and_compile(profile_path, "demo-profiled")
+    # both placements under the measured routing: what planning with the profile gained
+    before = placement_ms_per_token(ir, profiled, uniform.placement)
+    after = profiled.predicted_ms_per_token
+    say(f"under the measured routing: the uniform plan's placement {before:.4f} ms/token, the profile's "
+        f"{after:.4f} ms/token ({before / after:.2f}x predicted)")
+    scored = measure(profiled_path, demo_corpus()[1], ctx=128, reference=folder)
+    ref = scored["reference"]
+    say(f"\n$ ktc perplexity {profiled_path} --text {held_out} --ctx 128 --reference {folder}")
+    say(f"PPL = {scored['perplexity']:.3f} +/- {scored['perplexity_error']:.3f} (the f32 checkpoint: "
+        f"{ref['perplexity']:.3f}); KLD mean {ref['kld_mean']:.5f}, 99% {ref['kld_p99']:.5f}; same top token "
+        f"{100 * ref['top1_agreement']:.1f}% ({scored['tokens']} tokens scored)")
+    return {"run": generated, "profile": figures, "profiled_plan": _plan_json(profiled),
+            "uniform_placement_ms_per_token_measured_routing": before, "perplexity": scored}
 
 
 def _demo_generate(bundle_path: str, prompt: str, echo: Callable[[str], None] | None,

@@ -1,10 +1,17 @@
-"""The built-in demo model: a small Qwen3-MoE-style checkpoint that ktc writes itself."""
+"""The built-in demo model: a small Qwen3-MoE-style checkpoint that ktc writes itself, trained
+(with transformers installed) on ``demo_corpus.txt``, a snapshot of the prose of ktc's own
+documentation, so that its text is made of words, its routing is skewed the way a trained model's
+is, and a profile recorded from text changes its plan. The training is deterministic for a given
+torch build and cached (``default_cache_dir()``); it takes about a minute on two cores.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,9 +71,24 @@ it does not, and by how much.
 """
 
 
+DEMO_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_corpus.txt")
+HELD_OUT = 0.1  # the corpus' last paragraphs kept from training: the demo profiles and scores them
+# The demo model's training: AdamW over random windows of the training text, cosine schedule.
+TRAIN = {"steps": 240, "batch": 8, "seq": 128, "lr": 3e-3, "warmup": 20, "seed": 0}
+
+
+def demo_corpus() -> tuple[str, str]:
+    """(the training text, the held-out text): ``DEMO_TEXT`` and the corpus' paragraphs but the
+    last tenth, which is held out."""
+    with open(DEMO_CORPUS, encoding="utf-8") as f:
+        paragraphs = [p for p in f.read().split("\n\n") if p.strip()]
+    held = max(1, int(len(paragraphs) * HELD_OUT))
+    return DEMO_TEXT + "\n\n" + "\n\n".join(paragraphs[:-held]) + "\n", "\n\n".join(paragraphs[-held:]) + "\n"
+
+
 def demo_tokenizer_files(vocab_size: int) -> dict[str, bytes]:
-    """A byte-level BPE tokenizer of exactly ``vocab_size`` tokens trained on ``DEMO_TEXT``
-    (deterministic), saved the way transformers saves one. Needs transformers (the ``hf``
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` tokens trained on the demo's training
+    text (deterministic), saved the way transformers saves one. Needs transformers (the ``hf``
     extra); without it the demo model has no tokenizer and cannot run."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -76,7 +98,7 @@ def demo_tokenizer_files(vocab_size: int) -> dict[str, bytes]:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([DEMO_TEXT], trainer)
+    tok.train_from_iterator([demo_corpus()[0]], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -129,9 +151,100 @@ def demo_tensors(config: dict[str, object], seed: int = 0) -> dict[str, np.ndarr
     return t
 
 
-def write_demo_model(folder: str, *, seed: int = 0) -> str:
+def trained_demo_tensors(config: dict[str, object] = DEMO_CONFIG, *, steps: int | None = None,
+                         progress: bool = False) -> dict[str, np.ndarray]:
+    """The demo model's float32 weights after training on the demo's training text (``TRAIN``;
+    ``steps`` overrides its steps), named as Hugging Face names Qwen3-MoE's per expert; from the
+    cache when it holds them (keyed by the text, the config, the recipe and the torch version),
+    else trained and cached. Needs transformers."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from ktc.passes.emit import new_file_mode
+
+    recipe = TRAIN | ({"steps": steps} if steps else {})
+    text = demo_corpus()[0]
+    key = hashlib.sha256(json.dumps([config, recipe, text, torch.__version__], sort_keys=True).encode()).hexdigest()
+    path = os.path.join(default_cache_dir(), f"demo-trained-{key[:16]}.safetensors")
+    if os.path.exists(path):
+        return load_file(path)
+    tensors = _train(config, recipe, text, progress)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-demo-trained-")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.chmod(tmp, new_file_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return tensors
+
+
+def _train(config: dict[str, object], recipe: dict[str, float], text: str, progress: bool) -> dict[str, np.ndarray]:
+    """Trains transformers' Qwen3-MoE of ``config`` on ``text`` (next-token loss, AdamW over
+    random windows, warm-up then cosine decay) and returns its weights per expert. Written here:
+    a short loop, no trainer package needed."""
+    import math
+
+    import torch
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+
+    from ktc.runtime.hf import require_transformers
+
+    transformers = require_transformers()
+    tokenizer = Tokenizer.from_str(demo_tokenizer_files(int(config["vocab_size"]))["tokenizer.json"].decode())  # type: ignore[arg-type]
+    ids = np.array(tokenizer.encode(text).ids, dtype=np.int64)
+    steps, batch, seq = int(recipe["steps"]), int(recipe["batch"]), int(recipe["seq"])
+    torch.manual_seed(int(recipe["seed"]))
+    settings = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**settings)).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(recipe["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = int(recipe["warmup"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    rng = np.random.default_rng(int(recipe["seed"]))
+    with tqdm(total=steps, desc="training the demo model", unit="step", disable=None if progress else True, leave=False) as bar:
+        for _ in range(steps):
+            starts = rng.integers(0, len(ids) - seq - 1, batch)
+            x = torch.from_numpy(np.stack([ids[a:a + seq] for a in starts]))
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            bar.set_postfix(loss=f"{loss.item():.2f}")
+            bar.update(1)
+    return _per_expert({k: v.detach().float().numpy() for k, v in model.state_dict().items()}, config)
+
+
+def _per_expert(state: dict[str, np.ndarray], config: dict[str, object]) -> dict[str, np.ndarray]:
+    """transformers' fused experts (``experts.gate_up_proj`` [E, 2I, H]: gate rows then up rows;
+    ``experts.down_proj`` [E, H, I]) as the per-expert tensors Qwen3-MoE checkpoints hold."""
+    inter = int(config["moe_intermediate_size"])  # type: ignore[arg-type]
+    out = {}
+    for name, value in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :inter])
+                out[f"{prefix}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, inter:])
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
+        else:
+            out[name] = np.ascontiguousarray(value)
+    return out
+
+
+def write_demo_model(folder: str, *, seed: int = 0, trained: bool = False, progress: bool = False) -> str:
     """Write the demo checkpoint (``model.safetensors``, ``config.json``, and with transformers
-    installed a tokenizer) into ``folder``.
+    installed a tokenizer) into ``folder``: random weights (``seed``), or with ``trained`` the
+    weights ``trained_demo_tensors`` gives (``progress``: a bar while it trains).
 
     Files are written beside their final names and renamed into place, so an interrupted run
     never leaves a half-written model that a later run would take as complete.
@@ -143,7 +256,7 @@ def write_demo_model(folder: str, *, seed: int = 0) -> str:
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.safetensors")
     config_path = os.path.join(folder, "config.json")
-    tensors = demo_tensors(DEMO_CONFIG, seed)
+    tensors = trained_demo_tensors(progress=progress) if trained else demo_tensors(DEMO_CONFIG, seed)
     writers = [
         (model_path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})),
         (config_path, lambda tmp: _write_json(tmp, DEMO_CONFIG)),
@@ -256,17 +369,3 @@ def write_sparse_checkpoint(config: dict[str, object], folder: str, dtype: str =
         f.truncate(8 + len(raw) + offset)
     _write_json(os.path.join(folder, "config.json"), config)
     return offset
-
-
-def write_demo_profile(folder: str, seed: int = 0) -> str:
-    """A synthetic, Zipf-skewed routing profile for the demo model (it is not measured: the demo
-    model's weights are random). Real profiles come from a serving run."""
-    from ktc.formats.activation_profile import ActivationProfile
-
-    rng = np.random.default_rng(seed)
-    experts = int(DEMO_CONFIG["num_experts"])  # type: ignore[arg-type]
-    layers = tuple(range(int(DEMO_CONFIG["num_hidden_layers"])))  # type: ignore[arg-type]
-    counts = np.array([rng.permutation(1000.0 / np.arange(1, experts + 1) ** 1.2) for _ in layers]).round()
-    path = os.path.join(folder, "demo-profile.json")
-    ActivationProfile(layers, counts, path).save(path)
-    return path

@@ -716,6 +716,18 @@ def to_placement(ctx: PlanningContext, choice: np.ndarray) -> Placement:
     return Placement(ctx.moe_layers, tuple(tuple(opts[c] for c in row) for row in choice.tolist()))
 
 
+def placement_ms_per_token(ir: ModelIR, plan: Plan, placement: Placement) -> float:
+    """The predicted ms per token of ``placement`` (another plan's, say: one made without a
+    profile) under ``plan``'s model, budget, workload and routing profile."""
+    ctx = build_context(ir, plan.hardware, plan.workload, plan.profile, plan.options)
+    index = {(o.device, o.scheme): i for i, o in enumerate(ctx.problem.options)}
+    try:
+        choice = np.array([[index[(p.device.value, p.scheme)] for p in row] for row in placement.experts])
+    except KeyError as exc:
+        raise InternalError(f"placement option {exc} is not one of this plan's") from None
+    return 1e3 * (ctx.constant_seconds + evaluate(ctx.problem, choice).expert_seconds) / plan.workload.batch
+
+
 def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | None = None,
                    profile: ActivationProfile | None = None,
                    options: PlannerOptions | None = None) -> Plan:

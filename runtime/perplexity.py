@@ -342,7 +342,7 @@ def _score_windows(model: str, windows: Windows, *, threads: int | None, batch: 
     with _scorer(model, windows.ctx, threads=threads, batch=batch, tokenizer=tokenizer,
                  bundle=is_bundle_file(model)) as run:
         writer = None
-        bar = tqdm(total=count, unit="window", desc=label, disable=not progress, leave=False)
+        bar = tqdm(total=count, unit="window", desc=label, disable=None if progress else True, leave=False)
         try:
             for w in range(count):
                 lp = run(windows.tokens[w])

@@ -50,7 +50,7 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
         experts = sorted(km.experts, key=lambda e: e.layer)
         for e in experts:
             e.counts[:] = 0
-        with tqdm(total=sum(map(len, runs)), unit="token", desc="profiling", disable=not progress,
+        with tqdm(total=sum(map(len, runs)), unit="token", desc="profiling", disable=None if progress else True,
                   leave=False) as bar:
             for ids in runs:
                 km.forward_window(np.asarray(ids, dtype=np.int64), 0, 0, batch)
