@@ -80,8 +80,8 @@ def make_windows(ids: list[int] | np.ndarray, ctx: int, *, bos: int | None = Non
 
 
 def tokenize(tokenizer: Any, text: str) -> tuple[list[int], int | None]:
-    """(the text's token ids without special tokens, the BOS id where the tokenizer starts a
-    text with one, else None)."""
+    """(the text's token ids, BOS first where the tokenizer starts a text with one, as
+    llama-perplexity tokenizes it; that BOS id, else None)."""
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None:
@@ -89,7 +89,7 @@ def tokenize(tokenizer: Any, text: str) -> tuple[list[int], int | None]:
         probe_without = tokenizer("a", add_special_tokens=False).input_ids
         if not (len(probe_with) > len(probe_without) and probe_with[0] == bos):
             bos = None
-    return ids, bos
+    return ([bos] if bos is not None else []) + ids, bos
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

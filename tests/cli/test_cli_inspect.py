@@ -1,9 +1,8 @@
-"""``ktc inspect`` and ``ktc demo`` as a user runs them."""
+"""``ktc inspect`` as a user runs it (``ktc demo``: tests/runtime/test_demo_training.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -63,15 +62,6 @@ def test_errors_are_short_and_nonzero(tmp_path):
         assert "Traceback" not in proc.stderr
         assert 1 <= len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
         assert proc.stderr.startswith("error: ")
-
-
-def test_demo(tmp_path):
-    result = run("demo", "--out", str(tmp_path / "demo"), "--json")
-    assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
-    assert out["family"] == "qwen3_moe" and out["num_experts"] == 16 and out["top_k"] == 4
-    assert os.path.exists(tmp_path / "demo" / "model.safetensors")
-    assert not [n for n in os.listdir(tmp_path / "demo") if n.startswith(".tmp")]
 
 
 def test_help_has_examples():

@@ -5,6 +5,8 @@ cached and repeatable, and quantized bundles of it diverge from the f32 bundle i
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -92,8 +94,10 @@ def test_demo_runs_the_loop(demo, tmp_path, monkeypatch):
     monkeypatch.setitem(demo_module.TRAIN, "steps", STEPS)
     result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "demo"), "--json"])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output[result.output.index("{"):])
+    out = json.loads(result.output[result.output.index("{"):])  # after transformers' loading bars
     assert out["format"] == "ktc-demo" and out["trained"]
+    assert out["family"] == "qwen3_moe" and out["num_experts"] == 16 and out["top_k"] == 4
+    assert not [n for n in os.listdir(tmp_path / "demo") if n.startswith(".tmp")]
     assert len(out["run"]["generated_tokens"]) == 48 and out["profile"]["tokens"] > 500
     assert max(out["profile"]["top_expert_share"]) > 1.5 / DEMO_CONFIG["num_experts"]  # skewed routing
     assert out["profiled_plan"]["predicted_ms_per_token"] <= out["uniform_placement_ms_per_token_measured_routing"]

@@ -72,6 +72,24 @@ def test_windows_follow_llama_perplexity():
         ppl.make_windows(list(range(10)), 16)
 
 
+class _BosTokenizer:
+    """Characters as ids 10+, with BOS (1) first unless add_special_tokens=False."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=True):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=([1] if add_special_tokens else []) + [10 + ord(c) % 50 for c in text])
+
+
+def test_bos_leads_the_text_and_every_window():
+    ids, bos = ppl.tokenize(_BosTokenizer(), "abcdefgh")
+    assert bos == 1 and ids[:2] == [1, 10 + ord("a") % 50] and len(ids) == 9  # as llama-perplexity tokenizes
+    windows = ppl.make_windows(ids, 4, bos=bos)
+    assert windows.tokens[:, 0].tolist() == [1, 1] and windows.tokens[0, 1] == 10 + ord("a") % 50
+
+
 def test_f32_bundle_perplexity_equals_transformers(models):
     model, folder, bundles, text, _ = models
     got = ppl.measure(bundles["f32"], text, ctx=CTX, max_windows=WINDOWS)
