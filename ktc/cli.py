@@ -905,7 +905,7 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
     from ktc.api import load_model
     from ktc.api import plan as make_plan
     from ktc.compile import compile_bundle
-    from ktc.demo import default_cache_dir, demo_corpus, write_demo_model
+    from ktc.demo import default_cache_dir, write_demo_model
     from ktc.formats.bundle import open_bundle
     from ktc.plan_report import render_plan_text
     from ktc.summary import format_bytes, render_text, summarize
@@ -985,10 +985,11 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
     say(f"\n[prompt {generated['prompt_tokens']} tokens, {generated['prefill_tokens_per_s']:.0f} tokens/s; "
         f"generated {len(generated['generated_tokens'])} tokens, {generated['decode_tokens_per_s']:.0f} "
         f"tokens/s; first token after {generated['ttft_s'] * 1e3:.0f} ms]")
+    text = demo_corpus()[1]
     held_out = os.path.join(folder, "held-out.txt")
-    _write_text(held_out, demo_corpus()[1])
+    _write_text(held_out, text)
     profile_path = os.path.join(folder, "demo-profile.json")
-    recorded, figures = record(bundle_path, text=demo_corpus()[1], ctx=256, source=profile_path)
+    recorded, figures = record(bundle_path, text=text, ctx=256, source=profile_path)
     recorded.save(profile_path)
     shares = figures["top_expert_share"]
     say(f"\n$ ktc profile {bundle_path} --text {held_out} -o {profile_path} --ctx 256")
@@ -1001,7 +1002,7 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
     after = profiled.predicted_ms_per_token
     say(f"under the measured routing: the uniform plan's placement {before:.4f} ms/token, the profile's "
         f"{after:.4f} ms/token ({before / after:.2f}x predicted)")
-    scored = measure(profiled_path, demo_corpus()[1], ctx=128, reference=folder)
+    scored = measure(profiled_path, text, ctx=128, reference=folder)
     ref = scored["reference"]
     say(f"\n$ ktc perplexity {profiled_path} --text {held_out} --ctx 128 --reference {folder}")
     say(f"PPL = {scored['perplexity']:.3f} +/- {scored['perplexity_error']:.3f} (the f32 checkpoint: "
