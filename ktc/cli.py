@@ -701,6 +701,13 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
     click.echo(memory, err=True)
 
 
+def _forward_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--batch and --threads of the commands that run text through a bundle's model."""
+    func = click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")(func)
+    return click.option("--batch", type=click.IntRange(min=1),
+                        help="Tokens a forward pass [default: the bundle's prefill chunk].")(func)
+
+
 def _read_text(path: str, what: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -715,7 +722,6 @@ def _read_text(path: str, what: str) -> str:
               help="The text to score (UTF-8).")
 @click.option("--ctx", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens a window; the second half of each is scored.")
-@click.option("--batch", type=click.IntRange(min=1), help="Tokens a forward pass [default: the bundle's prefill chunk].")
 @click.option("--chunks", type=click.IntRange(min=1), help="Score at most this many windows (the first ones).")
 @click.option("--reference", type=click.Path(exists=False),
               help="Compare with this model's token distributions: another bundle, or a checkpoint folder "
@@ -725,7 +731,7 @@ def _read_text(path: str, what: str) -> str:
 @click.option("--save-logits", type=click.Path(dir_okay=False),
               help="Save this model's log-probabilities, for --logits in later runs (4 bytes per vocabulary "
                    "entry and scored token).")
-@click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@_forward_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
 @_handle_errors
 def perplexity(bundle: str, text_file: str, ctx: int, batch: int | None, chunks: int | None, reference: str | None,
@@ -792,8 +798,7 @@ def perplexity(bundle: str, text_file: str, ctx: int, batch: int | None, chunks:
               help="Where to write the profile (JSON, for ktc plan --profile).")
 @click.option("--ctx", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens a sequence at most (each from an empty KV cache).")
-@click.option("--batch", type=click.IntRange(min=1), help="Tokens a forward pass [default: the bundle's prefill chunk].")
-@click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
+@_forward_options
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @_handle_errors
 def profile(bundle: str, text_file: str | None, prompts_file: str | None, output: str, ctx: int,
