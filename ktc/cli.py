@@ -1025,6 +1025,8 @@ def _demo_generate(bundle_path: str, prompt: str, echo: Callable[[str], None] | 
 
     with from_bundle(bundle_path) as model:
         ids = encode_prompt(model, prompt)
+        # untimed first: the kernels' first calls compile them (once, cached) on a new install
+        generate(model, ids, max_new_tokens=2, sampling=Sampling(seed=0), stop_at_eos=False)
         if announce is not None:
             announce()
             if echo is not None:

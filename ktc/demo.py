@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -190,7 +190,6 @@ def _train(config: dict[str, object], recipe: dict[str, float], text: str, progr
 
     import torch
     from tokenizers import Tokenizer
-    from tqdm import tqdm
 
     from ktc.runtime.hf import require_transformers
 
@@ -206,7 +205,23 @@ def _train(config: dict[str, object], recipe: dict[str, float], text: str, progr
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     rng = np.random.default_rng(int(recipe["seed"]))
-    with tqdm(total=steps, desc="training the demo model", unit="step", disable=None if progress else True, leave=False) as bar:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    # the experts' scatter-adds sum in thread order otherwise: weights differed by 5e-4 in 6 steps
+    torch.use_deterministic_algorithms(True)
+    try:
+        _steps(model, optimizer, schedule, ids, rng, steps, batch, seq, progress)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    return _per_expert({k: v.detach().float().numpy() for k, v in model.state_dict().items()}, config)
+
+
+def _steps(model: Any, optimizer: Any, schedule: Any, ids: np.ndarray, rng: np.random.Generator, steps: int,
+           batch: int, seq: int, progress: bool) -> None:
+    import torch
+    from tqdm import tqdm
+
+    with tqdm(total=steps, desc="training the demo model", unit="step", disable=None if progress else True,
+              leave=False) as bar:
         for _ in range(steps):
             starts = rng.integers(0, len(ids) - seq - 1, batch)
             x = torch.from_numpy(np.stack([ids[a:a + seq] for a in starts]))
@@ -218,7 +233,6 @@ def _train(config: dict[str, object], recipe: dict[str, float], text: str, progr
             optimizer.zero_grad()
             bar.set_postfix(loss=f"{loss.item():.2f}")
             bar.update(1)
-    return _per_expert({k: v.detach().float().numpy() for k, v in model.state_dict().items()}, config)
 
 
 def _per_expert(state: dict[str, np.ndarray], config: dict[str, object]) -> dict[str, np.ndarray]:

@@ -63,10 +63,14 @@ def _tokenizer(folder: str):
 def test_training_is_cached_and_repeatable(demo):
     from safetensors.numpy import load_file
 
+    from ktc.demo import TRAIN, _train
+
     trained, _, again, cache = demo
     written = load_file(f"{trained}/model.safetensors")
     assert written.keys() == again.keys() and all(np.array_equal(written[k], again[k]) for k in written)
     assert len([p for p in cache.iterdir() if p.name.startswith("demo-trained-")]) == 1
+    runs = [_train(DEMO_CONFIG, TRAIN | {"steps": 3}, demo_corpus()[0], False) for _ in range(2)]
+    assert all(np.array_equal(runs[0][k], runs[1][k]) for k in runs[0])  # the same bits, run after run
 
 
 def test_quantized_bundles_diverge_in_order(demo, tmp_path):
