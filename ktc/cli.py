@@ -665,6 +665,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         tokenizer = load_tokenizer(opened)
         ids = encode_prompt(tokenizer, prompt or "", chat=chat)
         check_capacity(len(ids), max_new_tokens, kv_capacity(opened), bundle)
+        planned = _planned_decode(opened.manifest.get("plan"))
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer) as model:
         load_seconds = time.perf_counter() - loaded_at
@@ -681,7 +682,11 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "decode_tokens_per_s": result.decode_tokens_per_s, "ttft_s": result.ttft_seconds,
            "load_s": load_seconds, "peak_rss_bytes": peak_rss_bytes(),
            "threads": used_threads, "device": "cpu" if target is None else target, "device_bytes": device_bytes,
-           "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes, "decode_steps": decode_steps}
+           "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes, "decode_steps": decode_steps,
+           "decode_ms_per_token": 1e3 / result.decode_tokens_per_s if result.decode_tokens_per_s > 0 else None,
+           # the plan's prediction for its placement: its GPU experts on a GPU
+           "plan_predicted_ms_per_token": planned[0],
+           "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0)}
     if as_json:
         _print_json("run", out)
         return
@@ -691,6 +696,11 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
     click.echo(f"prompt {result.prompt_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s; "
                f"generated {len(result.generated_tokens)} tokens, {result.decode_tokens_per_s:.1f} tokens/s; "
                f"first token after {result.ttft_seconds * 1e3:.0f} ms", err=True)
+    if out["plan_predicted_ms_per_token"] is not None and out["decode_ms_per_token"] is not None:
+        click.echo(f"the plan predicted {out['plan_predicted_ms_per_token']:.3f} ms/token for its placement; measured "
+                   f"{out['decode_ms_per_token']:.3f}" + ("" if out["plan_prediction_applies"] else
+                                                          f" (its {planned[1]} GPU experts ran on the CPU here)"),
+                   err=True)
     memory = f"peak RSS {format_bytes(out['peak_rss_bytes'])}; {used_threads} CPU thread{'s' if used_threads > 1 else ''}"
     memory += f"; decode steps by {'ktc' if decode_steps == 'ktc' else 'transformers'}"
     if threads is None and used_threads < (os.cpu_count() or 1):
@@ -840,6 +850,16 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
     click.echo(f"  the most chosen expert of a layer takes {100 * min(shares):.1f}-{100 * max(shares):.1f}% of its "
                f"choices (median {100 * statistics.median(shares):.1f}%; {100 * uniform:.1f}% if routing were uniform)")
     click.echo(f"  use it: ktc plan MODEL --profile {output}")
+
+
+def _planned_decode(plan: Any) -> tuple[float | None, int]:
+    """(the plan's predicted decode ms per token, its GPU experts) from a bundle's manifest plan
+    (no prediction where the bundle was compiled without planning)."""
+    if not isinstance(plan, dict) or not isinstance(plan.get("predicted_ms_per_token"), (int, float)):
+        return None, 0
+    per_layer = plan.get("gpu_experts_per_layer")
+    gpu = sum(v for v in per_layer.values() if isinstance(v, int)) if isinstance(per_layer, dict) else 0
+    return float(plan["predicted_ms_per_token"]), gpu
 
 
 @main.command()

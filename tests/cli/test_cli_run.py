@@ -49,6 +49,8 @@ def test_json_reports_tokens_text_and_timings(bundle):
     assert out["ttft_s"] > 0 and out["peak_rss_bytes"] > 0
     assert out["device_bytes"] == 0 and out["plan_device_bytes"] == 0  # CPU only
     assert out["decode_steps"] == "ktc"  # a Qwen3-MoE model on the CPU: ktc's own decode steps
+    assert out["decode_ms_per_token"] == pytest.approx(1e3 / out["decode_tokens_per_s"])
+    assert out["plan_predicted_ms_per_token"] is None and not out["plan_prediction_applies"]  # not planned
     again = json.loads(run(bundle, "-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0",
                            "--json").stdout)
     assert again["generated_tokens"] == out["generated_tokens"]  # greedy is deterministic
@@ -161,3 +163,11 @@ def test_a_wrong_run_section_is_a_clear_error(bundle, tmp_path, change):
     result = run(_rewrite_manifest(bundle, str(tmp_path / "w.ktb"), change), "-p", "hi")
     message = result.stderr if _mix_stderr_supported() else result.output
     assert result.exit_code != 0 and "Traceback" not in message and "run." in message, message
+
+
+def test_the_plans_prediction_is_read_from_the_manifest():
+    from ktc.cli import _planned_decode
+
+    assert _planned_decode({"predicted_ms_per_token": 0.5, "gpu_experts_per_layer": {"0": 3, "1": 2}}) == (0.5, 5)
+    assert _planned_decode({"source": "all experts on the CPU", "placement": {}}) == (None, 0)
+    assert _planned_decode(None) == (None, 0)
