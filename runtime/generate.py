@@ -174,13 +174,10 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
     cache = km.new_cache()
     with torch.inference_mode():
         started = time.perf_counter()
-        logits = None
-        for start in range(0, len(prompt_ids), km.prefill_chunk):
-            chunk = torch.tensor([prompt_ids[start:start + km.prefill_chunk]], dtype=torch.long, device=device)
-            logits = model(input_ids=chunk, **{cache_arg: cache}, **forward_kwargs).logits[0, -1]
-        _sync(device)
+        # the prompt in prefill chunks into the cache, the last position's logits only
+        last = km.forward_window(np.asarray(prompt_ids, dtype=np.int64), len(prompt_ids) - 1, len(prompt_ids))
         result.prefill_seconds = time.perf_counter() - started
-        token = sample(logits.float().cpu(), sampling, generator)
+        token = sample(torch.from_numpy(last[0]), sampling, generator)
         result.ttft_seconds = time.perf_counter() - started
         ids = torch.zeros((1, 1), dtype=torch.long)
         step_kwargs = {cache_arg: cache, **forward_kwargs}
@@ -209,13 +206,6 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
             result.decode_seconds += time.perf_counter() - step
     result.text = detok.text()
     return result
-
-
-def _sync(device: Any) -> None:
-    if device is not None and getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
 
 
 def peak_rss_bytes() -> int:
