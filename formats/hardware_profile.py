@@ -12,6 +12,13 @@ Defaults and where they come from (docs/planner.md repeats them):
 - ``pcie_bandwidth``: 25 GB/s. PCIe 4.0 x16 is 31.5 GB/s in theory, ~25 GB/s for pinned copies.
 - ``sync_seconds``: 50 us per layer that runs experts on the CPU: a stream synchronisation, a
   hand-off to the CPU worker thread and back, and two small copies, each 5-20 us.
+- ``cpu_scheme_bandwidth``, ``cpu_layer_seconds``, ``cpu_token_seconds``, ``cpu_vocab_seconds``:
+  none by default. ``ktc doctor --calibrate`` measures them on the machine (ktc's kernels'
+  bytes per second at each scheme, through the fused experts call and a matrix-vector product;
+  the fixed cost of a decoder layer's step and of a token's, and how the latter grows with the
+  vocabulary), for the CPU decode cost model
+  (``passes/decode_cost.py``). Without them every scheme reads at ``cpu_bandwidth`` and fixed
+  costs are left out.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ktc.errors import ConfigError, FormatError
@@ -83,6 +90,11 @@ def _total_ram() -> int:
         return 64 * GiB
 
 
+_CPU_FIXED = ("cpu_layer_seconds", "cpu_token_seconds", "cpu_vocab_seconds")
+_RATE_TABLES = (*(f"{path}{part}" for path in ("experts", "matrix") for part in ("", "_call_seconds", "_call_bytes")),
+                "matrix_row_seconds")
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """Budgets in bytes, bandwidths in bytes per second, sync cost in seconds."""
@@ -95,6 +107,13 @@ class HardwareProfile:
     pcie_bandwidth: float = 25e9
     sync_seconds: float = 50e-6
     source: str = "defaults"
+    # {"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
+    # {scheme: bytes}, the same three of "matrix", and "matrix_row_seconds": {scheme: s}},
+    # measured (``ktc doctor --calibrate``)
+    cpu_scheme_bandwidth: dict[str, dict[str, float]] | None = field(default=None, compare=False)
+    cpu_layer_seconds: float = 0.0
+    cpu_token_seconds: float = 0.0
+    cpu_vocab_seconds: float = 0.0  # a token's cost more per word of the vocabulary
 
     def __post_init__(self) -> None:
         for name in ("vram_bytes", "ram_bytes", "reserve_bytes"):
@@ -103,11 +122,28 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if not math.isfinite(getattr(self, name)) or not getattr(self, name) > 0:
                 raise ConfigError(f"hardware profile: {name} must be a positive, finite number")
-        if not math.isfinite(self.sync_seconds) or self.sync_seconds < 0:
-            raise ConfigError("hardware profile: sync_seconds must be a finite number, at least 0")
+        for name in ("sync_seconds", *_CPU_FIXED):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ConfigError(f"hardware profile: {name} must be a finite number, at least 0")
+        for path, rates in (self.cpu_scheme_bandwidth or {}).items():
+            if path not in _RATE_TABLES or not isinstance(rates, dict):
+                raise ConfigError(f"hardware profile: cpu_scheme_bandwidth has {path!r}; it holds 'experts' "
+                                  "and 'matrix' tables of scheme: bytes per second, their '_call_seconds' "
+                                  "and '_call_bytes', and 'matrix_row_seconds'")
+            for scheme, value in rates.items():
+                seconds = path.endswith("_seconds")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value < 0 or (value == 0 and not seconds):
+                    raise ConfigError(f"hardware profile: cpu_scheme_bandwidth.{path}.{scheme} must be a "
+                                      f"{'' if seconds else 'positive, '}finite number"
+                                      f"{', at least 0' if seconds else ' of bytes per second'}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
+        data = asdict(self)
+        if self.cpu_scheme_bandwidth is None:  # not calibrated: the file says nothing of it
+            for name in ("cpu_scheme_bandwidth", *_CPU_FIXED):
+                del data[name]
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], path: str = "<profile>", *,
@@ -129,9 +165,18 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if name in fields:
                 values[name] = fields.number(name, positive=True)
-        if "sync_seconds" in fields:
-            values["sync_seconds"] = fields.number("sync_seconds", minimum=0)
-        return cls(**values, source=path)
+        for name in ("sync_seconds", *_CPU_FIXED):
+            if name in fields:
+                values[name] = fields.number(name, minimum=0)
+        if "cpu_scheme_bandwidth" in fields:
+            table = data["cpu_scheme_bandwidth"]
+            if not isinstance(table, dict):
+                raise FormatError("cpu_scheme_bandwidth must be an object", path=path)
+            values["cpu_scheme_bandwidth"] = table
+        try:
+            return cls(**values, source=path)
+        except ConfigError as exc:
+            raise FormatError(str(exc), path=path) from None
 
 
 def load_hardware_profile(path: str, *, vram_bytes: int | None = None) -> HardwareProfile:

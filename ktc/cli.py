@@ -625,11 +625,14 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
                    "cpu: everything on the CPU; auto: cuda when torch sees one, else cpu.")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads [default: all cores].")
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens tokens even past the end of text.")
+@click.option("--hardware", type=click.Path(exists=True, dir_okay=False),
+              help="A hardware profile (ktc doctor --calibrate --write-profile FILE): on the CPU, print the "
+                   "decode time per token the CPU cost model predicts for this bundle beside the measured.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
-        ignore_eos: bool, as_json: bool) -> None:
+        ignore_eos: bool, hardware: str | None, as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -666,6 +669,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         ids = encode_prompt(tokenizer, prompt or "", chat=chat)
         check_capacity(len(ids), max_new_tokens, kv_capacity(opened), bundle)
         planned = _planned_decode(opened.manifest.get("plan"))
+        predicted = _cpu_prediction(opened, hardware, len(ids) + max_new_tokens // 2) if target is None else None
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer) as model:
         load_seconds = time.perf_counter() - loaded_at
@@ -676,6 +680,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         device_bytes, plan_bytes = model.device_total, model.plan_device_total
         used_threads = model.threads
         decode_steps = "ktc" if model.fast is not None else "transformers"
+        parts = None
+        if model.fast is not None and model.fast.steps:
+            per_step = 1e3 * model.fast.seconds / model.fast.steps
+            parts = {"layers_ms": [round(float(v), 4) for v in per_step[:-1]], "lm_head_ms": float(per_step[-1])}
     out = {"prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
            "text": result.text, "stopped": result.stopped,
            "prefill_tokens_per_s": result.prefill_tokens_per_s,
@@ -686,7 +694,9 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "decode_ms_per_token": 1e3 / result.decode_tokens_per_s if result.decode_tokens_per_s > 0 else None,
            # the plan's prediction for its placement: its GPU experts on a GPU
            "plan_predicted_ms_per_token": planned[0],
-           "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0)}
+           "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
+           # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
+           "decode_parts": parts, "cpu_predicted": predicted}
     if as_json:
         _print_json("run", out)
         return
@@ -701,6 +711,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                    f"{out['decode_ms_per_token']:.3f}" + ("" if out["plan_prediction_applies"] else
                                                           f" (its {planned[1]} GPU experts ran on the CPU here)"),
                    err=True)
+    if predicted is not None and out["decode_ms_per_token"] is not None:
+        click.echo(f"the CPU cost model predicted {predicted['ms_per_token']:.3f} ms/token "
+                   f"({'calibrated' if predicted['calibrated'] else 'not calibrated: no per-scheme rates'}, "
+                   f"{hardware}); measured {out['decode_ms_per_token']:.3f}", err=True)
     memory = f"peak RSS {format_bytes(out['peak_rss_bytes'])}; {used_threads} CPU thread{'s' if used_threads > 1 else ''}"
     memory += f"; decode steps by {'ktc' if decode_steps == 'ktc' else 'transformers'}"
     if threads is None and used_threads < (os.cpu_count() or 1):
@@ -852,6 +866,18 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
     click.echo(f"  use it: ktc plan MODEL --profile {output}")
 
 
+def _cpu_prediction(bundle: Any, hardware: str | None, context: int) -> dict[str, Any] | None:
+    """The CPU decode cost model's prediction for an opened bundle run on the CPU with the
+    profile at ``hardware`` (None without one, or where the bundle has GPU experts)."""
+    if hardware is None:
+        return None
+    from ktc.formats.hardware_profile import load_hardware_profile
+    from ktc.passes.decode_cost import bundle_decode_cost
+
+    cost = bundle_decode_cost(bundle, load_hardware_profile(hardware, vram_bytes=0), context)
+    return None if cost is None else cost.to_json()
+
+
 def _planned_decode(plan: Any) -> tuple[float | None, int]:
     """(the plan's predicted decode ms per token, its GPU experts) from a bundle's manifest plan
     (no prediction where the bundle was compiled without planning)."""
@@ -865,15 +891,26 @@ def _planned_decode(plan: Any) -> tuple[float | None, int]:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--write-profile", type=click.Path(dir_okay=False),
-              help="Write the hardware profile ktc plan reads (--hardware FILE).")
+              help="Write the hardware profile ktc plan and ktc run read (--hardware FILE).")
+@click.option("--calibrate", is_flag=True,
+              help="Also measure what the CPU decode cost model assumes (about a minute): ktc's "
+                   "kernels' bytes/s at each scheme and the fixed cost of a layer's and a token's "
+                   "step; into the profile.")
 @_handle_errors
-def doctor(as_json: bool, write_profile: str | None) -> None:
+def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
     """Check this machine: versions, CPU features, cores, RAM, CUDA devices, measured memory
     bandwidth, Numba's threading layer, and what will hurt, with the fix.
 
+    With --calibrate, also time ktc's one-token kernels at every CPU scheme (through the fused
+    experts call and a matrix-vector product, over more bytes than the caches hold) and two
+    small probe models (the fixed cost of a decoder layer and of a token beside their bytes):
+    ktc plan uses the rates for CPU experts, and ktc run --hardware FILE predicts a CPU-only
+    bundle's decode time from them. Run it on an idle machine.
+
     \b
-    Example:
+    Examples:
       ktc doctor --write-profile hw.json && ktc plan ./model --hardware hw.json
+      ktc doctor --calibrate --write-profile hw.json && ktc run q.ktb -p "Hello" --hardware hw.json
     """
     if write_profile:
         from ktc.compile import check_writable_target
@@ -882,6 +919,17 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
     from ktc.runtime.doctor import diagnose
 
     report = diagnose()
+    if calibrate:
+        from ktc.calibrate import calibrate as measure
+        from ktc.formats.hardware_profile import HardwareProfile
+
+        written = report["hardware_profile"]
+        base = HardwareProfile.from_json(written, "ktc doctor", vram_bytes=written.get("vram_bytes", 0))
+        profile = measure(base, progress=None if as_json else lambda text: click.echo(f"calibrating {text}",
+                                                                                       err=True))
+        report["hardware_profile"] = {**profile.to_json(), "source": "ktc doctor --calibrate"}
+        if "vram_bytes" not in written:
+            del report["hardware_profile"]["vram_bytes"]
     if write_profile:
         _write_text(write_profile, json.dumps(report["hardware_profile"], indent=1) + "\n")
     if as_json:
@@ -898,6 +946,14 @@ def doctor(as_json: bool, write_profile: str | None) -> None:
     click.echo(f"{'bandwidth':<14}{report['read_bandwidth_gbps']:.1f} GB/s read, measured")
     click.echo(f"{'numba threads':<14}{report['numba']['threads']} ({report['numba']['threading_layer']})")
     click.echo(f"{'kernels':<14}{report['kernels']['description']}")
+    if calibrate:
+        hw = report["hardware_profile"]
+        for path in ("experts", "matrix"):
+            rates = hw["cpu_scheme_bandwidth"][path]
+            click.echo(f"{path + ' GB/s':<14}" + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()))
+        click.echo(f"{'fixed':<14}{hw['cpu_layer_seconds'] * 1e6:.0f} us a layer, "
+                   f"{hw['cpu_token_seconds'] * 1e6:.0f} us a token and {hw['cpu_vocab_seconds'] * 1e11:.1f} us more "
+                   "a token for each 100k words of the vocabulary, beside their bytes")
     for warning in report["warnings"]:
         click.echo(f"warning: {warning}")
     if write_profile:

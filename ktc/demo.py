@@ -255,10 +255,13 @@ def _per_expert(state: dict[str, np.ndarray], config: dict[str, object]) -> dict
     return out
 
 
-def write_demo_model(folder: str, *, seed: int = 0, trained: bool = False, progress: bool = False) -> str:
+def write_demo_model(folder: str, *, seed: int = 0, trained: bool = False, progress: bool = False,
+                     config: dict[str, object] | None = None) -> str:
     """Write the demo checkpoint (``model.safetensors``, ``config.json``, and with transformers
     installed a tokenizer) into ``folder``: random weights (``seed``), or with ``trained`` the
-    weights ``trained_demo_tensors`` gives (``progress``: a bar while it trains).
+    weights ``trained_demo_tensors`` gives (``progress``: a bar while it trains). ``config``:
+    another Qwen3-MoE shape than ``DEMO_CONFIG`` (random weights only; ``ktc doctor
+    --calibrate`` times such models).
 
     Files are written beside their final names and renamed into place, so an interrupted run
     never leaves a half-written model that a later run would take as complete.
@@ -270,13 +273,16 @@ def write_demo_model(folder: str, *, seed: int = 0, trained: bool = False, progr
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.safetensors")
     config_path = os.path.join(folder, "config.json")
-    tensors = trained_demo_tensors(progress=progress) if trained else demo_tensors(DEMO_CONFIG, seed)
+    if trained and config is not None:
+        raise ValueError("the trained demo model has the demo's shape")
+    config = DEMO_CONFIG if config is None else config
+    tensors = trained_demo_tensors(progress=progress) if trained else demo_tensors(config, seed)
     writers = [
         (model_path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"})),
-        (config_path, lambda tmp: _write_json(tmp, DEMO_CONFIG)),
+        (config_path, lambda tmp: _write_json(tmp, config)),
     ]
     try:
-        files = demo_tokenizer_files(int(DEMO_CONFIG["vocab_size"]))  # type: ignore[arg-type]
+        files = demo_tokenizer_files(int(config["vocab_size"]))  # type: ignore[arg-type]
     except ImportError:
         files = {}
     for name, data in files.items():

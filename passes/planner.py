@@ -24,11 +24,12 @@ from ktc.formats.activation_profile import ActivationProfile, uniform_profile
 from ktc.formats.hardware_profile import HardwareProfile, format_bytes
 from ktc.formats.schemes import (
     ExpertShape, dense_scheme_name, expert_footprint, expert_scheme_error, expert_scheme_name, expert_schemes,
-    non_expert_bytes, source_scheme,
+    expert_tensor_bytes, non_expert_bytes, source_scheme,
 )
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
 
 from .base import Pass, PassContext
+from .decode_cost import is_input_embedding, rate
 from .placement_solver import (
     CPU, GPU, PlacementOption, PlacementProblem, PlacementSolution, evaluate, is_feasible,
     solve_placement,
@@ -295,7 +296,7 @@ def non_expert_memory(ir: ModelIR, scheme: str) -> tuple[dict[str, int], dict[st
         nbytes = non_expert_bytes(tensor.ref.shape, router=tensor.role is TensorRole.ROUTER,
                                   dense_scheme=scheme, source_dtype=tensor.ref.dtype)
         if tensor.role is TensorRole.EMBEDDING:
-            is_input = any(k in tensor.ref.name for k in ("embed_tokens", "token_embd", "wte"))
+            is_input = is_input_embedding(tensor.ref.name)
             if is_input and not ir.config.tie_word_embeddings:
                 ram["embeddings"] += nbytes
                 continue
@@ -428,11 +429,15 @@ def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[Pl
                                       f"{shape.hidden} and {shape.intermediate}",
                                       hint="pick another --gpu-schemes / --cpu-schemes")
             fp = expert_footprint(shape, name)
+            seconds = fp.data_bytes / bandwidth
+            if device == CPU and hw.cpu_scheme_bandwidth:  # calibrated: each matrix at its scheme's rate
+                seconds = sum(nbytes / rate(hw, s.name, "experts") for (_, nbytes), s in
+                              zip(expert_tensor_bytes(shape, name), (gate_up, down)))
             result.append(PlacementOption(
                 device=device, scheme=name,
                 vram_bytes=fp.stored_bytes if device == GPU else 0,
                 ram_bytes=fp.stored_bytes if device == CPU else 0,
-                seconds_per_use=fp.data_bytes / bandwidth,
+                seconds_per_use=seconds,
                 error=expert_scheme_error(name)))
     return tuple(result)
 

@@ -18,6 +18,7 @@ against transformers' own steps, family by family.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,9 @@ def _host(module: Any) -> Any:
 
 class FastDecode:
     """The decode steps of a CPU-only ``KtcModel`` of a family in ``FAMILIES``: ``step(token)``
-    appends the token to the model's KV cache and returns the next token's logits."""
+    appends the token to the model's KV cache and returns the next token's logits.
+    ``seconds`` accumulates the steps' time by part: each layer's, then the final norm and
+    ``lm_head``'s (the embedding lookup and rotary tables are in neither); ``steps`` counts them."""
 
     def __init__(self, km: Any) -> None:
         from .linear import BundleEmbedding
@@ -135,6 +138,8 @@ class FastDecode:
         self.layers = [self._layer(km, config, i, layer, cache_layers[i], experts.get(i), hidden)
                        for i, layer in enumerate(inner.layers)]
         self.hidden_size = hidden
+        self.seconds = np.zeros(len(self.layers) + 1)
+        self.steps = 0
         cos, _ = self._rotary(0)
         if any(cos.shape[0] != layer.head_dim for layer in self.layers):  # a partial rotary embedding
             raise _Unsupported("rotary embedding")
@@ -189,9 +194,17 @@ class FastDecode:
         if self.embed.scale is not None:
             x = x * np.float32(self.embed.scale)
         cos, sin = self._rotary(position)
-        for layer in self.layers:
+        seconds, clock = self.seconds, time.perf_counter
+        at = clock()
+        for i, layer in enumerate(self.layers):
             x = self._layer_step(layer, x, cos, sin)
-        return self.head.matvec(_rms_norm(x, self.norm.weight, self.norm.eps))
+            now = clock()
+            seconds[i] += now - at
+            at = now
+        logits = self.head.matvec(_rms_norm(x, self.norm.weight, self.norm.eps))
+        seconds[-1] += clock() - at
+        self.steps += 1
+        return logits
 
     def _rotary(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin of the rotary embedding at ``position``, from the model's rotary module:

@@ -171,3 +171,24 @@ def test_the_plans_prediction_is_read_from_the_manifest():
     assert _planned_decode({"predicted_ms_per_token": 0.5, "gpu_experts_per_layer": {"0": 3, "1": 2}}) == (0.5, 5)
     assert _planned_decode({"source": "all experts on the CPU", "placement": {}}) == (None, 0)
     assert _planned_decode(None) == (None, 0)
+
+
+def test_hardware_profile_adds_the_cpu_prediction_beside_the_measured_parts(bundle, tmp_path):
+    from ktc.formats.hardware_profile import HardwareProfile
+
+    rates = {"matrix": {s: 20e9 for s in ("f32", "bf16", "int8", "q8_0")}, "experts": {"int8": 20e9}}
+    profile = tmp_path / "hw.json"
+    profile.write_text(json.dumps(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_scheme_bandwidth=rates,
+                                                  cpu_layer_seconds=5e-5, cpu_token_seconds=2e-5).to_json()))
+    result = run(bundle, "-p", "A Mixture-of-Experts model", "-n", "6", "--temperature", "0", "--json",
+                 "--hardware", str(profile))
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    predicted, parts = out["cpu_predicted"], out["decode_parts"]
+    assert predicted["calibrated"] and predicted["layers"] == len(parts["layers_ms"]) == 4
+    assert predicted["fixed_ms"] == pytest.approx(4 * 0.05 + 0.02)
+    assert predicted["ms_per_token"] > predicted["fixed_ms"] and predicted["bytes_read"] > 0
+    assert 0 < sum(parts["layers_ms"]) + parts["lm_head_ms"] <= out["decode_ms_per_token"]
+    text = run(bundle, "-p", "A Mixture-of-Experts model", "-n", "4", "--hardware", str(profile))
+    assert "the CPU cost model predicted" in text.stderr and "measured" in text.stderr
+    assert json.loads(run(bundle, "-p", "x", "-n", "2", "--json").stdout)["cpu_predicted"] is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from ktc.cli import main
@@ -38,3 +39,19 @@ def test_doctor_writes_a_profile_the_planner_reads(tmp_path, demo_model):
 
     result = plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0)
     assert abs(result.hardware.cpu_bandwidth / 1e9 - report["read_bandwidth_gbps"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_doctor_calibrate_writes_what_the_cpu_cost_model_reads(tmp_path, demo_model):
+    profile = tmp_path / "hw.json"
+    result = CliRunner().invoke(main, ["doctor", "--calibrate", "--write-profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    assert "experts GB/s" in result.output and "a layer" in result.output
+    from ktc.formats.hardware_profile import load_hardware_profile
+
+    hw = load_hardware_profile(str(profile), vram_bytes=0)
+    assert hw.cpu_scheme_bandwidth["matrix"]["int8"] > 0 and hw.cpu_scheme_bandwidth["experts"]["int8"] > 0
+    assert hw.cpu_layer_seconds > 0
+    from ktc.api import plan
+
+    assert plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0).hardware.cpu_scheme_bandwidth

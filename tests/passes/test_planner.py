@@ -260,3 +260,18 @@ def test_baselines_do_not_depend_on_the_order_of_the_scheme_lists(demo_model):
                 assert single.predicted_ms_per_step <= b.predicted_ms_per_step + 1e-9
     one = plan_placement(ir, hw, Workload(), profile)  # one scheme per device: nothing to separate
     assert one.single_scheme is None and all(b.schemes == "gpu bf16, cpu int8" for b in one.baselines if b.feasible)
+
+
+def test_a_calibrated_profile_prices_cpu_experts_at_their_schemes_kernel_rates(demo_model):
+    import dataclasses
+
+    ir = load_model(demo_model)
+    hw = quarter_budget(ir, Workload())
+    rates = {"experts": {"int8": hw.cpu_bandwidth / 4}, "matrix": {"q4_0": hw.cpu_bandwidth / 2}}
+    opts = PlannerOptions(gpu_schemes=("bf16",), cpu_schemes=("int8",))
+    plain = build_context(ir, hw, Workload(), None, opts).problem.options
+    calibrated = build_context(ir, dataclasses.replace(hw, cpu_scheme_bandwidth=rates), Workload(), None,
+                               opts).problem.options
+    for before, after in zip(plain, calibrated):
+        factor = 4 if before.device == "cpu" else 1  # GPU experts keep the GPU bandwidth
+        assert after.seconds_per_use == pytest.approx(factor * before.seconds_per_use)

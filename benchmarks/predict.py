@@ -1,0 +1,136 @@
+"""Predicted against measured decode time per token of CPU-only bundles, with a calibrated profile.
+
+In each round, for every case: calibrate (``ktc doctor --calibrate``'s measurements: ktc's
+kernels' bytes/s at the schemes the case uses, the fixed cost of a layer's and a token's step
+from two probe models of their own shape), predict the decode time per token with the CPU cost
+model (``passes/decode_cost.py``), and measure it as ``ktc run`` does (greedy decode after a
+warm-up, the model loaded in this process), seconds after the calibration. Printed per case: the medians over rounds of
+predicted and measured ms per token, the median of the per-round errors (predicted/measured -
+1) and each round's, and the prediction's parts. The read bandwidth drifts within minutes here,
+so a profile calibrated in one minute predicts the next minute's run; a calibration an hour old
+carries the drift between the two.
+
+Cases: the demo model (trained, every expert on the CPU at int8) and, where
+``benchmarks/vs_llamacpp.py`` has built them in ``--workdir``, the one-layer models at
+Mixtral-8x7B's and Qwen3-30B-A3B's shapes compiled from llama.cpp's GGUFs (Q8_0, Q4_0, MXFP4_MOE,
+Q4_K_M) and the 4-layer Qwen3 ones.
+
+    python benchmarks/predict.py [--rounds 5] [--new 48] [--cases demo,qwen3-Q4_0-pure,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+CASES = ("demo", "qwen3-Q8_0-pure", "qwen3-Q4_0-pure", "qwen3-MXFP4_MOE", "qwen3-Q4_K_M", "qwen3-4l-Q4_0-pure",
+         "qwen3-4l-Q4_K_M", "mixtral-Q8_0-pure", "mixtral-Q4_0-pure", "mixtral-MXFP4_MOE", "mixtral-Q4_K_M")
+PROMPT = list(range(3, 35))  # 32 prompt tokens
+
+
+def demo_bundle(workdir: str) -> str:
+    from ktc.compile import compile_bundle
+    from ktc.demo import write_demo_model
+
+    path = os.path.join(workdir, "demo-cpu-int8.ktb")
+    if not os.path.exists(path):
+        print("training/compiling the demo model (every expert on the CPU, int8)...", flush=True)
+        source = write_demo_model(os.path.join(workdir, "demo-trained"), trained=True, progress=True)
+        compile_bundle(source, path, cpu_scheme="int8", max_tokens=4096)
+    return path
+
+
+def in_page_cache(path: str) -> None:
+    """Read the whole file once, so that its pages are in the page cache: the cost model
+    predicts a step whose weights are in RAM. (A first use of an uncached page reads the disk:
+    an embedding row of a token not seen since the bundle was written took 0.5 ms here, an
+    expert a few ms.)"""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+
+
+def measure(path: str, new: int) -> tuple[float, float, float]:
+    """Seconds a decode step, as ``ktc run`` measures it (after a short warm-up run, the bundle
+    in the page cache), and of that its layers' and its lm_head's (ktc's decode step times them)."""
+    from ktc.runtime.generate import Sampling, generate
+    from ktc.runtime.hf import from_bundle
+
+    in_page_cache(path)
+    with from_bundle(path) as km:
+        generate(km, PROMPT[:4], max_new_tokens=4, sampling=Sampling(temperature=0), stop_at_eos=False)
+        km.fast.seconds[:] = 0
+        km.fast.steps = 0
+        result = generate(km, PROMPT, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False)
+        parts = km.fast.seconds / km.fast.steps
+    return result.decode_seconds / (len(result.generated_tokens) - 1), float(parts[:-1].sum()), float(parts[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new", type=int, default=48, help="generated tokens a measurement")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
+    args = parser.parse_args()
+    from ktc.calibrate import calibrate, probe_bundles
+    from ktc.formats.bundle import open_bundle
+    from ktc.formats.hardware_profile import HardwareProfile
+    from ktc.passes.decode_cost import bundle_decode_cost
+    from ktc.runtime.bandwidth import read_bandwidth
+
+    os.makedirs(args.workdir, exist_ok=True)
+    cases: dict[str, str] = {}
+    for name in args.cases.split(","):
+        path = demo_bundle(args.workdir) if name == "demo" else os.path.join(args.workdir, f"{name}-from-gguf.ktb")
+        if os.path.exists(path):
+            cases[name] = path
+        else:
+            print(f"skipping {name}: {path} is not built (python benchmarks/vs_llamacpp.py builds it)")
+    schemes = {}
+    for name, path in cases.items():
+        with open_bundle(path) as bundle:
+            schemes[name] = tuple(sorted({t.scheme for t in bundle.tensors.values()}))
+    print(f"{args.rounds} rounds; cases {', '.join(cases)}", flush=True)
+    rows: dict[str, list[tuple[float, float, dict]]] = {name: [] for name in cases}
+    with tempfile.TemporaryDirectory(prefix="ktc-predict-") as tmp:
+        probes = probe_bundles(tmp)
+        for r in range(args.rounds):
+            started = time.perf_counter()
+            bandwidth = read_bandwidth()
+            for name, path in cases.items():
+                hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidth),
+                               schemes=schemes[name], rounds=3, bundles=probes)
+                with open_bundle(path) as bundle:
+                    cost = bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2)
+                assert cost is not None
+                seconds, layers, head = measure(path, args.new)
+                rows[name].append((cost.seconds, seconds, {**cost.to_json(), "measured_layers_ms": 1e3 * layers,
+                                                            "measured_lm_head_ms": 1e3 * head}))
+            print(f"round {r + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s; last calibration: a layer "
+                  f"{hw.cpu_layer_seconds * 1e6:.0f} us, a token {hw.cpu_token_seconds * 1e6:.0f} us "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"\nmedians over {args.rounds} rounds, calibrated each round:")
+    worst = 0.0
+    for name, got in rows.items():
+        errors = [p / m - 1 for p, m, _ in got]
+        error = statistics.median(errors)
+        worst = max(worst, abs(error))
+        med = {k: statistics.median(x[2][k] for x in got) for k in got[0][2] if k.endswith("_ms")}
+        layers = med["matrices_ms"] + med["experts_ms"] + med["kv_ms"] + med["layer_fixed_ms"]
+        measured = statistics.median(m for _, m, _ in got) * 1e3
+        print(f"{name:<20} predicted {statistics.median(p for p, _, _ in got) * 1e3:7.3f} ms/token, measured "
+              f"{measured:7.3f}: error {error * 100:+5.1f}% (rounds {' '.join(f'{e * 100:+.1f}' for e in errors)})")
+        print(f"{'':<20} predicted/measured: layers {layers:.3f}/{med['measured_layers_ms']:.3f}, lm_head "
+              f"{med['lm_head_ms']:.3f}/{med['measured_lm_head_ms']:.3f}, the rest {med['token_fixed_ms']:.3f}/"
+              f"{measured - med['measured_layers_ms'] - med['measured_lm_head_ms']:.3f}")
+    print(f"\nlargest error: {worst * 100:.1f}% (target within 10%: {'met' if worst <= 0.10 else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

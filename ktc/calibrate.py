@@ -1,0 +1,140 @@
+"""``ktc doctor --calibrate``: measure what the CPU decode cost model (``passes/decode_cost.py``)
+assumes on this machine and return it as a hardware profile.
+
+Two measurements. ``runtime.calibrate.scheme_bandwidths``: the bytes per second ktc's
+one-token kernels reach at each scheme. ``layer_costs``: the fixed cost of a decoder layer's
+step (norms, rotary, attention over a short context, routing, Python) and of a token's outside
+its layers and lm_head (the embedding row, the sampling over the vocabulary, Python), from the
+decode steps of three small probe models, which time their layers and lm_head: the layers' time
+less what their bytes cost at the rates just measured, over one and six layers at a vocabulary
+of 1024; the rest of a step at that vocabulary and at Qwen3's 151936 (the sampling reads every
+logit, which the lm_head's threads have just written).
+The probes have a shape of their own (not the demo model's nor any real model's), so a
+prediction for those models is not fitted to them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ktc.demo import DEMO_CONFIG, write_demo_model
+from ktc.formats.hardware_profile import HardwareProfile
+
+PROBE_CONFIG: dict[str, object] = {**DEMO_CONFIG, "hidden_size": 128, "intermediate_size": 256,
+                                   "moe_intermediate_size": 64, "num_attention_heads": 2,
+                                   "num_key_value_heads": 1, "head_dim": 64, "num_experts": 8,
+                                   "num_experts_per_tok": 2}
+PROBES = ((1, 1024), (6, 1024), (1, 151936))  # (layers, vocabulary)
+PROMPT = list(range(3, 11))  # 8 prompt tokens: the decode steps read a short KV cache
+
+
+def _decode_seconds(model: Any, tokens: int) -> tuple[float, float]:
+    """(seconds a decode step of ``model`` takes as ``ktc run`` times it, the step and a greedy
+    sample; of that, seconds outside the layers and lm_head), over ``tokens`` steps after a
+    prompt. ``model``: a ``runtime.hf.KtcModel`` that ktc's decode steps run (they time their
+    layers and lm_head). Generate's loop without its detokenizer: a probe's tokenizer has fewer
+    tokens than its vocabulary."""
+    import time
+
+    import torch
+
+    from ktc.runtime.generate import Sampling, sample
+
+    greedy, fast = Sampling(temperature=0.0), model.fast
+    if fast is None:
+        from ktc.errors import KtcError
+
+        raise KtcError("the calibration times ktc's own decode steps, which are off here",
+                       hint="unset KTC_FAST_DECODE=0")
+    model.new_cache()
+    with torch.inference_mode():
+        token = sample(torch.from_numpy(model.forward_window(np.asarray(PROMPT), len(PROMPT) - 1,
+                                                             len(PROMPT))[0]), greedy, None)
+        fast.seconds[:] = 0
+        fast.steps = 0
+        started = time.perf_counter()
+        for _ in range(tokens):
+            token = sample(torch.from_numpy(fast.step(token)), greedy, None)
+        seconds = (time.perf_counter() - started) / tokens
+    return seconds, seconds - float(fast.seconds.sum()) / fast.steps
+
+
+def probe_bundles(folder: str, progress: Callable[[str], None] | None = None) -> list[str]:
+    """The probe models (``PROBE_CONFIG`` at each of ``PROBES``), compiled with every expert on
+    the CPU into ``folder``."""
+    from ktc.compile import compile_bundle
+
+    paths = []
+    for layers, vocab in PROBES:
+        path = os.path.join(folder, f"probe-{layers}-{vocab}.ktb")
+        if not os.path.exists(path):
+            if progress:
+                progress(f"probe model of {layers} layer{'s' * (layers > 1)}, vocabulary {vocab}")
+            source = write_demo_model(os.path.join(folder, f"probe-{layers}-{vocab}"),
+                                      config={**PROBE_CONFIG, "num_hidden_layers": layers, "vocab_size": vocab})
+            compile_bundle(source, path, cpu_scheme="int8", max_tokens=256, check=False)
+        paths.append(path)
+    return paths
+
+
+def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundles: list[str] | None = None,
+                progress: Callable[[str], None] | None = None) -> tuple[float, float, float]:
+    """(seconds a decoder layer's step costs beside its bytes, seconds a token's costs outside its
+    layers and lm_head, and seconds more a token a word of the vocabulary), from the probe models
+    (see the module's docstring; ``bundles``: made by ``probe_bundles`` already): the layers' time
+    as the decode steps time it less their bytes at ``hw``'s rates, and what the step and the
+    sample take beside the layers and lm_head; medians over interleaved rounds."""
+    if bundles is None:
+        with tempfile.TemporaryDirectory(prefix="ktc-calibrate-") as tmp:
+            return layer_costs(hw, rounds=rounds, tokens=tokens, bundles=probe_bundles(tmp, progress))
+    from ktc.formats.bundle import open_bundle
+    from ktc.passes.decode_cost import bundle_decode_cost
+    from ktc.runtime.hf import from_bundle
+
+    if progress:
+        progress("the probe models' decode steps")
+    bytes_only = replace(hw, cpu_layer_seconds=0.0, cpu_token_seconds=0.0, cpu_vocab_seconds=0.0)
+    models, layer_bytes = [], []
+    try:
+        for path in bundles:
+            with open_bundle(path) as bundle:
+                cost = bundle_decode_cost(bundle, bytes_only, context=len(PROMPT) + tokens // 2)
+            assert cost is not None  # every expert is on the CPU
+            layer_bytes.append(cost.matrices + cost.experts + cost.kv)
+            models.append(from_bundle(path))
+        for model in models:  # compile the kernels and warm the caches, outside the timing
+            _decode_seconds(model, 4)
+        layers: list[list[float]] = [[] for _ in models]
+        rest: list[list[float]] = [[] for _ in models]
+        for _ in range(rounds):
+            for i, model in enumerate(models):
+                _, outside = _decode_seconds(model, tokens)
+                layers[i].append(float(model.fast.seconds[:-1].sum()) / model.fast.steps - layer_bytes[i])
+                rest[i].append(outside)
+    finally:
+        for model in models:
+            model.close()
+    (l0, v0), (l1, _), (_, v2) = PROBES
+    per_layer = max((float(np.median(layers[1])) - float(np.median(layers[0]))) / (l1 - l0), 0.0)
+    r0, r2 = float(np.median(rest[0])), float(np.median(rest[2]))
+    per_word = max((r2 - r0) / (v2 - v0), 0.0)
+    return per_layer, max(r0 - v0 * per_word, 0.0), per_word
+
+
+def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, rounds: int = 5,
+              bundles: list[str] | None = None, progress: Callable[[str], None] | None = None) -> HardwareProfile:
+    """``base`` with the CPU decode cost model's figures measured here (``schemes``: those
+    only; ``bundles``: the probe models, made by ``probe_bundles`` already)."""
+    from ktc.runtime.calibrate import scheme_bandwidths
+
+    rates = scheme_bandwidths(schemes, rounds=rounds, progress=progress)
+    measured = replace(base, cpu_scheme_bandwidth=rates)
+    per_layer, per_token, per_word = layer_costs(measured, rounds=max(rounds, 5), bundles=bundles, progress=progress)
+    return replace(measured, cpu_layer_seconds=per_layer, cpu_token_seconds=per_token, cpu_vocab_seconds=per_word,
+                   source=f"{base.source}, calibrated")

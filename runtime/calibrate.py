@@ -1,0 +1,227 @@
+"""What the decode cost model assumes, measured on this machine through ktc's own kernels.
+
+``scheme_bandwidths`` reads weights the way a decode step does (one token through a layer's
+chosen experts in one call, ``kernels.experts_token``; one token through a matrix,
+``kernels.matvec``) in every CPU scheme, over more bytes than the last-level cache holds, at two
+sizes of call each, and fits a call's time as a fixed part plus its bytes over a rate: what the
+cost model charges a call of the scheme.
+The weights are valid blocks of each scheme (quantized Gaussian rows, or for schemes ktc only
+passes through, random codes under finite scales) tiled to size: a kernel's speed depends on
+the layout, not on the values.
+
+Rounds are interleaved over the schemes and each figure is the median of its rounds: the read
+bandwidth of a shared machine drifts within seconds, and one scheme measured after another
+would carry the drift into their ratio.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from ktc.formats.schemes import SCHEMES, get_scheme
+
+from . import kernels, rows, vnni
+
+# One layer's chosen experts (k, hidden, intermediate): Qwen3-30B-A3B's 8 small ones and
+# Mixtral-8x7B's 2 large ones. A call's time is fitted as a fixed part (its parallel regions'
+# start and join, the activations' quantization, the rows' ramp: 50-400 us here, most for the
+# K-quants) plus its bytes over a rate: many small experts pay the fixed part, large ones barely.
+EXPERT_SHAPES = ((8, 2048, 768), (2, 4096, 14336))
+MATRIX_COLS = 4096
+# Matrix calls (rows, columns): as many bytes as Qwen3-30B-A3B's attention projections, the whole
+# working set (lm_head's size), and the whole working set in rows of a quarter the length. A
+# call's time is fitted as a fixed part, a cost a row (the row's reduction and store: Qwen3's
+# lm_head has 151936 rows of 2048) and bytes over a rate.
+MATRIX_CALLS = ((2048, MATRIX_COLS), (None, MATRIX_COLS), (None, MATRIX_COLS // 4))
+WORKING_SET = 128 * 1024 * 1024  # bytes a measurement cycles over: four times a 32 MiB L3
+_HALF_SCALE = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+
+
+def cpu_schemes() -> tuple[str, ...]:
+    """Every scheme with a CPU kernel that a decode step can read."""
+    return tuple(name for name, s in SCHEMES.items() if "cpu" in s.devices and _has_kernel(name))
+
+
+def _has_kernel(name: str) -> bool:
+    try:
+        kernels.cpu_kernels(name)
+    except KeyError:
+        return rows.kind(name) is not None
+    return True
+
+
+def scheme_rows(name: str, rows_: int, cols: int, seed: int = 0) -> np.ndarray:
+    """``rows_`` valid rows [rows_, row_bytes] (uint8) of scheme ``name``: a 64-row block made
+    once (quantized Gaussian values; random codes with finite scales where ktc has no
+    quantizer) and tiled."""
+    scheme = get_scheme(name)
+    rng = np.random.default_rng(seed)
+    block = min(64, rows_)
+    if scheme.quantize is not None:
+        made = scheme.quantize(rng.standard_normal((block, cols), dtype=np.float32) * 0.02)
+        made = np.ascontiguousarray(made).view(np.uint8).reshape(block, -1)
+    else:
+        made = rng.integers(0, 256, (block, scheme.matrix_bytes(1, cols)), dtype=np.uint8)
+        blocks = made[:, : cols // scheme.block_elems * scheme.block_bytes].reshape(block, -1, scheme.block_bytes)
+        for at in scheme.half_scales:
+            blocks[:, :, at:at + 2] = _HALF_SCALE
+        for at in scheme.e8m0_scales:
+            blocks[:, :, at] = 120
+    reps = -(-rows_ // block)
+    return np.ascontiguousarray(np.tile(made, (reps, 1))[:rows_])
+
+
+class _ExpertsProbe:
+    """Copies of one layer's chosen experts in ``scheme``, laid out as a bundle lays them out
+    (gate/up then down, each at its byte offset in one file), enough copies to exceed the
+    cache; ``run()`` sends one token through the next copy."""
+
+    def __init__(self, scheme: str, shape: tuple[int, int, int], working_set: int = WORKING_SET):
+        k, hidden, inter = shape
+        gate_up = scheme_rows(scheme, 2 * inter, hidden)
+        down = scheme_rows(scheme, hidden, inter, seed=1)
+        per_expert = gate_up.nbytes + down.nbytes
+        self.bytes_per_call = k * per_expert
+        copies = max(2, -(-working_set // self.bytes_per_call))
+        one = np.concatenate([gate_up.reshape(-1), down.reshape(-1)])
+        self.file = np.tile(one, k * copies)
+        starts = np.arange(k * copies, dtype=np.int64).reshape(copies, k) * per_expert
+        self.offsets = [(s, s + gate_up.nbytes) for s in starts]
+        self.scheme, self.hidden, self.inter = scheme, hidden, inter
+        self.x = np.random.default_rng(2).standard_normal(hidden).astype(np.float32)
+        self.weights = np.full(k, 1.0 / k, dtype=np.float32)
+        self.at = 0
+
+    def run(self) -> None:
+        gu, dn = self.offsets[self.at]
+        self.at = (self.at + 1) % len(self.offsets)
+        kernels.experts_token(self.file, self.scheme, gu, dn, self.hidden, self.inter, self.x, self.weights)
+
+
+class _MatrixProbe:
+    """A matrix of ``cols`` columns in ``scheme``, larger than the cache; ``run()`` multiplies
+    ``rows`` of it (the next ones each call; all of it by default) by one vector (a projection,
+    or ``lm_head``, in a decode step)."""
+
+    def __init__(self, scheme: str, working_set: int = WORKING_SET, rows: int | None = None,
+                 cols: int = MATRIX_COLS):
+        row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
+        raw = scheme_rows(scheme, max(64, working_set // row_bytes, 2 * (rows or 0)), cols)
+        plain = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}.get(scheme)
+        if plain is not None:  # the plain schemes' kernels take their own dtype
+            raw = raw.view(plain)
+        rows = raw.shape[0] if rows is None else rows
+        self.parts = [raw[at:at + rows] for at in range(0, raw.shape[0] - rows + 1, rows)]
+        self.scales = [kernels.int8_row_scales(part, cols) if scheme == "int8" else None
+                       for part in self.parts]
+        self.bytes_per_call = int(self.parts[0].nbytes)
+        self.rows_per_call = rows
+        self.scheme = scheme
+        self.x = np.random.default_rng(3).standard_normal(cols).astype(np.float32)
+        self.out = np.empty(rows, dtype=np.float32)
+        self.at = 0
+
+    def run(self) -> None:
+        at = self.at
+        self.at = (at + 1) % len(self.parts)
+        kernels.matvec(self.parts[at], self.scheme, self.x, self.out, self.scales[at])
+
+
+def _median_seconds(probes: dict[Any, Any], rounds: int, calls: int) -> dict[Any, float]:
+    """Seconds a call of each probe: per round, ``calls`` calls after one warm call, timed
+    together; the median over interleaved rounds."""
+    times: dict[Any, list[float]] = {name: [] for name in probes}
+    for name, probe in probes.items():  # compile and fault the pages in, outside the timing
+        probe.run()
+    for _ in range(rounds):
+        for name, probe in probes.items():
+            probe.run()
+            started = time.perf_counter()
+            for _ in range(calls):
+                probe.run()
+            times[name].append((time.perf_counter() - started) / calls)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, calls: int = 8,
+                      working_set: int = WORKING_SET, shapes: tuple[tuple[int, int, int], ...] = EXPERT_SHAPES,
+                      matrix_calls: tuple[tuple[int | None, int], ...] = MATRIX_CALLS,
+                      progress: Callable[[str], None] | None = None) -> dict[str, dict[str, float]]:
+    """``{"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
+    {scheme: bytes}, and the same three of "matrix"}``: what the one-token kernels reach on this
+    machine (see the module's docstring) through the fused experts call (fitted over calls at
+    ``shapes``) and a matrix-vector product (over ``matrix_calls``, with ``"matrix_row_seconds"``
+    too): the rate, the fixed part of a call, and the bytes of the smaller call (where the fixed
+    part was measured).
+    Schemes whose experts the fused call cannot take on this CPU are measured as a matrix only."""
+    names = tuple(cpu_schemes() if schemes is None else schemes)
+    result: dict[str, dict[str, float]] = {f"{path}{part}": {} for path in ("experts", "matrix")
+                                           for part in ("", "_call_seconds", "_call_bytes")}
+    result["matrix_row_seconds"] = {}
+    fused = tuple(n for n in names if _fused(n))
+    # A few schemes at a time: each holds its working set while the rounds interleave.
+    for start in range(0, len(fused), 3):
+        group = fused[start:start + 3]
+        if progress:
+            progress(f"experts: {', '.join(group)}")
+        probes = {(n, i): _ExpertsProbe(n, shape, working_set) for n in group for i, shape in enumerate(shapes)}
+        _fit(result, "experts", group, probes, _median_seconds(probes, rounds, calls))
+        del probes
+    for start in range(0, len(names), 3):
+        group = names[start:start + 3]
+        if progress:
+            progress(f"matrices: {', '.join(group)}")
+        probes = {(n, i): _MatrixProbe(n, working_set, rows, cols) for n in group
+                  for i, (rows, cols) in enumerate(matrix_calls)}
+        seconds = _median_seconds(probes, rounds, calls)
+        for n in group:
+            _fit_rows(result, n, [(p.rows_per_call, p.bytes_per_call, seconds[n, i]) for i, p in
+                                  ((i, probes[n, i]) for i in range(len(matrix_calls)))])
+        del probes
+    return result
+
+
+def _fit(result: dict[str, dict[str, float]], path: str, names: tuple[str, ...], probes: dict[Any, Any],
+         seconds: dict[Any, float]) -> None:
+    """A call's time as a fixed part plus bytes over a rate, through the two probes of each
+    scheme (the smaller first) into ``result[path]``, ``result[path + "_call_seconds"]`` and
+    ``result[path + "_call_bytes"]``."""
+    for n in names:
+        (b0, t0), (b1, t1) = ((probes[n, i].bytes_per_call, seconds[n, i]) for i in range(2))
+        slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
+        if not 0 < slope <= t1 / b1:  # no fixed part measurable under the drift: the larger call's rate
+            slope = t1 / b1
+        result[path][n] = 1.0 / slope
+        result[path + "_call_seconds"][n] = max(t0 - b0 * slope, 0.0)
+        result[path + "_call_bytes"][n] = float(b0)
+
+
+def _fit_rows(result: dict[str, dict[str, float]], name: str, calls: list[tuple[int, int, float]]) -> None:
+    """A matrix call's time as a fixed part, a cost a row and bytes over a rate, solved from
+    three calls (rows, bytes, seconds; the first the smallest) into ``result``; where the drift
+    makes a part negative, without a row cost (the first two calls, as ``_fit`` fits them)."""
+    a = np.array([[1.0, r, b] for r, b, _ in calls])
+    t = np.array([s for _, _, s in calls])
+    try:
+        fixed, row, slope = np.linalg.solve(a, t)
+    except np.linalg.LinAlgError:
+        fixed = row = slope = -1.0
+    if fixed >= 0 and row >= 0 and slope > 0:
+        result["matrix"][name] = 1.0 / slope
+        result["matrix_call_seconds"][name] = float(fixed)
+        result["matrix_call_bytes"][name] = float(calls[0][1])
+        result["matrix_row_seconds"][name] = float(row)
+        return
+    probes = {(name, i): SimpleNamespace(bytes_per_call=b) for i, (_, b, _) in enumerate(calls[:2])}
+    _fit(result, "matrix", (name,), probes, {(name, i): s for i, (_, _, s) in enumerate(calls[:2])})
+    result["matrix_row_seconds"][name] = 0.0
+
+
+def _fused(name: str) -> bool:
+    """Whether one token through a layer's experts in ``name`` takes the fused call here."""
+    return (vnni.HAVE_VNNI and name in vnni.FUSED) or name == "int8"

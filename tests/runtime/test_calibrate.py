@@ -1,0 +1,29 @@
+"""``ktc doctor --calibrate``'s kernel measurements: valid weights in every CPU scheme, and rates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ktc.formats.schemes import get_scheme
+from ktc.runtime import calibrate
+
+
+@pytest.mark.parametrize("scheme", calibrate.cpu_schemes())
+def test_probe_weights_are_valid_rows_of_every_scheme(scheme):
+    raw = calibrate.scheme_rows(scheme, 70, 256)  # a 64-row block tiled: 70 rows
+    assert raw.shape == (70, get_scheme(scheme).matrix_bytes(1, 256)) and raw.dtype == np.uint8
+    values = get_scheme(scheme).dequantize(raw, 256)
+    assert np.all(np.isfinite(values)) and np.any(values != 0)
+
+
+def test_rates_are_measured_for_both_paths():
+    got = calibrate.scheme_bandwidths(("int8", "q4_0", "f32"), rounds=1, calls=1, working_set=1 << 20,
+                                      shapes=((2, 256, 128), (2, 512, 256)), matrix_calls=((64, 4096), (None, 4096), (None, 1024)))
+    assert set(got["matrix"]) == {"int8", "q4_0", "f32"}
+    assert set(got["experts"]) <= {"int8", "q4_0"} and "int8" in got["experts"]  # f32 experts: no fused call
+    assert all(v > 0 for table in ("matrix", "experts") for v in got[table].values())
+    assert all(v >= 0 for path in ("experts_call", "matrix_call", "matrix_row") for v in got[path + "_seconds"].values())
+    assert got["matrix_call_bytes"]["q4_0"] == get_scheme("q4_0").matrix_bytes(64, 4096)
+    int8 = get_scheme("int8")
+    assert got["experts_call_bytes"]["int8"] == 2 * (int8.matrix_bytes(256, 256) + int8.matrix_bytes(256, 128))
