@@ -893,7 +893,7 @@ def _planned_decode(plan: Any) -> tuple[float | None, int]:
 @click.option("--write-profile", type=click.Path(dir_okay=False),
               help="Write the hardware profile ktc plan and ktc run read (--hardware FILE).")
 @click.option("--calibrate", is_flag=True,
-              help="Also measure what the CPU decode cost model assumes (about a minute): ktc's "
+              help="Also measure what the CPU decode cost model assumes (a minute or two): ktc's "
                    "kernels' bytes/s at each scheme and the fixed cost of a layer's and a token's "
                    "step; into the profile.")
 @_handle_errors
