@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ktc.formats.checkpoint import open_checkpoint
@@ -48,7 +49,8 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
          pin_gpu: object = (), pin_cpu: object = (), quality_weight: float = 0.0,
          time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
-         sync_us: float | None = None, source_types: bool = False):
+         sync_us: float | None = None, source_types: bool = False,
+         calibration_text: str | os.PathLike[str] | None = None, calibration_tokens: int = 1024):
     """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
 
     ``vram``/``ram`` take sizes like "24GiB"; ``hardware`` a profile JSON (flags override it).
@@ -86,8 +88,39 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
                              layer_schemes=per_layer if own else (),
                              pin_gpu=_pins(pin_gpu), pin_cpu=_pins(pin_cpu),
                              quality_weight=quality_weight, time_limit=time_limit)
+    if calibration_text is not None:
+        options = dataclasses.replace(options, activation_errors=tuple(activation_errors(
+            model, ir, os.fspath(calibration_text), options.gpu_schemes + options.cpu_schemes,
+            calibration_tokens).items()))
     workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
     return plan_placement(ir, hw, workload, activation, options)
+
+
+def activation_errors(model: object, ir: ModelIR, text_path: str, schemes: tuple[str, ...],
+                      tokens: int = 1024) -> dict[str, tuple[float, ...]]:
+    """Per expert scheme, each MoE layer's output error on the hidden states that reach its
+    experts over the text in ``text_path`` (``passes/activation_error.py``), the source
+    checkpoint ``model`` run through transformers."""
+    from ktc.passes.activation_error import layer_scheme_errors
+
+    return layer_scheme_errors(ir, calibration_inputs(model, text_path, tokens), tuple(dict.fromkeys(schemes)))
+
+
+def calibration_inputs(model: object, text_path: str, tokens: int = 1024) -> dict:
+    """The hidden states reaching each MoE layer's experts over the text in ``text_path``, the
+    source checkpoint ``model`` (a folder) run through transformers (``runtime.activations``)."""
+    from ktc.errors import KtcError
+    from ktc.runtime.activations import expert_inputs
+
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+        raise KtcError("--calibration-text needs the source checkpoint's folder (transformers runs it)",
+                       path=str(model))
+    try:
+        with open(text_path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KtcError(f"cannot read the calibration text ({exc})", path=text_path) from None
+    return expert_inputs(os.path.abspath(os.fspath(model)), text, max_tokens=tokens)
 
 
 def generate_gpu_experts_masks(activation_freq, vram_budget_bytes: int, *, expert_bytes: int,

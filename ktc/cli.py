@@ -286,6 +286,10 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "(0: fastest, ties go to the more precise scheme)."),
         click.option("--time-limit", type=FiniteFloat(min=0, min_open=True), default=1.5, show_default=True,
                      help="Seconds the solver may take before it reports its proven gap."),
+        click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False),
+                     help="Weigh each scheme's error on the hidden states that reach the experts over this "
+                          "text (the source checkpoint run through transformers, up to 1024 tokens) "
+                          "instead of its nominal error (see --quality-weight)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -311,7 +315,8 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      pin_gpu=kw["pin_gpu"], pin_cpu=kw["pin_cpu"], quality_weight=kw["quality_weight"],
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
-                     sync_us=kw["sync_us"], source_types=source_types)
+                     sync_us=kw["sync_us"], source_types=source_types,
+                     calibration_text=kw.get("calibration_text"))
 
 
 @main.command()
@@ -339,6 +344,8 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
       ktc plan ./DeepSeek-V3 --vram 80GiB --profile expert_distribution.pt --json
       ktc plan model.gguf --vram 12GiB --export-llamacpp
       ktc plan ./Mixtral-8x7B --vram 24GiB --export-kt kt/ -o plan.json --html plan.html
+      ktc plan ./Qwen3-30B-A3B --vram 24GiB --gpu-schemes bf16,int8 --quality-weight 0.001 \\
+          --calibration-text sample.txt
     """
     from ktc.compile import check_writable_target
     from ktc.plan_report import export_kt, llamacpp_plan, render_plan_html, render_plan_text
@@ -437,6 +444,10 @@ def _given_flags(*names: str) -> list[str]:
                    "Pays off on large models (start-up about 1 s); the bytes do not depend on it.")
 @click.option("--compress", is_flag=True, help="zstd-compress each expert (random access is kept).")
 @click.option("--report-error", is_flag=True, help="Print each expert's relative RMSE and max error.")
+@click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False),
+              help="Measure each MoE layer's output error on the hidden states that reach its experts over "
+                   "this text (the source checkpoint's folder run through transformers, up to 1024 tokens), "
+                   "and with a budget let the planner weigh those errors.")
 @click.option("--allow-nonfinite", is_flag=True,
               help="Compile tensors holding NaN or Inf (refused by default, naming the tensor).")
 @click.option("--hash-sources", is_flag=True,
@@ -451,8 +462,9 @@ def _given_flags(*names: str) -> list[str]:
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
                     profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str | None, jobs: int,
-                    compress: bool, report_error: bool, allow_nonfinite: bool, hash_sources: bool,
-                    check: bool, stop_after: str | None, dump_after: str | None, as_json: bool) -> None:
+                    compress: bool, report_error: bool, calibration_text: str | None, allow_nonfinite: bool,
+                    hash_sources: bool, check: bool, stop_after: str | None, dump_after: str | None,
+                    as_json: bool) -> None:
     """Compile a checkpoint into one packed, checksummed, reproducible bundle.
 
     Experts are placed by --plan, by the planner when a budget is given (--vram or
@@ -485,7 +497,8 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     plan_kwargs = None
     if vram or hardware:
         plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,
-                       "max_tokens": max_tokens, "batch": batch, "profile": profile}
+                       "max_tokens": max_tokens, "batch": batch, "profile": profile,
+                       "calibration_text": calibration_text}
     started = time.perf_counter()
     result = compile_bundle(source, output, plan_path=plan_path, plan_kwargs=plan_kwargs,
                             cpu_scheme=cpu_scheme, gpu_scheme=gpu_scheme, dense_scheme=dense_scheme,
@@ -493,7 +506,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
                             hash_sources=hash_sources, progress=not as_json, check=check,
                             stop_after=stop_after, dump_after=dump_after,
                             dump=lambda text: click.echo(text, err=True), max_tokens=max_tokens,
-                            allow_nonfinite=allow_nonfinite)
+                            allow_nonfinite=allow_nonfinite, calibration_text=calibration_text)
     elapsed = time.perf_counter() - started  # writing the bundle; the sha256 below reads it back
     if result is None:
         message = f"stopped after the {stop_after} pass; nothing written"
@@ -526,6 +539,10 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
         for e in errors[:10]:
             click.echo(f"  layer {e.layer} expert {e.expert}: relative RMSE {e.rel_rmse:.4f}, "
                        f"max error {e.max_abs_error:.4g}")
+    if result.activation_errors is not None:
+        click.echo("output error on the calibration text's activations (the most chosen experts of each "
+                   "layer, relative): " + "; ".join(f"layer {layer} " + ", ".join(f"{s} {v:.4f}" for s, v in e.items())
+                                                    for layer, e in result.activation_errors.items()))
 
 
 @main.command()

@@ -35,6 +35,8 @@ class CompileResult:
     cpu_experts: int
     emit: EmitResult
     plan: Any = None  # the planner's Plan when the compile made one (a budget was given)
+    # MoE layer -> {scheme its experts use: output error on the calibration text's activations}
+    activation_errors: dict[int, dict[str, float]] | None = None
 
     @property
     def sha256(self) -> str:
@@ -47,6 +49,8 @@ class CompileResult:
         if self.emit.errors:  # an error that could not be measured (NaN/Inf weights) is null
             out["expert_errors"] = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                      for k, v in dataclasses.asdict(e).items()} for e in self.emit.errors]
+        if self.activation_errors is not None:
+            out["activation_errors"] = {str(k): v for k, v in self.activation_errors.items()}
         return out
 
 
@@ -210,7 +214,8 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
                    compress: bool = False, report_error: bool = False, hash_sources: bool = False,
                    progress: bool = False, check: bool = True, stop_after: str | None = None,
                    dump_after: str | None = None, dump: Callable[[str], None] | None = None,
-                   max_tokens: int = 4096, allow_nonfinite: bool = False) -> CompileResult | None:
+                   max_tokens: int = 4096, allow_nonfinite: bool = False,
+                   calibration_text: str | None = None) -> CompileResult | None:
     """Compile ``source`` into the bundle ``out``.
 
     The passes detect -> plan -> quantize -> layout -> emit run through ``ktc.pipeline``'s pass
@@ -246,6 +251,9 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
         raise ConfigError(f"the plan was made for dense scheme {planned_dense}, not {dense_scheme}",
                           path=plan_path, hint="drop --dense-scheme (the plan's is used), or plan again")
     dense_scheme = planned_dense or dense_scheme_checked(dense_scheme or DENSE_AUTO)
+    if calibration_text is not None and not os.path.isdir(source):
+        raise ConfigError("--calibration-text runs the source model through transformers: give the "
+                          "checkpoint's folder", path=source)
     if not (plan_path or plan_kwargs) and cpu_schemes and len(cpu_schemes) > 1:
         raise ConfigError(f"with every expert on the CPU there is one CPU scheme, not {len(cpu_schemes)}",
                           hint="give one, or a budget (--vram) so the planner chooses among them")
@@ -307,15 +315,28 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
         layout = LayOut(tuple(RunFile(name, data) for name, data in run_files.files))
         manager = PassManager((DetectExperts(ckpt), plan_pass, ChooseSchemes(dense_scheme), layout, emit))
         ir = manager.run(PassContext(check=check), stop_after=stop_after, dump_after=dump_after, dump=dump)
-    if emit.result is None:
-        return None
+        if emit.result is None:
+            return None
+        measured = None if calibration_text is None else _activation_errors(source, ir, calibration_text)
     placement = ir.placement
     assert placement is not None
     gpu = sum(p.device is Device.GPU for row in placement.experts for p in row)
     cpu = sum(len(row) for row in placement.experts) - gpu
     result = emit.result
     return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result,
-                         made_plan[0] if made_plan else None)
+                         made_plan[0] if made_plan else None, measured)
+
+
+def _activation_errors(source: str, ir: ModelIR, text_path: str) -> dict[int, dict[str, float]]:
+    """Each MoE layer's output error on the calibration text's activations, at the schemes its
+    experts were stored in (``passes/activation_error.py``)."""
+    from ktc.api import activation_errors
+
+    assert ir.placement is not None
+    used = [tuple(dict.fromkeys(p.scheme for p in row)) for row in ir.placement.experts]
+    errors = activation_errors(source, ir, text_path, tuple(dict.fromkeys(s for row in used for s in row)))
+    return {layer: {s: errors[s][i] for s in schemes} for i, (layer, schemes) in
+            enumerate(zip(ir.placement.layers, used))}
 
 
 def refuse_overwriting_inputs(out: str, inputs: list[str]) -> None:

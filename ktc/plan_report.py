@@ -58,6 +58,10 @@ def render_plan_text(plan: Plan) -> str:
     from ktc.formats.model_config import OTHER_ROUTERS
 
     lines.append(f"routing statistics: {_routing(plan)}")
+    if plan.options.activation_errors:
+        lines.append("scheme errors (quality term, weight " + f"{plan.options.quality_weight:g}): measured on the "
+                     "calibration text's activations, mean over layers " +
+                     ", ".join(f"{s} {sum(e) / len(e):.4f}" for s, e in plan.options.activation_errors))
     if m.family in OTHER_ROUTERS:
         lines.append(f"routing: {m.family} routes with {OTHER_ROUTERS[m.family]}, which ktc's MoE layer "
                      "does not compute; the plan takes its statistics from the profile (uniform without one)")

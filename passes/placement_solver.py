@@ -48,6 +48,9 @@ class PlacementProblem:
     ram_budget: int
     sync_seconds: np.ndarray  # per layer
     quality_weight: float = 0.0
+    # [layers, options]: each option's error layer by layer (measured on activations), instead of
+    # its nominal ``error`` in every layer
+    layer_errors: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -86,15 +89,18 @@ class _OptionArrays:
 
     seconds: np.ndarray
     on_gpu: np.ndarray
-    error: np.ndarray
+    error: np.ndarray  # [layers, options]
     vram: np.ndarray
     ram: np.ndarray
 
     @classmethod
     def of(cls, problem: PlacementProblem) -> _OptionArrays:
         opts = problem.options
+        error = problem.layer_errors
+        if error is None:
+            error = np.broadcast_to(np.array([o.error for o in opts]), (problem.usage.shape[0], len(opts)))
         return cls(np.array([o.seconds_per_use for o in opts]), np.array([o.device == GPU for o in opts]),
-                   np.array([o.error for o in opts]), np.array([o.vram_bytes for o in opts], dtype=np.int64),
+                   error, np.array([o.vram_bytes for o in opts], dtype=np.int64),
                    np.array([o.ram_bytes for o in opts], dtype=np.int64))
 
     def side_times(self, usage: np.ndarray, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +118,7 @@ def evaluate(problem: PlacementProblem, choice: np.ndarray) -> Evaluation:
     gpu_time, cpu_time = a.side_times(use, choice)
     cpu_active = ((~on_gpu[choice]) & (use > 0)).any(axis=1)
     layers = np.maximum(gpu_time, cpu_time) + np.where(cpu_active, problem.sync_seconds, 0.0)
-    quality = problem.quality_weight * float((use * error[choice]).sum())
+    quality = problem.quality_weight * float((use * np.take_along_axis(error, choice, axis=1)).sum())
     return Evaluation(float(layers.sum()) + quality, float(layers.sum()), tuple(layers.tolist()),
                       int(vram[choice].sum()), int(ram[choice].sum()))
 
@@ -183,7 +189,7 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
     # The quality term goes into the program only when it is a real trade-off; as a tie-break
     # (weight 0) it is left to ``polish``: coefficients near the solver's tolerances slow it
     # down for nothing.
-    cost[:nx] = problem.quality_weight * scale * g_use[g_idx] * error[o_idx]
+    cost[:nx] = problem.quality_weight * scale * g_use[g_idx] * error[g_layer[g_idx], o_idx]
     cost[z0:y0] = 1.0
     cost[y0:] = problem.sync_seconds * scale
 
@@ -295,10 +301,10 @@ def polish(problem: PlacementProblem, choice: np.ndarray) -> np.ndarray:
             g = gpu_time[layer] + (shift if on_gpu[option] else 0.0)
             c = cpu_time[layer] + (0.0 if on_gpu[option] else shift)
             # Lower objective first; at equal objective, the more precise scheme.
-            quality = u * (error[option] - error[current])
+            quality = u * (error[layer, option] - error[layer, current])
             delta = max(g, c) - before + qw * quality
             if delta < best_delta - 1e-15 or (abs(delta - best_delta) <= 1e-15 and quality < 0
-                                              and error[option] < error[best]):
+                                              and error[layer, option] < error[layer, best]):
                 best, best_delta = option, delta
         if best != current:
             shift = u * (seconds[best] - seconds[current])

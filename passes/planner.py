@@ -78,6 +78,10 @@ class PlannerOptions:
     # and among equally fast placements the more precise schemes are kept.
     quality_weight: float = 0.0
     time_limit: float = 1.5  # seconds the solver may take
+    # (expert scheme, its error in each MoE layer) measured on the activations of a calibration
+    # text (``passes/activation_error.py``): the quality term weighs these instead of the
+    # schemes' nominal errors
+    activation_errors: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gpu_schemes or not self.cpu_schemes:
@@ -442,6 +446,21 @@ def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[Pl
     return tuple(result)
 
 
+def _layer_errors(opts: PlannerOptions, options: tuple[PlacementOption, ...], layers: int) -> np.ndarray | None:
+    """[layers, options] errors measured on activations where ``opts`` has them (every option's
+    scheme must be among them), else None (the nominal errors)."""
+    if not opts.activation_errors:
+        return None
+    measured = dict(opts.activation_errors)
+    missing = sorted({o.scheme for o in options} - set(measured))
+    if missing:
+        raise ConfigError(f"no activation error was measured for {', '.join(missing)}")
+    if any(len(v) != layers for v in measured.values()):
+        raise ConfigError(f"activation errors are given for {len(next(iter(measured.values())))} MoE layers; "
+                          f"the model has {layers}")
+    return np.array([measured[o.scheme] for o in options], dtype=np.float64).T
+
+
 def usage_probability(profile: ActivationProfile, top_k: int, batch: int) -> np.ndarray:
     """Probability that a decode step of ``batch`` independent tokens uses each expert."""
     p = profile.selection_probability(top_k)
@@ -492,7 +511,8 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         usage=usage, options=options, allowed=allowed,
         vram_budget=hw.vram_bytes - sum(vram.values()),
         ram_budget=hw.ram_bytes - sum(ram.values()),
-        sync_seconds=sync, quality_weight=opts.quality_weight)
+        sync_seconds=sync, quality_weight=opts.quality_weight,
+        layer_errors=_layer_errors(opts, options, len(layers)))
     return PlanningContext(problem, profile, vram, ram, read / hw.gpu_bandwidth, kv_per_token, layers)
 
 
