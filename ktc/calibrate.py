@@ -136,5 +136,14 @@ def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, 
     rates = scheme_bandwidths(schemes, rounds=rounds, progress=progress)
     measured = replace(base, cpu_scheme_bandwidth=rates)
     per_layer, per_token, per_word = layer_costs(measured, rounds=max(rounds, 5), bundles=bundles, progress=progress)
-    return replace(measured, cpu_layer_seconds=per_layer, cpu_token_seconds=per_token, cpu_vocab_seconds=per_word,
-                   source=f"{base.source}, calibrated")
+    measured = replace(measured, cpu_layer_seconds=per_layer, cpu_token_seconds=per_token, cpu_vocab_seconds=per_word,
+                       source=f"{base.source}, calibrated")
+    import torch
+
+    if torch.cuda.is_available():  # the GPU's read bandwidth and the upload from pinned host memory
+        from ktc.runtime.calibrate import device_bandwidths
+
+        if progress:
+            progress("the GPU's bandwidth and PCIe uploads")
+        measured = replace(measured, **device_bandwidths("cuda"))
+    return measured

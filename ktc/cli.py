@@ -968,6 +968,9 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
         for path in ("experts", "matrix"):
             rates = hw["cpu_scheme_bandwidth"][path]
             click.echo(f"{path + ' GB/s':<14}" + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()))
+        if report["cuda"]:
+            click.echo(f"{'gpu':<14}{hw['gpu_bandwidth'] / 1e9:.0f} GB/s read by a bf16 matrix-vector product, "
+                       f"{hw['pcie_bandwidth'] / 1e9:.1f} GB/s uploads from pinned memory")
         click.echo(f"{'fixed':<14}{hw['cpu_layer_seconds'] * 1e6:.0f} us a layer, "
                    f"{hw['cpu_token_seconds'] * 1e6:.0f} us a token and {hw['cpu_vocab_seconds'] * 1e11:.1f} us more "
                    "a token for each 100k words of the vocabulary, beside their bytes")

@@ -225,3 +225,35 @@ def _fit_rows(result: dict[str, dict[str, float]], name: str, calls: list[tuple[
 def _fused(name: str) -> bool:
     """Whether one token through a layer's experts in ``name`` takes the fused call here."""
     return (vnni.HAVE_VNNI and name in vnni.FUSED) or name == "int8"
+
+
+def device_bandwidths(device: Any, *, nbytes: int = 512 * 1024 * 1024, rounds: int = 5) -> dict[str, float]:
+    """``{"gpu_bandwidth": bytes/s, "pcie_bandwidth": bytes/s}`` on a torch ``device``: a bf16
+    matrix of ``nbytes`` times one vector there (a decode step's read of device weights), and
+    ``nbytes`` copied from page-locked host memory to it (an upload); medians of interleaved
+    rounds. On a CUDA device the host memory is pinned and each figure waits for the device."""
+    import torch
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda *a: None)
+    cols = 4096
+    weight = torch.empty((nbytes // (2 * cols), cols), dtype=torch.bfloat16, device=device).normal_()
+    x = torch.randn(cols, dtype=torch.bfloat16, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times: dict[str, list[float]] = {"gpu_bandwidth": [], "pcie_bandwidth": []}
+
+    def timed(run: Callable[[], Any]) -> float:
+        sync()
+        started = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - started
+
+    for _ in range(rounds + 1):  # the first round warms up (kernels, allocator, page faults)
+        read = timed(lambda: torch.mv(weight, x))
+        copy = timed(lambda: target.copy_(host, non_blocking=cuda))
+        times["gpu_bandwidth"].append(weight.numel() * 2 / read)
+        times["pcie_bandwidth"].append(nbytes / copy)
+    return {name: float(np.median(values[1:])) for name, values in times.items()}

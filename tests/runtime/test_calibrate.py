@@ -27,3 +27,16 @@ def test_rates_are_measured_for_both_paths():
     assert got["matrix_call_bytes"]["q4_0"] == get_scheme("q4_0").matrix_bytes(64, 4096)
     int8 = get_scheme("int8")
     assert got["experts_call_bytes"]["int8"] == 2 * (int8.matrix_bytes(256, 256) + int8.matrix_bytes(256, 128))
+
+
+def test_device_rates_on_torchs_cpu_device():
+    # the CUDA path (pinned host memory, synchronised timing) is the same code; this machine has
+    # no GPU, so its CPU device stands in
+    got = calibrate.device_bandwidths("cpu", nbytes=4 << 20, rounds=2)
+    assert set(got) == {"gpu_bandwidth", "pcie_bandwidth"} and all(v > 0 for v in got.values())
+
+
+@pytest.mark.gpu
+def test_device_rates_on_cuda():
+    got = calibrate.device_bandwidths("cuda", nbytes=256 << 20, rounds=3)
+    assert got["gpu_bandwidth"] > got["pcie_bandwidth"] > 1e9
