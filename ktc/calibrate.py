@@ -8,7 +8,8 @@ its layers and lm_head (the embedding row, the sampling over the vocabulary, Pyt
 decode steps of three small probe models, which time their layers and lm_head: the layers' time
 less what their bytes cost at the rates just measured, over one and six layers at a vocabulary
 of 1024; the rest of a step at that vocabulary and at Qwen3's 151936 (the sampling reads every
-logit, which the lm_head's threads have just written).
+logit, which the lm_head's threads have just written; the larger probe streams more than the
+L3 holds, as a real model does).
 The probes have a shape of their own (not the demo model's nor any real model's), so a
 prediction for those models is not fitted to them.
 """
@@ -30,7 +31,10 @@ PROBE_CONFIG: dict[str, object] = {**DEMO_CONFIG, "hidden_size": 128, "intermedi
                                    "moe_intermediate_size": 64, "num_attention_heads": 2,
                                    "num_key_value_heads": 1, "head_dim": 64, "num_experts": 8,
                                    "num_experts_per_tok": 2}
-PROBES = ((1, 1024), (6, 1024), (1, 151936))  # (layers, vocabulary)
+# (layers, vocabulary, hidden size): the last one's lm_head (78 MB at int8) is more than the L3
+# holds, as a real model's step streams more than it: the sampling then reads logits that are not
+# in the caches
+PROBES = ((1, 1024, 128), (6, 1024, 128), (1, 151936, 512))
 PROMPT = list(range(3, 11))  # 8 prompt tokens: the decode steps read a short KV cache
 
 
@@ -71,13 +75,14 @@ def probe_bundles(folder: str, progress: Callable[[str], None] | None = None) ->
     from ktc.compile import compile_bundle
 
     paths = []
-    for layers, vocab in PROBES:
-        path = os.path.join(folder, f"probe-{layers}-{vocab}.ktb")
+    for layers, vocab, hidden in PROBES:
+        path = os.path.join(folder, f"probe-{layers}-{vocab}-{hidden}.ktb")
         if not os.path.exists(path):
             if progress:
-                progress(f"probe model of {layers} layer{'s' * (layers > 1)}, vocabulary {vocab}")
-            source = write_demo_model(os.path.join(folder, f"probe-{layers}-{vocab}"),
-                                      config={**PROBE_CONFIG, "num_hidden_layers": layers, "vocab_size": vocab})
+                progress(f"probe model of {layers} layer{'s' * (layers > 1)}, vocabulary {vocab}, hidden {hidden}")
+            config = {**PROBE_CONFIG, "num_hidden_layers": layers, "vocab_size": vocab, "hidden_size": hidden,
+                      "num_attention_heads": hidden // 64}
+            source = write_demo_model(os.path.join(folder, f"probe-{layers}-{vocab}-{hidden}"), config=config)
             compile_bundle(source, path, cpu_scheme="int8", max_tokens=256, check=False)
         paths.append(path)
     return paths
@@ -120,7 +125,7 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
     finally:
         for model in models:
             model.close()
-    (l0, v0), (l1, _), (_, v2) = PROBES
+    (l0, v0, _), (l1, _, _), (_, v2, _) = PROBES
     per_layer = max((float(np.median(layers[1])) - float(np.median(layers[0]))) / (l1 - l0), 0.0)
     r0, r2 = float(np.median(rest[0])), float(np.median(rest[2]))
     per_word = max((r2 - r0) / (v2 - v0), 0.0)
