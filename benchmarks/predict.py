@@ -1,10 +1,12 @@
 """Predicted against measured decode time per token of CPU-only bundles, with a calibrated profile.
 
 In each round, for every case: calibrate (``ktc doctor --calibrate``'s measurements: ktc's
-kernels' bytes/s at the schemes the case uses, the fixed cost of a layer's and a token's step
-from two probe models of their own shape), predict the decode time per token with the CPU cost
-model (``passes/decode_cost.py``), and measure it as ``ktc run`` does (greedy decode after a
-warm-up, the model loaded in this process), seconds after the calibration. Printed per case: the medians over rounds of
+kernels' bytes/s at the schemes the case uses, the fixed costs of a layer's and a token's step
+from probe models of their own shape), measure the decode time per token as ``ktc run`` does
+(greedy decode after a warm-up, the model loaded in this process), calibrate again, and predict
+it with the CPU cost model (``passes/decode_cost.py``) as the mean of the two calibrations'
+predictions: the machine's bandwidth drifts within seconds here, and the two calibrations
+bracket the measurement. Printed per case: the medians over rounds of
 predicted and measured ms per token, the median of the per-round errors (predicted/measured -
 1) and each round's, and the prediction's parts. The read bandwidth drifts within minutes here,
 so a profile calibrated in one minute predicts the next minute's run; a calibration an hour old
@@ -103,18 +105,22 @@ def main() -> int:
             started = time.perf_counter()
             bandwidth = read_bandwidth()
             for name, path in cases.items():
-                hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidth),
-                               schemes=schemes[name], rounds=3, bundles=probes)
-                with open_bundle(path) as bundle:
-                    cost = bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2)
-                assert cost is not None
-                seconds, layers, head = measure(path, args.new)
-                rows[name].append((cost.seconds, seconds, {**cost.to_json(), "measured_layers_ms": 1e3 * layers,
-                                                            "measured_lm_head_ms": 1e3 * head}))
+                costs = []
+                for side in ("before", "after"):  # a calibration on each side of the measurement
+                    hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidth),
+                                   schemes=schemes[name], rounds=3, bundles=probes)
+                    with open_bundle(path) as bundle:
+                        costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
+                    if side == "before":
+                        seconds, layers, head = measure(path, args.new)
+                cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in
+                        zip(costs[0].items(), costs[1].values())}
+                rows[name].append((cost["ms_per_token"] / 1e3, seconds, {**cost, "measured_layers_ms": 1e3 * layers,
+                                                                         "measured_lm_head_ms": 1e3 * head}))
             print(f"round {r + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s; last calibration: a layer "
                   f"{hw.cpu_layer_seconds * 1e6:.0f} us, a token {hw.cpu_token_seconds * 1e6:.0f} us "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
-    print(f"\nmedians over {args.rounds} rounds, calibrated each round:")
+    print(f"\nmedians over {args.rounds} rounds, calibrated before and after each measurement:")
     worst = 0.0
     for name, got in rows.items():
         errors = [p / m - 1 for p, m, _ in got]
