@@ -919,10 +919,11 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
     bandwidth, Numba's threading layer, and what will hurt, with the fix.
 
     With --calibrate, also time ktc's one-token kernels at every CPU scheme (through the fused
-    experts call and a matrix-vector product, over more bytes than the caches hold) and two
-    small probe models (the fixed cost of a decoder layer and of a token beside their bytes):
-    ktc plan uses the rates for CPU experts, and ktc run --hardware FILE predicts a CPU-only
-    bundle's decode time from them. Run it on an idle machine.
+    experts call and a matrix-vector product, over more bytes than the caches hold), three
+    small probe models (the fixed cost of a decoder layer and of a token beside their bytes,
+    and how a token's grows with the vocabulary) and, with CUDA, the GPU's read bandwidth and
+    uploads from pinned memory: ktc plan uses the rates, and ktc run --hardware FILE predicts a
+    CPU-only bundle's decode time from them (docs/planner.md). Run it on an idle machine.
 
     \b
     Examples:

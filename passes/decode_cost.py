@@ -16,8 +16,7 @@ experts call or a matrix-vector product, and ``call`` the fixed part of such a c
 layer's experts the largest of its schemes'), fitted with the rate over two sizes of call and
 taken in proportion to a call's bytes below the smaller size: a tiny model's calls cost what
 the calibration's probe models measured as their layers' fixed cost. Without a calibration,
-every scheme reads at
-``cpu_bandwidth``. Routing is taken as uniform (each expert chosen ``top_k / experts`` of the
+every scheme reads at ``cpu_bandwidth``. Routing is taken as uniform (each expert chosen ``top_k / experts`` of the
 time): a layer's experts all have the same bytes in a CPU-only bundle of one scheme.
 """
 

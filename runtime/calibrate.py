@@ -17,7 +17,6 @@ would carry the drift into their ratio.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -170,7 +169,10 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         if progress:
             progress(f"experts: {', '.join(group)}")
         probes = {(n, i): _ExpertsProbe(n, shape, working_set) for n in group for i, shape in enumerate(shapes)}
-        _fit(result, "experts", group, probes, _median_seconds(probes, rounds, calls))
+        seconds = _median_seconds(probes, rounds, calls)
+        for n in group:
+            _fit(result, "experts", n, probes[n, 0].bytes_per_call, seconds[n, 0], probes[n, 1].bytes_per_call,
+                 seconds[n, 1])
         del probes
     for start in range(0, len(names), 3):
         group = names[start:start + 3]
@@ -186,19 +188,17 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
     return result
 
 
-def _fit(result: dict[str, dict[str, float]], path: str, names: tuple[str, ...], probes: dict[Any, Any],
-         seconds: dict[Any, float]) -> None:
-    """A call's time as a fixed part plus bytes over a rate, through the two probes of each
-    scheme (the smaller first) into ``result[path]``, ``result[path + "_call_seconds"]`` and
-    ``result[path + "_call_bytes"]``."""
-    for n in names:
-        (b0, t0), (b1, t1) = ((probes[n, i].bytes_per_call, seconds[n, i]) for i in range(2))
-        slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
-        if not 0 < slope <= t1 / b1:  # no fixed part measurable under the drift: the larger call's rate
-            slope = t1 / b1
-        result[path][n] = 1.0 / slope
-        result[path + "_call_seconds"][n] = max(t0 - b0 * slope, 0.0)
-        result[path + "_call_bytes"][n] = float(b0)
+def _fit(result: dict[str, dict[str, float]], path: str, name: str, b0: float, t0: float, b1: float,
+         t1: float) -> None:
+    """A call's time as a fixed part plus bytes over a rate, through a call of ``b0`` bytes
+    (``t0`` seconds) and a larger one, into ``result[path]``, ``result[path + "_call_seconds"]``
+    and ``result[path + "_call_bytes"]``."""
+    slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
+    if not 0 < slope <= t1 / b1:  # no fixed part measurable under the drift: the larger call's rate
+        slope = t1 / b1
+    result[path][name] = 1.0 / slope
+    result[path + "_call_seconds"][name] = max(t0 - b0 * slope, 0.0)
+    result[path + "_call_bytes"][name] = float(b0)
 
 
 def _fit_rows(result: dict[str, dict[str, float]], name: str, calls: list[tuple[int, int, float]]) -> None:
@@ -217,8 +217,8 @@ def _fit_rows(result: dict[str, dict[str, float]], name: str, calls: list[tuple[
         result["matrix_call_bytes"][name] = float(calls[0][1])
         result["matrix_row_seconds"][name] = float(row)
         return
-    probes = {(name, i): SimpleNamespace(bytes_per_call=b) for i, (_, b, _) in enumerate(calls[:2])}
-    _fit(result, "matrix", (name,), probes, {(name, i): s for i, (_, _, s) in enumerate(calls[:2])})
+    (_, b0, t0), (_, b1, t1) = calls[:2]
+    _fit(result, "matrix", name, b0, t0, b1, t1)
     result["matrix_row_seconds"][name] = 0.0
 
 
