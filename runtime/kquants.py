@@ -25,7 +25,7 @@ from ktc.formats.schemes import get_scheme
 
 from . import vnni
 from .device import register_device
-from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
+from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, blocks_gemm, register_cpu
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
 # the kinds that read the activations per 256: q4_k and q5_k in one layout, q6_k in order
@@ -722,6 +722,8 @@ def _cpu(name: str) -> CpuKernels:
         decode = block_decoder(_decode_q6_k, _F16_TO_F32)
     else:
         decode = block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS)
+    if name == "iq4_nl":  # q4_0's layout, multiplied in place as q4_0 is
+        return CpuKernels(matvec, decode, blocks_gemm, stepwise=False)
     return CpuKernels(matvec, decode)
 
 

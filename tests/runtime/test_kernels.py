@@ -219,6 +219,45 @@ def test_block_vnni_matches_its_definition(scheme, shape):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl"])
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 384, 2), (9, 1024, 33), (40, 128, 3)])
+def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
+    """Tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last whole
+    tile one by one) give what the one-token kernel gives each token, which reads the same int8
+    activations; and the dequantized weights times the tokens within the activations' rounding."""
+    from model_factory import random_blocks
+
+    from ktc.runtime.kernels import linear
+
+    rng = np.random.default_rng(rows * cols + tokens)
+    raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl"
+           else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
+    x = rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
+    assert vnni.batched_fits(scheme, cols)
+    got = linear(x, raw, scheme)
+    one = np.stack([matvec(raw, scheme, row) for row in x])
+    np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
+    want = x.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_batched_blocks_outside_their_tiles():
+    """Rows that are not whole steps of the kernels' loop (q4_0 at 96 columns), and more tokens
+    than the in-place path takes, go the other ways, with the same products."""
+    from ktc.runtime.kernels import VNNI_GEMM_MAX_TOKENS, linear
+
+    rng = np.random.default_rng(3)
+    for cols, tokens in ((96, 4), (128, VNNI_GEMM_MAX_TOKENS["q4_0"] + 1)):
+        raw = quantize(rng.standard_normal((24, cols)).astype(np.float32), "q4_0")
+        x = rng.standard_normal((tokens, cols)).astype(np.float32)
+        want = x.astype(np.float64) @ dequantize(raw, "q4_0", cols).astype(np.float64).T
+        assert np.linalg.norm(linear(x, raw, "q4_0") - want) / np.linalg.norm(want) < 1e-2
+    assert not vnni.batched_fits("q4_0", 96) and vnni.batched_fits("q4_0", 128)
+    assert not vnni.batched_fits("int8", 128)  # torch's int8 GEMM
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("shape", [(9, 256), (64, 2048), (3, 384)])
 def test_int8_vnni_matches_its_definition(shape):
     """int8 through VNNI: each row's codes times the activations quantized per 32, summed with
