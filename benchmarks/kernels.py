@@ -49,10 +49,13 @@ def _spin(mnemonic: str):  # type: ignore[no-untyped-def]
     """A compiled function ``spin(iterations)`` that issues ``_PEAK_CHAINS`` independent
     ``mnemonic`` instructions on zmm registers per iteration (inline assembly: llvmlite has no
     bfloat16 vector type for the bf16 intrinsic) and returns a lane of their sum."""
+    import llvmlite.binding
     from llvmlite import ir
     from numba import njit, prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
+
+    llvmlite.binding.initialize_native_asmparser()  # Numba's JIT reads no inline assembly without it
 
     @intrinsic
     def run(typingctx, iterations):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Decode beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
+"""Decode and prefill beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
 shapes, converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
 MXFP4_MOE, Q4_K_M), then compiled by ktc *from those GGUF files* (their blocks pass through: both
 read the same bytes; a Q4_K_M file keeps its Q4_K/Q6_K mix layer by layer). Q8_0 and Q4_0 are
@@ -9,8 +9,9 @@ MXFP4 experts and Q8_0 matrices.
 Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -n N
 -p P -t T`` and ktc's whole-model decode (``ktc run``'s loop, greedy, the same prompt and
 generation lengths), which of the two goes first swapped every round. Printed per case: medians
-of tokens/s for both, the median of the per-round ratios (and each round's), and each as a
-fraction of its round's bandwidth. No best-of-N figures.
+of decode tokens/s for both, the median of the per-round ratios (and each round's), and each as a
+fraction of its round's bandwidth; then the prompt's prefill tokens/s for both and their ratio
+(``--prompt 512`` for llama-bench's usual prefill figure). No best-of-N figures.
 
 With ``--busy``, as many rounds again run beside one competing busy process (a Python loop): ktc
 with its default thread count (which leaves the core that process takes alone), llama.cpp with
@@ -110,6 +111,16 @@ def main() -> int:
               f"(rounds {' '.join(f'{x:.2f}' for x in ratios)})")
     print(f"\nworst case ktc/llama.cpp decode: {worst:.2f}x (target at least 1.0x: {'met' if worst >= 1 else 'NOT met'}; "
           "goal 1.15x)")
+    print(f"\nprefill of the {args.prompt}-token prompt, medians over {args.rounds} rounds:")
+    worst = float("inf")
+    for case in cases:
+        ratios = [r["ktc"]["prefill"] / r["llama"]["prefill"] for r in case.rows]
+        worst = min(worst, gen.median(ratios))
+        ktc, llama = (gen.median([r[side]["prefill"] for r in case.rows]) for side in ("ktc", "llama"))
+        print(f"{case.shape:<8} {case.scheme:<10} prefill: ktc {ktc:7.1f} tok/s, llama.cpp {llama:7.1f} tok/s: "
+              f"ktc/llama.cpp {gen.median(ratios):.2f}x (rounds {' '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"\nworst case ktc/llama.cpp prefill: {worst:.2f}x (goal at least 1.0x: "
+          f"{'met' if worst >= 1 else 'NOT met'})")
     if args.busy:
         busy_rounds(args, cases, clock, prompt)
     return 0

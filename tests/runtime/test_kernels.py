@@ -219,21 +219,23 @@ def test_block_vnni_matches_its_definition(scheme, shape):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl"])
-@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 384, 2), (9, 1024, 33), (40, 128, 3)])
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k"])
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 33), (40, 256, 3)])
 def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
     """Tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last whole
     tile one by one) give what the one-token kernel gives each token, which reads the same int8
-    activations; and the dequantized weights times the tokens within the activations' rounding."""
+    activations (per 32; per 256 for q4_k and q5_k); and the dequantized weights times the
+    tokens within the activations' rounding."""
     from model_factory import random_blocks
 
-    from ktc.runtime.kernels import linear
+    from ktc.runtime.kernels import IN_PLACE, linear
 
     rng = np.random.default_rng(rows * cols + tokens)
     raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl"
            else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
-    assert vnni.batched_fits(scheme, cols)
+    fits, _ = IN_PLACE[scheme]
+    assert fits(scheme, cols)
     got = linear(x, raw, scheme)
     one = np.stack([matvec(raw, scheme, row) for row in x])
     np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())

@@ -162,23 +162,25 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
         moe.close()
 
 
-@pytest.mark.parametrize("family, scheme", [("qwen3_moe", "q4_0"), ("mixtral", "q8_0"), ("gpt_oss", "mxfp4")])
-def test_batched_tokens_equal_each_token_alone(family, scheme, tmp_path):
+@pytest.mark.parametrize("family, scheme, width", [("qwen3_moe", "q4_0", 128), ("mixtral", "q8_0", 128),
+                                                   ("gpt_oss", "mxfp4", 128), ("qwen3_moe", "q4_k", 256)])
+def test_batched_tokens_equal_each_token_alone(family, scheme, width, tmp_path):
     """24 tokens through a layer at once (each expert's tokens multiplied in place: hidden and
-    expert widths of whole 128s) give what each token alone gives through the one-token path."""
+    expert widths of whole steps of the kernels) give what each token alone gives through the
+    one-token path."""
     from ktc.runtime import vnni
 
     if not vnni.HAVE_VNNI:
         pytest.skip("the in-place batched path needs AVX-512 VNNI")
-    folder = mf.write_safetensors(mf.build_hf_model(family, hidden_size=128, intermediate_size=128,
-                                                    moe_intermediate_size=128, head_dim=32),
+    folder = mf.write_safetensors(mf.build_hf_model(family, hidden_size=width, intermediate_size=width,
+                                                    moe_intermediate_size=width, head_dim=32),
                                   str(tmp_path / "src"))
     path = tmp_path / "m.ktb"
     compile_bundle(folder, str(path), cpu_scheme=scheme)
     rng = np.random.default_rng(8)
     with open_bundle(str(path)) as bundle:
         moe = MoELayer(bundle, mf.FAMILIES[family].moe_layers[-1])
-        h = rng.standard_normal((24, 128)).astype(np.float32)
+        h = rng.standard_normal((24, width)).astype(np.float32)
         batched = moe.forward(h)
         alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(24)])
         np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())
