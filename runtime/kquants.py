@@ -932,6 +932,6 @@ def _device_decode(name: str) -> Any:
 
 for _name in KINDS:
     register_cpu(_name, _cpu(_name))
+    register_device(_name, _device_decode(_name))
 for _name in ("q4_k", "q5_k"):
     IN_PLACE[_name] = (batched_fits, matmul_k)
-    register_device(_name, _device_decode(_name))
