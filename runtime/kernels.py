@@ -516,8 +516,8 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     ``scheme`` as raw rows (uint8 [rows, row_bytes], or the plain dtype for f32/f16/bf16).
 
     One token reads the weights once through the matrix-vector kernels (memory-bound). The block
-    kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k and q5_k on a VNNI CPU multiply two tokens or more in
-    place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``blocks_gemm``). Otherwise from ``GEMM_MIN_TOKENS``
+    kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k and q6_k on a VNNI CPU multiply two tokens or
+    more in place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``blocks_gemm``). Otherwise from ``GEMM_MIN_TOKENS``
     tokens on the weights are used as a matrix (compute-bound): int8 multiplies in int8
     (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded first; each adds
     well under 1% relative error), f32 and f16 in float32. Between the two, quantized weights go
@@ -591,16 +591,17 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 
 # Up to this many tokens a matrix of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) is multiplied in
 # place by vnni.matmul_blocks (int8 activations per block of 32, vpdpbusd, no decode), and one
-# of q4_k or q5_k by kquants.matmul_k (per 256, vpmaddubsw and vpdpwssd), from two tokens on;
+# of q4_k, q5_k or q6_k by kquants.matmul_k (per 256, vpmaddubsw and vpdpwssd), from two tokens on;
 # past it, decoded to bf16 once and multiplied by torch, whose GEMM then wins. Where
 # the two cross at Mixtral's 14336 x 4096 (medians of 7 interleaved rounds; decode+bf16 time
 # over the VNNI kernel's): q8_0 1.39x at 32 tokens, 0.86x at 64; q4_0 1.91x at 32, 1.03x at
 # 128, 0.67x at 256; mxfp4 1.12x at 64, 0.64x at 128; iq4_nl (a slower decoder) 2.06x at 64,
 # 1.39x at 128; q4_k 2.68x at 16, 1.18x at 48, 1.07x at 64, 0.79x at 128; q5_k 2.27x at 16,
-# 1.15x at 48, 0.95x at 64.
-VNNI_GEMM_MAX_TOKENS = {"q8_0": 48, "q4_0": 128, "mxfp4": 64, "iq4_nl": 128, "q4_k": 64, "q5_k": 48}
+# 1.15x at 48, 0.95x at 64; q6_k 2.88x at 16, 1.40x at 48, 1.15x at 64, 0.79x at 96.
+VNNI_GEMM_MAX_TOKENS = {"q8_0": 48, "q4_0": 128, "mxfp4": 64, "iq4_nl": 128, "q4_k": 64, "q5_k": 48,
+                        "q6_k": 64}
 # scheme -> (fits(scheme, cols), multiply(x, raw, scheme)): the in-place kernels, registered by
-# vnni.py (the block kinds) and kquants.py (q4_k, q5_k)
+# vnni.py (the block kinds) and kquants.py (q4_k, q5_k, q6_k)
 IN_PLACE: dict[str, tuple[Callable[[str, int], bool], Callable[..., np.ndarray]]] = {}
 
 

@@ -546,8 +546,9 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
                 return builder.add(base, builder.mul(stride, ir.Constant(base.type, t)))
 
             zero = ir.Constant(at0.type, 0)
+            bases = ([nth(zero, stride, t) for t in range(tokens)] for stride in (ystride_v, dstride_v, bstride_v))
             sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, [nth(at0, rstride_v, r) for r in range(rows)], nblocks,
-                        *([nth(zero, stride, t) for t in range(tokens)] for stride in (ystride_v, dstride_v, bstride_v)))
+                        *bases)
             for r, row_sums in enumerate(sums):
                 for t, total in enumerate(row_sums):
                     builder.store(total, builder.gep(out_a.data, [builder.add(nth(obase_v, ostride_v, t),
@@ -561,109 +562,39 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
 
 
 _q4_k_whole_row, _q5_k_whole_row = _q45_k_intrinsic(False), _q45_k_intrinsic(True)
-# The batched path's tile for q4_k and q5_k (rows x tokens a call), as vnni.TILE_ROWS is for the
-# block kinds. q4_k at Mixtral's 14336 x 4096, 64 tokens, the variants compiled side by side and
-# timed in 11 interleaved rounds (medians, two threads): 4 x 2 410 GOP/s, 8 x 2 400, 2 x 2 390,
-# 2 x 4 365, 4 x 1 (one run, a noisier one) 175 against 4 x 2's 215.
-K_TILE_ROWS, K_TILE_TOKENS = 4, 2
-_q4_k_tile, _q5_k_tile = (_q45_k_intrinsic(five, K_TILE_TOKENS, K_TILE_ROWS) for five in (False, True))
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _k_batched(raw, five, cols, yk, dk, bsum, out):  # pragma: no cover - compiled
-    # out [n, rows] = the n tokens' activations per 256 (yk [n, >= cols] in q4_k's layout, dk, bsum:
-    # _quantize_superblocks) times the q4_k (or with ``five`` q5_k) rows raw: K_TILE_ROWS x
-    # K_TILE_TOKENS a call, the rows and tokens past the last whole tile one by one.
-    rows, row_bytes = raw.shape
-    flat = raw.reshape(-1)
-    n = out.shape[0]
-    blocks = cols // 256
-    yf, df, bf = yk.reshape(-1), dk.reshape(-1), bsum.reshape(-1)
-    ystride, dstride, bstride = yk.shape[1], dk.shape[1], bsum.shape[1]
-    whole = n // K_TILE_TOKENS * K_TILE_TOKENS
-    of = out.reshape(-1)
-    for chunk in prange((rows + vnni.BATCH_ROWS - 1) // vnni.BATCH_ROWS):
-        first, last = chunk * vnni.BATCH_ROWS, min(rows, chunk * vnni.BATCH_ROWS + vnni.BATCH_ROWS)
-        tiled = first + (last - first) // K_TILE_ROWS * K_TILE_ROWS
-        for t in range(0, whole, K_TILE_TOKENS):
-            for r in range(first, tiled, K_TILE_ROWS):
-                args = (flat, r * row_bytes, row_bytes, blocks, yf[t * ystride:], ystride, df[t * dstride:], dstride,
-                        bf[t * bstride:], bstride, of, t * rows + r, rows)
-                if five:
-                    _q5_k_tile(*args)
-                else:
-                    _q4_k_tile(*args)
-        for t in range(n):
-            for r in range(tiled if t < whole else first, last):
-                if five:
-                    out[t, r] = _q5_k_whole_row(flat, r * row_bytes, blocks, yk[t], dk[t], bsum[t])
-                else:
-                    out[t, r] = _q4_k_whole_row(flat, r * row_bytes, blocks, yk[t], dk[t], bsum[t])
-
-
-@njit(cache=True, nogil=True)
-def _k_batched_tokens(raw, five, x, out):  # pragma: no cover - compiled
-    n, cols = x.shape
-    # each token's activations one cache line past a multiple of 4 KB from the last (as
-    # vnni._batched_token_blocks lays its tokens)
-    yk = np.empty((n, cols + 64), np.int8)
-    dk = np.empty(n * cols // 256, np.float32)
-    bsum = np.empty(n * cols // 16, np.int16)
-    _quantize_superblocks(x.reshape(-1), cols, yk, dk, bsum, True, False)
-    _k_batched(raw, five, cols, yk, dk.reshape(n, cols // 256), bsum.reshape(n, cols // 16), out)
-
-
-def matmul_k(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
-    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one q4_k or q5_k matrix stored as
-    C-contiguous uint8 rows, in place: the activations quantized per 256 as the one-token kernel
-    quantizes them (llama.cpp's q8_K), tiles of ``K_TILE_ROWS`` rows by ``K_TILE_TOKENS`` tokens."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty((x.shape[0], raw.shape[0]), dtype=np.float32)
-    _k_batched_tokens(raw, scheme == "q5_k", x, out)
-    return out
-
-
-def batched_fits(scheme: str, cols: int) -> bool:
-    """Whether ``matmul_k`` takes matrices of ``scheme`` with rows of ``cols`` values."""
-    return vnni.HAVE_VNNI and vnni._COMPILED and scheme in ("q4_k", "q5_k") and cols % 256 == 0
-
-
-@intrinsic
-def _q6_k_whole_row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
+def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, yk, ybase, dk, bsum16) -> float32``: ``_q4_k_whole_row`` for q6_k, the
     activations in their natural order from yk[ybase]: the codes assembled from their bit planes
     64 at a time (as ``_superblock_intrinsic`` does), vpmaddubsw pairs them with the
     activations, vpdpwssd scales the pairs by their sub-block's int8 scale, the -32 offset taken
     off through the sums per 16 in the same integer accumulator; one float multiply-add a
     super-block. From the cache on one core 1.5-1.75x the rows a second of the per-32 loop
-    (14 against 21-25 GB/s)."""
+    (14 against 21-25 GB/s).
+
+    With ``tokens``, the batched path's tile: ``tile(flat, at, rstride, blocks, yk, ybase, ystride,
+    dk, dstride, bsum16, bstride, out, obase, ostride)``, ``rows`` rows (row r at byte at + r *
+    rstride) times ``tokens`` tokens (token t's activations at yk[ybase + t * ystride], dk[t *
+    dstride], bsum16[t * bstride]), products stored at out[obase + t * ostride + r]."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        flat_a, yk_a, dk_a, bsum_a = (context.make_array(signature.args[i])(context, builder, args[i])
-                                      for i in (0, 3, 5, 6))
-        at0, nblocks, ybase0 = (context.cast(builder, args[k], signature.args[k], types.intp) for k in (1, 2, 4))
-        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at0.type)
+    def emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, y_bases, d_bases,  # type: ignore[no-untyped-def]
+             b_bases):
+        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at_list[0].type)
         v64, v32, w32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i16, 32), vec(i32, 16), vec(f32, 16)
         maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
         dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
         fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
         maddwd = fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2)
-        total_p = cgutils.alloca_once_value(builder, const(f16v, 0.0))
-        with cgutils.for_range(builder, nblocks) as loop:
-            i = loop.index
-            at = builder.add(at0, builder.mul(i, c(210)))
+
+        def unpack(at):  # type: ignore[no-untyped-def]
+            # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
+            # offset, the scales of their lanes)
             _prefetch_ahead(builder, flat_a, at, 210)
-            d = builder.fmul(builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32),
-                             load(dk_a, i, f32, 0, 4))
+            d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32)
             sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
-            # -32 * sum_j sc_j * bsum16_j, in the integer accumulator (vpmaddwd: pairs of them)
-            offs = builder.call(maddwd, [sc, load(bsum_a, builder.mul(i, c(16)), vec(i16, 16), 0, 2)])
-            acc_i = shuffle(builder.sub(const(vec(i32, 8), 0), builder.shl(offs, const(vec(i32, 8), 5))),
-                            const(vec(i32, 8), 0), list(range(16)))
-            ybase = builder.add(ybase0, builder.mul(i, c(256)))
+            codes = []
             for n in range(2):
                 ql = load(flat_a, at, v64, 64 * n)
                 qh = load(flat_a, at, v32, 128 + 32 * n)
@@ -674,16 +605,157 @@ def _q6_k_whole_row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type
                 first = builder.or_(builder.and_(ql, const(v64, 15)),
                                     builder.shl(builder.and_(both, const(v64, 3)), const(v64, 4)))
                 second = builder.or_(builder.lshr(ql, const(v64, 4)), builder.and_(both, const(v64, 0x30)))
-                for codes, k, sub0 in ((first, 0, 8 * n), (second, 64, 8 * n + 4)):
-                    y = load(yk_a, ybase, v64, 128 * n + k)
-                    p = builder.call(maddubs, [codes, y])
-                    lanes = shuffle(sc, sc, [sub0 + p // 8 for p in range(32)])
-                    acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), builder.bitcast(lanes, d16)])
-            builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(d, f16v), builder.load(total_p)]),
-                          total_p)
-        return vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd)
+                for six, k, sub0 in ((first, 0, 8 * n), (second, 64, 8 * n + 4)):
+                    codes.append((six, 128 * n + k, builder.bitcast(shuffle(sc, sc, [sub0 + p // 8 for p in range(32)]),
+                                                                   d16)))
+            return d, sc, codes
 
-    return types.float32(flat, at, blocks, yk, ybase, dk, bsum16), codegen
+        totals = [[cgutils.alloca_once_value(builder, const(f16v, 0.0)) for _ in y_bases] for _ in at_list]
+        with cgutils.for_range(builder, nblocks) as loop:
+            i = loop.index
+            blocks = [unpack(builder.add(at, builder.mul(i, c(210)))) for at in at_list]
+            for (d, sc, codes), row_totals in zip(blocks, totals):
+                for total_p, y_base, d_base, b_base in zip(row_totals, y_bases, d_bases, b_bases):
+                    scale = builder.fmul(d, load(dk_a, builder.add(d_base, i), f32, 0, 4))
+                    # -32 * sum_j sc_j * bsum16_j, in the integer accumulator (vpmaddwd: pairs of them)
+                    sums = load(bsum_a, builder.add(b_base, builder.mul(i, c(16))), vec(i16, 16), 0, 2)
+                    offs = builder.call(maddwd, [sc, sums])
+                    acc_i = shuffle(builder.sub(const(vec(i32, 8), 0), builder.shl(offs, const(vec(i32, 8), 5))),
+                                    const(vec(i32, 8), 0), list(range(16)))
+                    ybase = builder.add(y_base, builder.mul(i, c(256)))
+                    for six, offset, lanes in codes:
+                        p = builder.call(maddubs, [six, load(yk_a, ybase, v64, offset)])
+                        acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), lanes])
+                    builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(scale, f16v),
+                                                       builder.load(total_p)]), total_p)
+        return [[vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd) for total_p in row_totals]
+                for row_totals in totals]
+
+    def arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
+        return [context.make_array(signature.args[k])(context, builder, args[k]) for k in which]
+
+    def index(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
+        return [context.cast(builder, args[k], signature.args[k], types.intp) for k in which]
+
+    if not tokens:
+        @intrinsic
+        def row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
+            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                flat_a, yk_a, dk_a, bsum_a = arrays(context, builder, signature, args, (0, 3, 5, 6))
+                at0, nblocks, ybase0 = index(context, builder, signature, args, (1, 2, 4))
+                zero = ir.Constant(at0.type, 0)
+                return emit(builder, flat_a, yk_a, dk_a, bsum_a, [at0], nblocks, [ybase0], [zero], [zero])[0][0]
+
+            return types.float32(flat, at, blocks, yk, ybase, dk, bsum16), codegen
+
+        return row
+
+    @intrinsic
+    def tile(typingctx, flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum16, bstride, out, obase,
+             ostride):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, yk_a, dk_a, bsum_a, out_a = arrays(context, builder, signature, args, (0, 4, 7, 9, 11))
+            at0, rstride_v, nblocks, ybase0, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = index(
+                context, builder, signature, args, (1, 2, 3, 5, 6, 8, 10, 12, 13))
+
+            def nth(base, stride, t):  # type: ignore[no-untyped-def]
+                return builder.add(base, builder.mul(stride, ir.Constant(base.type, t)))
+
+            zero = ir.Constant(at0.type, 0)
+            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, [nth(at0, rstride_v, r) for r in range(rows)], nblocks,
+                        [nth(ybase0, ystride_v, t) for t in range(tokens)],
+                        *([nth(zero, stride, t) for t in range(tokens)] for stride in (dstride_v, bstride_v)))
+            for r, row_sums in enumerate(sums):
+                for t, total in enumerate(row_sums):
+                    builder.store(total, builder.gep(out_a.data, [builder.add(nth(obase_v, ostride_v, t),
+                                                                              ir.Constant(obase_v.type, r))]))
+            return context.get_dummy_value()
+
+        return (types.void(flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum16, bstride, out, obase,
+                           ostride), codegen)
+
+    return tile
+
+
+_q6_k_whole_row = _q6_k_intrinsic()
+
+
+# The batched path's tile for q4_k, q5_k and q6_k (rows x tokens a call), as vnni.TILE_ROWS is
+# for the block kinds. q4_k at Mixtral's 14336 x 4096, 64 tokens, the variants compiled side by
+# side and timed in 11 interleaved rounds (medians, two threads): 4 x 2 410 GOP/s, 8 x 2 400,
+# 2 x 2 390, 2 x 4 365, 4 x 1 (one run, a noisier one) 175 against 4 x 2's 215.
+K_TILE_ROWS, K_TILE_TOKENS = 4, 2
+_q4_k_tile, _q5_k_tile = (_q45_k_intrinsic(five, K_TILE_TOKENS, K_TILE_ROWS) for five in (False, True))
+_q6_k_tile = _q6_k_intrinsic(K_TILE_TOKENS, K_TILE_ROWS)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _k_batched(raw, kind, cols, yk, ybase, dk, bsum, out):  # pragma: no cover - compiled
+    # out [n, rows] = the n tokens' activations per 256 (_quantize_superblocks: yk [n, ...] from
+    # ybase, in q4_k's layout for q4_k and q5_k, in order for q6_k; dk, bsum) times the rows raw
+    # of KINDS ``kind`` (q4_k, q5_k or q6_k): K_TILE_ROWS x K_TILE_TOKENS a call, the rows and
+    # tokens past the last whole tile one by one.
+    rows, row_bytes = raw.shape
+    flat = raw.reshape(-1)
+    n = out.shape[0]
+    blocks = cols // 256
+    yf, df, bf, of = yk.reshape(-1), dk.reshape(-1), bsum.reshape(-1), out.reshape(-1)
+    ys, ds, bs = yk.shape[1], dk.shape[1], bsum.shape[1]
+    whole = n // K_TILE_TOKENS * K_TILE_TOKENS
+    for chunk in prange((rows + vnni.BATCH_ROWS - 1) // vnni.BATCH_ROWS):
+        first, last = chunk * vnni.BATCH_ROWS, min(rows, chunk * vnni.BATCH_ROWS + vnni.BATCH_ROWS)
+        tiled = first + (last - first) // K_TILE_ROWS * K_TILE_ROWS
+        for t in range(0, whole, K_TILE_TOKENS):
+            for r in range(first, tiled, K_TILE_ROWS):
+                at, o = r * row_bytes, t * rows + r
+                if kind == 4:
+                    _q6_k_tile(flat, at, row_bytes, blocks, yf[t * ys:], ybase, ys, df[t * ds:], ds, bf[t * bs:], bs,
+                               of, o, rows)
+                elif kind == 3:
+                    _q5_k_tile(flat, at, row_bytes, blocks, yf[t * ys:], ys, df[t * ds:], ds, bf[t * bs:], bs, of, o,
+                               rows)
+                else:
+                    _q4_k_tile(flat, at, row_bytes, blocks, yf[t * ys:], ys, df[t * ds:], ds, bf[t * bs:], bs, of, o,
+                               rows)
+        for t in range(n):
+            for r in range(tiled if t < whole else first, last):
+                at = r * row_bytes
+                if kind == 4:
+                    out[t, r] = _q6_k_whole_row(flat, at, blocks, yk[t], ybase, dk[t], bsum[t])
+                elif kind == 3:
+                    out[t, r] = _q5_k_whole_row(flat, at, blocks, yk[t], dk[t], bsum[t])
+                else:
+                    out[t, r] = _q4_k_whole_row(flat, at, blocks, yk[t], dk[t], bsum[t])
+
+
+@njit(cache=True, nogil=True)
+def _k_batched_tokens(raw, kind, x, out):  # pragma: no cover - compiled
+    n, cols = x.shape
+    natural = kind == 4  # q6_k reads the activations in order, after the layout's cols
+    # each token's activations one cache line past a multiple of 4 KB from the last (as
+    # vnni._batched_token_blocks lays its tokens)
+    yk = np.empty((n, (2 if natural else 1) * cols + 64), np.int8)
+    dk = np.empty(n * cols // 256, np.float32)
+    bsum = np.empty(n * cols // 16, np.int16)
+    _quantize_superblocks(x.reshape(-1), cols, yk, dk, bsum, not natural, natural)
+    _k_batched(raw, kind, cols, yk, cols if natural else 0, dk.reshape(n, cols // 256), bsum.reshape(n, cols // 16),
+               out)
+
+
+def matmul_k(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one q4_k, q5_k or q6_k matrix
+    stored as C-contiguous uint8 rows, in place: the activations quantized per 256 as the
+    one-token kernel quantizes them (llama.cpp's q8_K), tiles of ``K_TILE_ROWS`` rows by
+    ``K_TILE_TOKENS`` tokens."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], raw.shape[0]), dtype=np.float32)
+    _k_batched_tokens(raw, KINDS[scheme], x, out)
+    return out
+
+
+def batched_fits(scheme: str, cols: int) -> bool:
+    """Whether ``matmul_k`` takes matrices of ``scheme`` with rows of ``cols`` values."""
+    return vnni.HAVE_VNNI and vnni._COMPILED and scheme in PER_256 and cols % 256 == 0
 
 
 @njit(cache=True, nogil=True)
@@ -842,7 +914,7 @@ def _cpu(name: str) -> CpuKernels:
         decode = block_decoder(_decode_q6_k, _F16_TO_F32)
     else:
         decode = block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS)
-    if name in ("iq4_nl", "q4_k", "q5_k"):  # multiplied in place (kernels.IN_PLACE)
+    if name == "iq4_nl" or name in PER_256:  # multiplied in place (kernels.IN_PLACE)
         return CpuKernels(matvec, decode, blocks_gemm, stepwise=False)
     return CpuKernels(matvec, decode)
 
@@ -933,5 +1005,5 @@ def _device_decode(name: str) -> Any:
 for _name in KINDS:
     register_cpu(_name, _cpu(_name))
     register_device(_name, _device_decode(_name))
-for _name in ("q4_k", "q5_k"):
+for _name in PER_256:
     IN_PLACE[_name] = (batched_fits, matmul_k)

@@ -219,12 +219,12 @@ def test_block_vnni_matches_its_definition(scheme, shape):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k"])
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 33), (40, 256, 3)])
 def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
     """Tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last whole
     tile one by one) give what the one-token kernel gives each token, which reads the same int8
-    activations (per 32; per 256 for q4_k and q5_k); and the dequantized weights times the
+    activations (per 32; per 256 for the K-quants); and the dequantized weights times the
     tokens within the activations' rounding."""
     from model_factory import random_blocks
 

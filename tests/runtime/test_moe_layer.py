@@ -163,7 +163,8 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("family, scheme, width", [("qwen3_moe", "q4_0", 128), ("mixtral", "q8_0", 128),
-                                                   ("gpt_oss", "mxfp4", 128), ("qwen3_moe", "q4_k", 256)])
+                                                   ("gpt_oss", "mxfp4", 128), ("qwen3_moe", "q4_k", 256),
+                                                   ("olmoe", "q6_k", 256)])
 def test_batched_tokens_equal_each_token_alone(family, scheme, width, tmp_path):
     """24 tokens through a layer at once (each expert's tokens multiplied in place: hidden and
     expert widths of whole steps of the kernels) give what each token alone gives through the
