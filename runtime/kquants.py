@@ -392,6 +392,17 @@ def _emitters(builder, index_t):  # type: ignore[no-untyped-def]
     return c, vec, load, const, shuffle, splat, fn
 
 
+def _superblock_ops(builder, fn, vec):  # type: ignore[no-untyped-def]
+    """The LLVM functions of the per-256 products (q4_k, q5_k, q6_k): vpmaddubsw, vpdpwssd, a
+    16-lane fused multiply-add and vpmaddwd (256-bit)."""
+    from llvmlite import ir
+
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    v64, w32, d16, f16v = vec(i8, 64), vec(i16, 32), vec(i32, 16), vec(f32, 16)
+    return (fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64]), fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16] * 3),
+            fn("llvm.fma.v16f32", f16v, [f16v] * 3), fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2))
+
+
 def _prefetch_ahead(builder, flat_a, at, nbytes):  # type: ignore[no-untyped-def]
     """Ask for every cache line of the ``nbytes`` at ``at`` of flat_a ``vnni._PREFETCH_BYTES``
     ahead (into L2), as the other row loops do."""
@@ -436,12 +447,9 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
         # the loop over the super-blocks of the rows at bytes ``at_list``; the rows' products
         # with each token's activations (bases of yk, dk, bsum), [row][token]
         c, vec, load, const, shuffle, splat, fn = _emitters(builder, at_list[0].type)
-        v64, w32, d16, f16v, f8v = vec(i8, 64), vec(i16, 32), vec(i32, 16), vec(f32, 16), vec(f32, 8)
-        maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
-        dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
-        fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
+        maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
+        v64, d16, f16v, f8v = vec(i8, 64), vec(i32, 16), vec(f32, 16), vec(f32, 8)
         fma8 = fn("llvm.fma.v8f32", f8v, [f8v] * 3)
-        maddwd = fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2)
         v16 = vec(i8, 16)
 
         def c64(v):  # type: ignore[no-untyped-def]
@@ -515,18 +523,12 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
                               vnni._reduce_lanes(builder, builder.load(mins_p), builder.fadd))
                  for total_p, mins_p in zip(row_totals, row_mins)] for row_totals, row_mins in zip(totals, mins)]
 
-    def arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
-        return [context.make_array(signature.args[k])(context, builder, args[k]) for k in which]
-
-    def index(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
-        return [context.cast(builder, args[k], signature.args[k], types.intp) for k in which]
-
     if not tokens:
         @intrinsic
         def row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
             def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                flat_a, yk_a, dk_a, bsum_a = arrays(context, builder, signature, args, (0, 3, 4, 5))
-                at0, nblocks = index(context, builder, signature, args, (1, 2))
+                flat_a, yk_a, dk_a, bsum_a = vnni._arrays(context, builder, signature, args, (0, 3, 4, 5))
+                at0, nblocks = vnni._indices(context, builder, signature, args, (1, 2))
                 zero = ir.Constant(at0.type, 0)
                 return emit(builder, flat_a, yk_a, dk_a, bsum_a, [at0], nblocks, [zero], [zero], [zero])[0][0]
 
@@ -538,21 +540,16 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
     def tile(typingctx, flat, at, rstride, blocks, yk, ystride, dk, dstride, bsum, bstride, out, obase,
              ostride):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, yk_a, dk_a, bsum_a, out_a = arrays(context, builder, signature, args, (0, 4, 6, 8, 10))
-            at0, rstride_v, nblocks, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = index(
+            flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 4, 6, 8, 10))
+            at0, rstride_v, nblocks, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
                 context, builder, signature, args, (1, 2, 3, 5, 7, 9, 11, 12))
 
-            def nth(base, stride, t):  # type: ignore[no-untyped-def]
-                return builder.add(base, builder.mul(stride, ir.Constant(base.type, t)))
-
             zero = ir.Constant(at0.type, 0)
-            bases = ([nth(zero, stride, t) for t in range(tokens)] for stride in (ystride_v, dstride_v, bstride_v))
-            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, [nth(at0, rstride_v, r) for r in range(rows)], nblocks,
-                        *bases)
-            for r, row_sums in enumerate(sums):
-                for t, total in enumerate(row_sums):
-                    builder.store(total, builder.gep(out_a.data, [builder.add(nth(obase_v, ostride_v, t),
-                                                                              ir.Constant(obase_v.type, r))]))
+            bases = ([vnni._nth(builder, zero, stride, t) for t in range(tokens)]
+                     for stride in (ystride_v, dstride_v, bstride_v))
+            at_list = [vnni._nth(builder, at0, rstride_v, r) for r in range(rows)]
+            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, *bases)
+            vnni._store_tile(builder, out_a, sums, obase_v, ostride_v)
             return context.get_dummy_value()
 
         return (types.void(flat, at, rstride, blocks, yk, ystride, dk, dstride, bsum, bstride, out, obase, ostride),
@@ -582,11 +579,8 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
     def emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, y_bases, d_bases,  # type: ignore[no-untyped-def]
              b_bases):
         c, vec, load, const, shuffle, splat, fn = _emitters(builder, at_list[0].type)
-        v64, v32, w32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i16, 32), vec(i32, 16), vec(f32, 16)
-        maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", w32, [v64, v64])
-        dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", d16, [d16, d16, d16])
-        fma16 = fn("llvm.fma.v16f32", f16v, [f16v] * 3)
-        maddwd = fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2)
+        maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
+        v64, v32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i32, 16), vec(f32, 16)
 
         def unpack(at):  # type: ignore[no-untyped-def]
             # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
@@ -631,18 +625,12 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         return [[vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd) for total_p in row_totals]
                 for row_totals in totals]
 
-    def arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
-        return [context.make_array(signature.args[k])(context, builder, args[k]) for k in which]
-
-    def index(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
-        return [context.cast(builder, args[k], signature.args[k], types.intp) for k in which]
-
     if not tokens:
         @intrinsic
         def row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
             def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                flat_a, yk_a, dk_a, bsum_a = arrays(context, builder, signature, args, (0, 3, 5, 6))
-                at0, nblocks, ybase0 = index(context, builder, signature, args, (1, 2, 4))
+                flat_a, yk_a, dk_a, bsum_a = vnni._arrays(context, builder, signature, args, (0, 3, 5, 6))
+                at0, nblocks, ybase0 = vnni._indices(context, builder, signature, args, (1, 2, 4))
                 zero = ir.Constant(at0.type, 0)
                 return emit(builder, flat_a, yk_a, dk_a, bsum_a, [at0], nblocks, [ybase0], [zero], [zero])[0][0]
 
@@ -654,21 +642,16 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
     def tile(typingctx, flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum16, bstride, out, obase,
              ostride):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, yk_a, dk_a, bsum_a, out_a = arrays(context, builder, signature, args, (0, 4, 7, 9, 11))
-            at0, rstride_v, nblocks, ybase0, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = index(
+            flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 4, 7, 9, 11))
+            at0, rstride_v, nblocks, ybase0, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
                 context, builder, signature, args, (1, 2, 3, 5, 6, 8, 10, 12, 13))
 
-            def nth(base, stride, t):  # type: ignore[no-untyped-def]
-                return builder.add(base, builder.mul(stride, ir.Constant(base.type, t)))
-
             zero = ir.Constant(at0.type, 0)
-            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, [nth(at0, rstride_v, r) for r in range(rows)], nblocks,
-                        [nth(ybase0, ystride_v, t) for t in range(tokens)],
-                        *([nth(zero, stride, t) for t in range(tokens)] for stride in (dstride_v, bstride_v)))
-            for r, row_sums in enumerate(sums):
-                for t, total in enumerate(row_sums):
-                    builder.store(total, builder.gep(out_a.data, [builder.add(nth(obase_v, ostride_v, t),
-                                                                              ir.Constant(obase_v.type, r))]))
+            at_list = [vnni._nth(builder, at0, rstride_v, r) for r in range(rows)]
+            bases = ([vnni._nth(builder, base, stride, t) for t in range(tokens)]
+                     for base, stride in ((ybase0, ystride_v), (zero, dstride_v), (zero, bstride_v)))
+            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, *bases)
+            vnni._store_tile(builder, out_a, sums, obase_v, ostride_v)
             return context.get_dummy_value()
 
         return (types.void(flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum16, bstride, out, obase,

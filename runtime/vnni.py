@@ -171,6 +171,33 @@ def _reduce_lanes(builder, value, op):  # type: ignore[no-untyped-def]
     return builder.extract_element(value, ir.Constant(i32, 0))
 
 
+def _arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
+    """An intrinsic's array arguments at positions ``which``, as LLVM array structures."""
+    return [context.make_array(signature.args[k])(context, builder, args[k]) for k in which]
+
+
+def _indices(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
+    """An intrinsic's integer arguments at positions ``which``, as intp values."""
+    return [context.cast(builder, args[k], signature.args[k], types.intp) for k in which]
+
+
+def _nth(builder, base, stride, t):  # type: ignore[no-untyped-def]
+    """base + t * stride (LLVM integers; t a Python int)."""
+    from llvmlite import ir
+
+    return builder.add(base, builder.mul(stride, ir.Constant(base.type, t)))
+
+
+def _store_tile(builder, out_a, sums, obase, ostride):  # type: ignore[no-untyped-def]
+    """A tile's products sums[r][t] (row r, token t) into out[obase + t * ostride + r]."""
+    from llvmlite import ir
+
+    for r, row_sums in enumerate(sums):
+        for t, total in enumerate(row_sums):
+            at = builder.add(_nth(builder, obase, ostride, t), ir.Constant(obase.type, r))
+            builder.store(total, builder.gep(out_a.data, [at]))
+
+
 def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
     """``row(flat, at, steps, xq, lanes, lbase, lspan, e8m0) -> float32``: the dot product of the ``steps`` * n
     blocks of BLOCK_KINDS ``kind`` at byte ``at`` of ``flat`` with the int8 activations xq (block
@@ -205,8 +232,8 @@ def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[n
     def mask(indices):  # type: ignore[no-untyped-def]
         return ir.Constant(vector(i32, len(indices)), list(indices))
 
-    def emit(context, builder, flat_a, xq_a, lanes_a, e8m0_a, at_list, steps_v, x_bases, l_bases,  # type: ignore[no-untyped-def]
-             lspan_v):
+    def emit(context, builder, flat_a, xq_a, lanes_a, e8m0_a, at_list, steps_v, x_bases,  # type: ignore[no-untyped-def]
+             l_bases, lspan_v):
         # the loop over the rows at bytes ``at_list``; the sums of its lanes, [row][token] (one
         # token per (activations, lanes) base)
         index_t = at_list[0].type
@@ -315,18 +342,12 @@ def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[n
                         builder.store(builder.call(fma, [scales, term, builder.load(acc_p)]), acc_p)
         return [[_reduce_lanes(builder, builder.load(acc_p), builder.fadd) for acc_p in row_accs] for row_accs in accs]
 
-    def arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
-        return [context.make_array(signature.args[k])(context, builder, args[k]) for k in which]
-
-    def index(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
-        return [context.cast(builder, args[k], signature.args[k], types.intp) for k in which]
-
     if not tokens:
         @intrinsic
         def row(typingctx, flat, at, steps, xq, lanes, lbase, lspan, e8m0):  # type: ignore[no-untyped-def]
             def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                flat_a, xq_a, lanes_a, e8m0_a = arrays(context, builder, signature, args, (0, 3, 4, 7))
-                at_v, steps_v, lbase_v, lspan_v = index(context, builder, signature, args, (1, 2, 5, 6))
+                flat_a, xq_a, lanes_a, e8m0_a = _arrays(context, builder, signature, args, (0, 3, 4, 7))
+                at_v, steps_v, lbase_v, lspan_v = _indices(context, builder, signature, args, (1, 2, 5, 6))
                 zero = ir.Constant(at_v.type, 0)
                 return emit(context, builder, flat_a, xq_a, lanes_a, e8m0_a, [at_v], steps_v, [zero], [lbase_v],
                             lspan_v)[0][0]
@@ -339,20 +360,14 @@ def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[n
     def rows_tokens(typingctx, flat, at, rstride, steps, xq, xbase, xstride, lanes, lbase, lspan, lstride, e8m0, out,
                     obase, ostride):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, xq_a, lanes_a, e8m0_a, out_a = arrays(context, builder, signature, args, (0, 4, 7, 11, 12))
-            at_v, rstride_v, steps_v, xbase_v, xstride_v, lbase_v, lspan_v, lstride_v, obase_v, ostride_v = index(
+            flat_a, xq_a, lanes_a, e8m0_a, out_a = _arrays(context, builder, signature, args, (0, 4, 7, 11, 12))
+            at_v, rstride_v, steps_v, xbase_v, xstride_v, lbase_v, lspan_v, lstride_v, obase_v, ostride_v = _indices(
                 context, builder, signature, args, (1, 2, 3, 5, 6, 8, 9, 10, 13, 14))
-
-            def nth(base, stride, t):  # type: ignore[no-untyped-def]
-                return builder.add(base, builder.mul(stride, ir.Constant(base.type, t)))
-
-            sums = emit(context, builder, flat_a, xq_a, lanes_a, e8m0_a, [nth(at_v, rstride_v, r) for r in range(rows)],
-                        steps_v, [nth(xbase_v, xstride_v, t) for t in range(tokens)],
-                        [nth(lbase_v, lstride_v, t) for t in range(tokens)], lspan_v)
-            for r, row_sums in enumerate(sums):
-                for t, total in enumerate(row_sums):
-                    builder.store(total, builder.gep(out_a.data, [builder.add(nth(obase_v, ostride_v, t),
-                                                                              ir.Constant(obase_v.type, r))]))
+            sums = emit(context, builder, flat_a, xq_a, lanes_a, e8m0_a,
+                        [_nth(builder, at_v, rstride_v, r) for r in range(rows)], steps_v,
+                        [_nth(builder, xbase_v, xstride_v, t) for t in range(tokens)],
+                        [_nth(builder, lbase_v, lstride_v, t) for t in range(tokens)], lspan_v)
+            _store_tile(builder, out_a, sums, obase_v, ostride_v)
             return context.get_dummy_value()
 
         return (types.void(flat, at, rstride, steps, xq, xbase, xstride, lanes, lbase, lspan, lstride, e8m0, out, obase,
