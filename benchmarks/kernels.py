@@ -14,7 +14,7 @@ interleaved rounds, each round measuring the bandwidth first).
    each side's operations a second against this CPU's int8 and bf16 peaks, measured here as
    independent ``vpdpbusd`` and ``vdpbf16ps`` instructions on registers, on every thread.
 
-    python benchmarks/kernels.py [--threads 2] [--quick]
+    python benchmarks/kernels.py [--threads 2] [--quick] [--sections 123]
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="smaller expert, fewer repeats")
+    parser.add_argument("--sections", default="123", help="which of the three parts to run, e.g. 2 or 13")
     args = parser.parse_args()
     from ktc.formats.quantize import dequantize, quantize
     from ktc.runtime.bandwidth import read_bandwidth
@@ -189,111 +190,125 @@ def main() -> int:
 
     met = True
     rounds = 3 * repeat
-    print(f"1. one token, expert {hidden}x{inter}: {rounds} rounds, each measuring the read bandwidth "
-          "and then every scheme; medians (this shared machine's bandwidth drifts by up to 2x within "
-          "minutes, so a time is compared with the bandwidth of its own round):")
-    experts = {scheme: (stored(w_gate_up, scheme), stored(w_down, scheme)) for scheme in targets}
-    rows: dict[str, list[tuple[float, float, float]]] = {scheme: [] for scheme in targets}  # (fraction, s, bw)
-    for scheme, (gate_up, down) in experts.items():
-        expert_forward(gate_up, down, scheme, x)  # compile or load the kernels outside the timing
-    for _ in range(rounds):
-        bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+    sections = args.sections
+    if "1" in sections:
+        print(f"1. one token, expert {hidden}x{inter}: {rounds} rounds, each measuring the read bandwidth "
+              "and then every scheme; medians (this shared machine's bandwidth drifts by up to 2x within "
+              "minutes, so a time is compared with the bandwidth of its own round):")
+        experts = {scheme: (stored(w_gate_up, scheme), stored(w_down, scheme)) for scheme in targets}
+        rows: dict[str, list[tuple[float, float, float]]] = {scheme: [] for scheme in targets}  # (fraction, s, bw)
         for scheme, (gate_up, down) in experts.items():
-            seconds = timed(lambda: expert_forward(gate_up, down, scheme, x))
-            rows[scheme].append(((gate_up.nbytes + down.nbytes) / seconds / bandwidth, seconds, bandwidth))
-    for scheme, target in targets.items():
-        gate_up, down = experts[scheme]
-        fraction = median([r[0] for r in rows[scheme]])
-        seconds = median([r[1] for r in rows[scheme]])
-        bandwidth = median([r[2] for r in rows[scheme]])
-        met &= fraction >= target
-        print(f"   {scheme:<10} {1e3 * seconds:7.2f} ms, {(gate_up.nbytes + down.nbytes) / seconds / 1e9:5.1f} GB/s; "
-              f"{100 * fraction:3.0f}% of its round's bandwidth (median {bandwidth / 1e9:.1f} GB/s; target "
-              f"{100 * target:.0f}%)")
-    del experts
-
-    print(f"2. MoE layer, Qwen3-30B-A3B shape, 8 of 128 experts, one token ({rounds} rounds, each measuring "
-          "the read bandwidth, then a new token through each scheme's layer; medians):")
-    from ktc.compile import compile_bundle
-    from ktc.demo import write_sparse_checkpoint
-    from ktc.formats.bundle import open_bundle
-    from ktc.runtime.moe import MoELayer
-
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 1,
-              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-              "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 1024}
-    layer_schemes = ("int8", "q8_0", "q4_0", "q4_k")
-    with tempfile.TemporaryDirectory() as tmp:
-        write_sparse_checkpoint(config, os.path.join(tmp, "src"), dtype="F32")
-        layers = {}
-        for scheme in layer_schemes:
-            path = os.path.join(tmp, f"{scheme}.ktb")
-            compile_bundle(os.path.join(tmp, "src"), path, cpu_scheme=scheme)
-            layer = MoELayer(open_bundle(path), 0)
-            # The sparse source has zero weights: random routing weights give real routing.
-            layer.router = rng.standard_normal(layer.router.shape).astype(np.float32)
-            layer.forward(rng.standard_normal((1, 2048)).astype(np.float32))
-            layers[scheme] = layer
-        clock = StepClock(layers[layer_schemes[0]])
-        results: dict[str, list[dict[str, float]]] = {scheme: [] for scheme in layer_schemes}
+            expert_forward(gate_up, down, scheme, x)  # compile or load the kernels outside the timing
         for _ in range(rounds):
-            round_bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+            bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+            for scheme, (gate_up, down) in experts.items():
+                seconds = timed(lambda: expert_forward(gate_up, down, scheme, x))
+                rows[scheme].append(((gate_up.nbytes + down.nbytes) / seconds / bandwidth, seconds, bandwidth))
+        for scheme, target in targets.items():
+            gate_up, down = experts[scheme]
+            fraction = median([r[0] for r in rows[scheme]])
+            seconds = median([r[1] for r in rows[scheme]])
+            bandwidth = median([r[2] for r in rows[scheme]])
+            met &= fraction >= target
+            rate = (gate_up.nbytes + down.nbytes) / seconds
+            print(f"   {scheme:<10} {1e3 * seconds:7.2f} ms, {rate / 1e9:5.1f} GB/s; "
+                  f"{100 * fraction:3.0f}% of its round's bandwidth (median {bandwidth / 1e9:.1f} GB/s; target "
+                  f"{100 * target:.0f}%)")
+        del experts
+
+    if "2" in sections:
+        print(f"2. MoE layer, Qwen3-30B-A3B shape, 8 of 128 experts, one token ({rounds} rounds, each measuring "
+              "the read bandwidth, then a new token through each scheme's layer; medians):")
+        from ktc.compile import compile_bundle
+        from ktc.demo import write_sparse_checkpoint
+        from ktc.formats.bundle import open_bundle
+        from ktc.runtime.moe import MoELayer
+
+        config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 1,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                  "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 1024}
+        layer_schemes = ("int8", "q8_0", "q4_0", "q4_k")
+        with tempfile.TemporaryDirectory() as tmp:
+            write_sparse_checkpoint(config, os.path.join(tmp, "src"), dtype="F32")
+            layers = {}
+            for scheme in layer_schemes:
+                path = os.path.join(tmp, f"{scheme}.ktb")
+                compile_bundle(os.path.join(tmp, "src"), path, cpu_scheme=scheme)
+                layer = MoELayer(open_bundle(path), 0)
+                # The sparse source has zero weights: random routing weights give real routing.
+                layer.router = rng.standard_normal(layer.router.shape).astype(np.float32)
+                layer.forward(rng.standard_normal((1, 2048)).astype(np.float32))
+                # Every page of the experts mapped before timing, as in a model's steady state: the
+                # first touch of each 4 KB page of the bundle's map is a page fault (with the pages
+                # in the page cache about 1 us each; unmapped, the layer ran at 20-26% of the
+                # bandwidth here, timing the faults of each newly chosen expert)
+                for expert in layer.experts.cpu.values():
+                    for matrix in (expert.gate_up, expert.down):
+                        int(matrix.reshape(-1)[::4096].sum())
+                layers[scheme] = layer
+            clock = StepClock(layers[layer_schemes[0]])
+            results: dict[str, list[dict[str, float]]] = {scheme: [] for scheme in layer_schemes}
+            for _ in range(rounds):
+                round_bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+                for scheme, layer in layers.items():
+                    h = rng.standard_normal((1, 2048)).astype(np.float32)
+                    results[scheme].append(clock.measure(layer, h) | {"bandwidth": round_bandwidth})
+            clock.uninstall()
             for scheme, layer in layers.items():
-                h = rng.standard_normal((1, 2048)).astype(np.float32)
-                results[scheme].append(clock.measure(layer, h) | {"bandwidth": round_bandwidth})
-        clock.uninstall()
-        for scheme, layer in layers.items():
-            per_expert = next(iter(layer.experts.cpu.values()))
-            read = 8 * (per_expert.gate_up.nbytes + per_expert.down.nbytes)
-            got = {part: median([r[part] for r in results[scheme]]) for part in results[scheme][0]}
-            fraction = median([read / r["total"] / r["bandwidth"] for r in results[scheme]])
-            overhead = median([1 - r["kernels"] / r["total"] for r in results[scheme]])
-            met &= fraction >= 0.60 and overhead < 0.05
-            print(f"   {scheme:<6} {1e3 * got['total']:6.3f} ms per token, {read / got['total'] / 1e9:5.1f} GB/s; "
-                  f"{100 * fraction:3.0f}% of its round's bandwidth (median {got['bandwidth'] / 1e9:.1f} GB/s; "
-                  "target 60%)")
-            print(f"          kernels {1e3 * got['kernels']:.3f} ms; beside them routing {1e3 * got['routing']:.3f}, "
-                  f"activation quantization {1e3 * got['quantize']:.3f}, activation function "
-                  f"{1e3 * got['activation']:.3f}, combination {1e3 * got['combine']:.3f}, the rest (checks, "
-                  f"calls) {1e3 * got['rest']:.3f} ms; no worker-thread hand-off (every expert on the CPU): "
-                  f"{100 * overhead:.1f}% of the layer (target under 5%)")
-            layer.close()
+                per_expert = next(iter(layer.experts.cpu.values()))
+                read = 8 * (per_expert.gate_up.nbytes + per_expert.down.nbytes)
+                got = {part: median([r[part] for r in results[scheme]]) for part in results[scheme][0]}
+                fraction = median([read / r["total"] / r["bandwidth"] for r in results[scheme]])
+                overhead = median([1 - r["kernels"] / r["total"] for r in results[scheme]])
+                met &= fraction >= 0.60 and overhead < 0.05
+                print(f"   {scheme:<6} {1e3 * got['total']:6.3f} ms per token, {read / got['total'] / 1e9:5.1f} GB/s; "
+                      f"{100 * fraction:3.0f}% of its round's bandwidth (median {got['bandwidth'] / 1e9:.1f} GB/s; "
+                      "target 60%)")
+                print(f"          kernels {1e3 * got['kernels']:.3f} ms; beside them routing "
+                      f"{1e3 * got['routing']:.3f}, "
+                      f"activation quantization {1e3 * got['quantize']:.3f}, activation function "
+                      f"{1e3 * got['activation']:.3f}, combination {1e3 * got['combine']:.3f}, the rest (checks, "
+                      f"calls) {1e3 * got['rest']:.3f} ms; no worker-thread hand-off (every expert on the CPU): "
+                      f"{100 * overhead:.1f}% of the layer (target under 5%)")
+                layer.close()
 
-    import torch
+    if "3" in sections:
+        import torch
 
-    torch.set_num_threads(threads)
-    peaks = {name: peak_ops(name, threads) for name in PEAK_INSTRUCTIONS}
-    print(f"3. tokens through one expert {hidden}x{inter} (gate/up, SiLU, down), against torch bf16 F.linear on "
-          f"the same weights dequantized, {max(3, repeat)} interleaved rounds, medians; this CPU's peaks, measured "
-          f"here (independent {', '.join(PEAK_INSTRUCTIONS.values())} on registers, {threads} threads): int8 "
-          f"{peaks['int8'] / 1e9:.0f} GOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GOP/s (an op: a multiply or an add):")
-    for count in (64, 256) if not args.quick else (64,):
-        xs = rng.standard_normal((count, hidden)).astype(np.float32)
-        ops = 2 * count * 3 * hidden * inter
-        for scheme in ("int8", "q8_0", "q4_0", "mxfp4", "q4_k"):
-            gate_up, down = quantize(w_gate_up, scheme), quantize(w_down, scheme)
-            wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)
-            wd = torch.from_numpy(dequantize(down, scheme, inter)).to(torch.bfloat16)
-            xt = torch.from_numpy(xs).to(torch.bfloat16)
+        torch.set_num_threads(threads)
+        peaks = {name: peak_ops(name, threads) for name in PEAK_INSTRUCTIONS}
+        print(f"3. tokens through one expert {hidden}x{inter} (gate/up, SiLU, down), against torch bf16 F.linear on "
+              f"the same weights dequantized, {max(3, repeat)} interleaved rounds, medians; this CPU's peaks, measured "
+              f"here (independent {', '.join(PEAK_INSTRUCTIONS.values())} on registers, {threads} threads): int8 "
+              f"{peaks['int8'] / 1e9:.0f} GOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GOP/s (an op: a multiply or an add):")
+        for count in (64, 256) if not args.quick else (64,):
+            xs = rng.standard_normal((count, hidden)).astype(np.float32)
+            ops = 2 * count * 3 * hidden * inter
+            for scheme in ("int8", "q8_0", "q4_0", "mxfp4", "q4_k"):
+                gate_up, down = quantize(w_gate_up, scheme), quantize(w_down, scheme)
+                wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)
+                wd = torch.from_numpy(dequantize(down, scheme, inter)).to(torch.bfloat16)
+                xt = torch.from_numpy(xs).to(torch.bfloat16)
 
-            def reference() -> None:
-                h2 = torch.nn.functional.linear(xt, wg)
-                a = torch.nn.functional.silu(h2[:, :inter]) * h2[:, inter:]
-                torch.nn.functional.linear(a, wd)
+                def reference() -> None:
+                    h2 = torch.nn.functional.linear(xt, wg)
+                    a = torch.nn.functional.silu(h2[:, :inter]) * h2[:, inter:]
+                    torch.nn.functional.linear(a, wd)
 
-            def ours_fn() -> None:
-                expert_forward_batch(gate_up, down, scheme, xs)
+                def ours_fn() -> None:
+                    expert_forward_batch(gate_up, down, scheme, xs)
 
-            ours_fn(), reference()
-            pairs = [(timed(ours_fn), timed(reference)) for _ in range(max(3, repeat))]  # interleaved
-            ours, theirs = median([p[0] for p in pairs]), median([p[1] for p in pairs])
-            ratio = median([t / o for o, t in pairs])
-            met &= ratio >= 1.5
-            print(f"   {count:>3} tokens, {scheme:<6} ktc {1e3 * ours:8.1f} ms ({ops / ours / 1e9:4.0f} GOP/s, "
-                  f"{100 * ops / ours / peaks['int8']:3.0f}% of the int8 peak), torch bf16 {1e3 * theirs:8.1f} ms "
-                  f"({ops / theirs / 1e9:4.0f} GOP/s, {100 * ops / theirs / peaks['bf16']:3.0f}% of the bf16 peak): "
-                  f"{ratio:.2f}x torch's throughput, median of the rounds' ratios (target at least 1.5x)")
+                ours_fn(), reference()
+                pairs = [(timed(ours_fn), timed(reference)) for _ in range(max(3, repeat))]  # interleaved
+                ours, theirs = median([p[0] for p in pairs]), median([p[1] for p in pairs])
+                ratio = median([t / o for o, t in pairs])
+                met &= ratio >= 1.5
+                print(f"   {count:>3} tokens, {scheme:<6} ktc {1e3 * ours:8.1f} ms ({ops / ours / 1e9:4.0f} GOP/s, "
+                      f"{100 * ops / ours / peaks['int8']:3.0f}% of the int8 peak), torch bf16 {1e3 * theirs:8.1f} ms "
+                      f"({ops / theirs / 1e9:4.0f} GOP/s, {100 * ops / theirs / peaks['bf16']:3.0f}% of the bf16 "
+                      "peak): "
+                      f"{ratio:.2f}x torch's throughput, median of the rounds' ratios (target at least 1.5x)")
     print("targets met" if met else "targets NOT met")
     return 0 if met else 1
 
