@@ -580,13 +580,34 @@ def _int8_gemm(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray | None = None
     return acc.astype(np.float32) * x_scale * w_scale[None, :]
 
 
+# Bytes of bf16 weights decoded at a time by the batched path: each tile is multiplied while it is
+# in L3, and its buffer comes back from the allocator without new pages (glibc serves blocks
+# under its dynamic mmap threshold, at most 32 MB, from the heap it keeps). A whole Mixtral
+# gate/up matrix decoded at once (235 MB) was mapped afresh on every call, its page faults most
+# of the time at 64 tokens (a q8_0 expert: 154 ms against torch's 37 for the same product); whole
+# experts at 32 and 128 tokens took 44-64 and 87-103 ms in 16 MB tiles against 50-70 and 113 ms
+# decoded whole (4 MB tiles: one GEMM call per 512 rows, slower at 128 tokens).
+DECODE_TILE_BYTES = 16 << 20
+
+
 def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
-    """``x @ W.T`` with ``W`` decoded to bf16 (bf16 weights used in place: their decode is a
-    view) and ``x`` rounded to bf16, accumulated in float32."""
+    """``x @ W.T`` with ``W`` decoded to bf16 (``DECODE_TILE_BYTES`` of rows at a time; bf16
+    weights used in place: their decode is a view) and ``x`` rounded to bf16, accumulated in
+    float32."""
     import torch
 
-    w = torch.from_numpy(decode(raw, scheme, x.shape[1], bf16=True)).view(torch.bfloat16)
-    return (torch.from_numpy(x).to(torch.bfloat16) @ w.T).float().numpy()
+    rows, cols = raw.shape[0], x.shape[1]
+    xt = torch.from_numpy(x).to(torch.bfloat16)
+    if scheme == "bf16":
+        w = torch.from_numpy(decode(raw, scheme, cols, bf16=True)).view(torch.bfloat16)
+        return (xt @ w.T).float().numpy()
+    out = np.empty((x.shape[0], rows), dtype=np.float32)
+    step = max(16, DECODE_TILE_BYTES // (2 * cols) // 16 * 16)
+    for first in range(0, rows, step):
+        last = min(rows, first + step)
+        w = torch.from_numpy(decode(raw[first:last], scheme, cols, bf16=True)).view(torch.bfloat16)
+        out[:, first:last] = (xt @ w.T).float().numpy()
+    return out
 
 
 # Up to this many tokens a matrix of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) is multiplied in
@@ -597,8 +618,13 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # over the VNNI kernel's): q8_0 1.39x at 32 tokens, 0.86x at 64; q4_0 1.91x at 32, 1.03x at
 # 128, 0.67x at 256; mxfp4 1.12x at 64, 0.64x at 128; iq4_nl (a slower decoder) 2.06x at 64,
 # 1.39x at 128; q4_k 2.68x at 16, 1.18x at 48, 1.07x at 64, 0.79x at 128; q5_k 2.27x at 16,
-# 1.15x at 48, 0.95x at 64; q6_k 2.88x at 16, 1.40x at 48, 1.15x at 64, 0.79x at 96.
-VNNI_GEMM_MAX_TOKENS = {"q8_0": 48, "q4_0": 128, "mxfp4": 64, "iq4_nl": 128, "q4_k": 64, "q5_k": 48,
+# 1.15x at 48, 0.95x at 64; q6_k 2.88x at 16, 1.40x at 48, 1.15x at 64, 0.79x at 96. Since the
+# decode runs in tiles (``DECODE_TILE_BYTES``), whole experts (gate/up, SiLU, down at 4096 x
+# 14336, each call after torch's reference product, medians of 5; in place against tiled decode,
+# ms): q8_0 42.5/39.3 and 86.8/63.9 at 32 tokens, 22.5/25.0 at 16; q4_0 37.4/46.2 at 32,
+# 77.6/91.7 at 64, 147/141 and 102/87 at 128; q4_k 68.5/88.2 at 64; mxfp4 81.2/102 at 64; q5_k
+# 59.9/71.4 at 48; q6_k 69.2/73.8 at 64. iq4_nl is from the first measurement only.
+VNNI_GEMM_MAX_TOKENS = {"q8_0": 24, "q4_0": 96, "mxfp4": 64, "iq4_nl": 128, "q4_k": 64, "q5_k": 48,
                         "q6_k": 64}
 # scheme -> (fits(scheme, cols), multiply(x, raw, scheme)): the in-place kernels, registered by
 # vnni.py (the block kinds) and kquants.py (q4_k, q5_k, q6_k)

@@ -220,7 +220,7 @@ def test_block_vnni_matches_its_definition(scheme, shape):
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 33), (40, 256, 3)])
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 21), (40, 256, 3)])
 def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
     """Tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last whole
     tile one by one) give what the one-token kernel gives each token, which reads the same int8
@@ -228,19 +228,35 @@ def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
     tokens within the activations' rounding."""
     from model_factory import random_blocks
 
-    from ktc.runtime.kernels import IN_PLACE, linear
+    from ktc.runtime.kernels import IN_PLACE, VNNI_GEMM_MAX_TOKENS, linear
 
     rng = np.random.default_rng(rows * cols + tokens)
     raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl"
            else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
     fits, _ = IN_PLACE[scheme]
-    assert fits(scheme, cols)
+    assert fits(scheme, cols) and tokens <= VNNI_GEMM_MAX_TOKENS[scheme]
     got = linear(x, raw, scheme)
     one = np.stack([matvec(raw, scheme, row) for row in x])
     np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
     want = x.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_bf16_gemm_decodes_in_tiles(monkeypatch):
+    """The bf16 path decodes a matrix a tile of rows at a time; the tiles (the last one short) put
+    together give the product of the whole matrix decoded at once."""
+    import torch
+
+    from ktc.runtime import kernels
+
+    rng = np.random.default_rng(11)
+    raw = quantize(rng.standard_normal((100, 256)).astype(np.float32), "q4_0")
+    x = rng.standard_normal((20, 256)).astype(np.float32)
+    whole = torch.from_numpy(kernels.decode(raw, "q4_0", 256, bf16=True)).view(torch.bfloat16)
+    want = (torch.from_numpy(x).to(torch.bfloat16) @ whole.T).float().numpy()
+    monkeypatch.setattr(kernels, "DECODE_TILE_BYTES", 16 * 2 * 256)  # 16 rows a tile
+    np.testing.assert_allclose(kernels._bf16_gemm(x, raw, "q4_0"), want, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
