@@ -517,12 +517,12 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
 
     One token reads the weights once through the matrix-vector kernels (memory-bound). The block
     kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k and q6_k on a VNNI CPU multiply two tokens or
-    more in place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``blocks_gemm``). Otherwise from ``GEMM_MIN_TOKENS``
-    tokens on the weights are used as a matrix (compute-bound): int8 multiplies in int8
-    (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded first; each adds
-    well under 1% relative error), f32 and f16 in float32. Between the two, quantized weights go
-    token by token through the one-token kernels (decoding a large matrix costs more than a few
-    passes over its bytes). ``scales`` as for ``matvec``."""
+    more in place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``blocks_gemm``). Otherwise from
+    ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix (compute-bound): int8
+    multiplies in int8 (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded
+    first, in tiles; each adds well under 1% relative error), f32 and f16 in float32. Between the
+    two, quantized weights go token by token through the one-token kernels (decoding a large
+    matrix costs more than a few passes over its bytes). ``scales`` as for ``matvec``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape[0] == 1:
         return matvec(raw, scheme, x[0], scales=scales)[None, :]
@@ -613,7 +613,7 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # Up to this many tokens a matrix of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) is multiplied in
 # place by vnni.matmul_blocks (int8 activations per block of 32, vpdpbusd, no decode), and one
 # of q4_k, q5_k or q6_k by kquants.matmul_k (per 256, vpmaddubsw and vpdpwssd), from two tokens on;
-# past it, decoded to bf16 once and multiplied by torch, whose GEMM then wins. Where
+# past it, decoded to bf16 (``_bf16_gemm``) and multiplied by torch, whose GEMM then wins. Where
 # the two cross at Mixtral's 14336 x 4096 (medians of 7 interleaved rounds; decode+bf16 time
 # over the VNNI kernel's): q8_0 1.39x at 32 tokens, 0.86x at 64; q4_0 1.91x at 32, 1.03x at
 # 128, 0.67x at 256; mxfp4 1.12x at 64, 0.64x at 128; iq4_nl (a slower decoder) 2.06x at 64,

@@ -10,9 +10,10 @@ int8, q8_0, q4_0, mxfp4 or iq4_nl as one LLVM loop (``_row_intrinsic``: two or f
 512-bit step, mxfp4's e2m1 codes and iq4_nl's levels made unsigned integers with one
 ``pshufb``); int4 (codes then scale/minimum pairs) a group at a time; each for one matrix, for
 the same matrix of all the selected experts of a layer at once (``rows_many``, schemes mixed),
-and for one token through a layer's experts in one call (``rows.experts_token``, with the
-K-quants). Used when the CPU has AVX-512 VNNI and the JIT is on; otherwise ``kernels.py``'s
-float kernels run. ``KTC_NO_VNNI=1`` forces those.
+for one token through a layer's experts in one call (``rows.experts_token``, with the
+K-quants), and for several tokens at once in tiles of rows x tokens (``matmul_blocks``). Used
+when the CPU has AVX-512 VNNI and the JIT is on; otherwise ``kernels.py``'s float kernels run.
+``KTC_NO_VNNI=1`` forces those.
 """
 from __future__ import annotations
 
