@@ -195,7 +195,13 @@ class ExpertSet:
             if not 0 <= e < self.num_experts:
                 raise KtcError(f"layer {self.layer}: routing chose expert {e}; the layer has {self.num_experts}")
             tokens, slot = np.nonzero(idx == e)
-            item = (e, tokens, np.ascontiguousarray(weights[tokens, slot], dtype=np.float32))
+            chosen = np.ascontiguousarray(weights[tokens, slot], dtype=np.float32)
+            if len(tokens) > 1 and (tokens[1:] == tokens[:-1]).any():
+                # a token that chose the expert twice (nonzero lists its slots side by side): its
+                # weights add, so every expert's tokens are distinct (``_accumulate``)
+                tokens, first = np.unique(tokens, return_index=True)
+                chosen = np.add.reduceat(chosen, first)
+            item = (e, tokens, chosen)
             (dev_work if e in self._device_index else cpu_work).append(item)
         return cpu_work, dev_work
 
@@ -241,12 +247,15 @@ class ExpertSet:
 
     @staticmethod
     def _accumulate(shape: tuple[int, ...], results: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        # Each result's tokens are distinct (``_split``), so a fancy-indexed add is exact:
+        # np.add.at, which allows repeats, took 60 ms of a 512-token prefill's 256 at
+        # Qwen3-30B-A3B's shape (one layer), the 108 experts' outputs added a row at a time.
         out = np.zeros(shape, dtype=np.float32)
         for tokens, y in results:
             if len(tokens) == 1:
                 out[tokens[0]] += y[0]
             else:
-                np.add.at(out, tokens, y)
+                out[tokens] += y
         return out
 
     def _decode_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:

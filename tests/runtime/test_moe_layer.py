@@ -188,6 +188,26 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tmp_path):
         moe.close()
 
 
+def test_a_token_choosing_an_expert_twice(tiny_models, tmp_path):
+    """Routing that picks one expert twice for a token (a router ktc does not compute could)
+    adds its weights: the batched sum sees each token once per expert."""
+    path = tmp_path / "m.ktb"
+    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme="f32")
+    rng = np.random.default_rng(9)
+    with open_bundle(str(path)) as bundle:
+        experts = MoELayer(bundle, mf.FAMILIES["qwen3_moe"].moe_layers[-1]).experts
+        h = rng.standard_normal((3, mf.HIDDEN)).astype(np.float32)
+        idx = np.array([[1, 1], [2, 3], [1, 0]])
+        weights = np.array([[0.25, 0.5], [0.5, 0.5], [1.0, 0.0]], dtype=np.float32)
+        got = experts.forward(h, idx, weights)
+        one = experts.forward(h[:1], np.array([[1]]), np.array([[1.0]], dtype=np.float32))
+        np.testing.assert_allclose(got[0], 0.75 * one[0], rtol=1e-5, atol=1e-6)
+        for t in (1, 2):
+            alone = experts.forward(h[t:t + 1], idx[t:t + 1], weights[t:t + 1])
+            np.testing.assert_allclose(got[t], alone[0], rtol=1e-5, atol=1e-6)
+        experts.close()
+
+
 def test_one_token_routing_equals_the_batched_routing():
     """A decode step's softmax top-k (compiled) picks what the batched numpy routing picks,
     ties to the lower index as a stable sort does, with the same weights."""
