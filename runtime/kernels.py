@@ -517,7 +517,7 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
 
     One token reads the weights once through the matrix-vector kernels (memory-bound). The block
     kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k and q6_k on a VNNI CPU multiply two tokens or
-    more in place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``blocks_gemm``). Otherwise from
+    more in place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``CpuKernels.in_place``). Otherwise from
     ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix (compute-bound): int8
     multiplies in int8 (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded
     first, in tiles; each adds well under 1% relative error), f32 and f16 in float32. Between the
@@ -527,6 +527,9 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     if x.shape[0] == 1:
         return matvec(raw, scheme, x[0], scales=scales)[None, :]
     kernels = cpu_kernels(scheme)
+    if (kernels.in_place is not None and x.shape[0] <= VNNI_GEMM_MAX_TOKENS[scheme] and raw.dtype == np.uint8
+            and raw.flags.c_contiguous and kernels.in_place[0](scheme, x.shape[1])):
+        return kernels.in_place[1](x, raw, scheme)
     if kernels.stepwise and x.shape[0] < GEMM_MIN_TOKENS:
         return np.stack([matvec(raw, scheme, row, scales=scales) for row in x])
     return kernels.batched(x, raw, scheme, scales)
@@ -626,24 +629,6 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # 59.9/71.4 at 48; q6_k 69.2/73.8 at 64. iq4_nl is from the first measurement only.
 VNNI_GEMM_MAX_TOKENS = {"q8_0": 24, "q4_0": 96, "mxfp4": 64, "iq4_nl": 128, "q4_k": 64, "q5_k": 48,
                         "q6_k": 64}
-# scheme -> (fits(scheme, cols), multiply(x, raw, scheme)): the in-place kernels, registered by
-# vnni.py (the block kinds) and kquants.py (q4_k, q5_k, q6_k)
-IN_PLACE: dict[str, tuple[Callable[[str, int], bool], Callable[..., np.ndarray]]] = {}
-
-
-def blocks_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
-    """``x @ W.T`` for two or more tokens and a matrix of a scheme with an in-place kernel
-    (``IN_PLACE``): through VNNI up to ``VNNI_GEMM_MAX_TOKENS``, else as ``linear`` does for the
-    other schemes (one token at a time under ``GEMM_MIN_TOKENS``, decoded to bf16 from there)."""
-    n, cols = x.shape
-    fits, multiply = IN_PLACE[scheme]
-    if n <= VNNI_GEMM_MAX_TOKENS[scheme] and raw.dtype == np.uint8 and raw.flags.c_contiguous and fits(scheme, cols):
-        return multiply(x, raw, scheme)
-    if n < GEMM_MIN_TOKENS:
-        return np.stack([matvec(raw, scheme, row, scales=scales) for row in x])
-    return _bf16_gemm(x, raw, scheme, scales)
-
-
 def _f32_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
     return matmul_t(x, decode(raw, scheme, x.shape[1]))
 
@@ -766,13 +751,16 @@ class CpuKernels:
     bf16 bits. ``batched(x, raw, scheme, scales)``: ``x @ W.T`` for ``GEMM_MIN_TOKENS`` tokens
     or more (decoded to bf16 and multiplied by torch, unless the scheme has better); with
     ``stepwise`` fewer tokens than that go through ``matvec`` one by one (a quantized matrix costs
-    more to decode than a few passes over its bytes), else straight to ``batched`` (which then
-    takes every count from two tokens on: ``blocks_gemm``)."""
+    more to decode than a few passes over its bytes), else straight to ``batched``.
+    ``in_place``: (fits(scheme, cols), multiply(x, raw, scheme)) where the scheme has a kernel
+    that multiplies two tokens or more without decoding (``linear`` takes it up to
+    ``VNNI_GEMM_MAX_TOKENS`` for matrices it fits)."""
 
     matvec: Callable[..., np.ndarray]
     decode: Callable[..., np.ndarray]
     batched: Callable[..., np.ndarray] = _bf16_gemm
     stepwise: bool = True
+    in_place: tuple[Callable[[str, int], bool], Callable[..., np.ndarray]] | None = None
 
 
 # Keyed by the registry's scheme names (``ktc.formats.schemes``); a test checks every scheme the
@@ -798,19 +786,24 @@ register_cpu("f16", CpuKernels(_matvec_plain_f16, _decode_plain(np.float16), _f3
 register_cpu("bf16", CpuKernels(_matvec_plain_bf16, _decode_plain(np.uint16)))
 register_cpu("int8", CpuKernels(_matvec_int8_rows, block_decoder(_decode_int8),
                                 lambda x, raw, scheme, scales: _int8_gemm(x, raw, scales)))
+def _blocks_fit(scheme: str, cols: int) -> bool:
+    return vnni.batched_fits(scheme, cols)
+
+
+def _blocks_multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    return vnni.matmul_blocks(x, raw, scheme)
+
+
 register_cpu("q8_0", CpuKernels(_matvec_ggml("q8_0", lambda raw, x, out: _matvec_q8_0(raw, x, _F16_TO_F32, out)),
-                                block_decoder(_decode_q8_0, _F16_TO_F32), blocks_gemm, stepwise=False))
+                                block_decoder(_decode_q8_0, _F16_TO_F32), in_place=(_blocks_fit, _blocks_multiply)))
 register_cpu("q4_0", CpuKernels(_matvec_ggml("q4_0", lambda raw, x, out: _matvec_q4_0(
     raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)), block_decoder(_decode_q4_0, _F16_TO_F32),
-    blocks_gemm, stepwise=False))
+    in_place=(_blocks_fit, _blocks_multiply)))
 register_cpu("mxfp4", CpuKernels(_matvec_ggml("mxfp4", lambda raw, x, out: _matvec_mxfp4(raw, x, _E8M0, out)),
-                                 block_decoder(_decode_mxfp4, _FP4, _E8M0), blocks_gemm, stepwise=False))
+                                 block_decoder(_decode_mxfp4, _FP4, _E8M0), in_place=(_blocks_fit, _blocks_multiply)))
 for _group in (32, 64, 128):
     register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group),
                                                block_decoder(_decode_int4, _group)))
 
 # the VNNI kernels, used above; the K-quants and fp8 register themselves
 from . import fp8, kquants, rows, vnni  # noqa: E402,F401
-
-for _name in ("q8_0", "q4_0", "mxfp4", "iq4_nl"):
-    IN_PLACE[_name] = (vnni.batched_fits, vnni.matmul_blocks)

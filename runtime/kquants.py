@@ -25,7 +25,7 @@ from ktc.formats.schemes import get_scheme
 
 from . import vnni
 from .device import register_device
-from .kernels import _F16_TO_F32, IN_PLACE, CpuKernels, _put, block_decoder, blocks_gemm, register_cpu
+from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, register_cpu
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
 # the kinds that read the activations per 256: q4_k and q5_k in one layout, q6_k in order
@@ -417,8 +417,55 @@ def _prefetch_ahead(builder, flat_a, at, nbytes):  # type: ignore[no-untyped-def
                                 ir.Constant(i32, 1)])
 
 
+def _k_intrinsic(emit, tokens: int, rows: int):  # type: ignore[no-untyped-def]
+    """The intrinsic around a per-256 K-quant loop ``emit(builder, flat, yk, dk, bsum, at_list,
+    blocks, y_bases, d_bases, b_bases) -> sums[row][token]`` (q4_k, q5_k, q6_k). Without
+    ``tokens``: ``row(flat, at, blocks, yk, ybase, dk, bsum) -> float32``, one row times the
+    activations at yk[ybase] (q6_k reads them in order after q4_k's layout; q4_k and q5_k from 0).
+    With ``tokens``, the batched path's tile: ``tile(flat, at, rstride, blocks, yk, ybase, ystride,
+    dk, dstride, bsum, bstride, out, obase, ostride)``, ``rows`` rows (row r at byte at + r *
+    rstride) times ``tokens`` tokens (token t's activations at yk[ybase + t * ystride], dk[t *
+    dstride], bsum[t * bstride]), products stored at out[obase + t * ostride + r]: each
+    super-block unpacked once for all the tokens."""
+    from llvmlite import ir
+
+    if not tokens:
+        @intrinsic
+        def row(typingctx, flat, at, blocks, yk, ybase, dk, bsum):  # type: ignore[no-untyped-def]
+            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                flat_a, yk_a, dk_a, bsum_a = vnni._arrays(context, builder, signature, args, (0, 3, 5, 6))
+                at0, nblocks, ybase0 = vnni._indices(context, builder, signature, args, (1, 2, 4))
+                zero = ir.Constant(at0.type, 0)
+                return emit(builder, flat_a, yk_a, dk_a, bsum_a, [at0], nblocks, [ybase0], [zero], [zero])[0][0]
+
+            return types.float32(flat, at, blocks, yk, ybase, dk, bsum), codegen
+
+        return row
+
+    @intrinsic
+    def tile(typingctx, flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum, bstride, out, obase,
+             ostride):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 4, 7, 9, 11))
+            at0, rstride_v, nblocks, ybase0, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
+                context, builder, signature, args, (1, 2, 3, 5, 6, 8, 10, 12, 13))
+            zero = ir.Constant(at0.type, 0)
+            at_list = [vnni._nth(builder, at0, rstride_v, r) for r in range(rows)]
+            bases = ([vnni._nth(builder, base, stride, t) for t in range(tokens)]
+                     for base, stride in ((ybase0, ystride_v), (zero, dstride_v), (zero, bstride_v)))
+            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, *bases)
+            vnni._store_tile(builder, out_a, sums, obase_v, ostride_v)
+            return context.get_dummy_value()
+
+        return (types.void(flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum, bstride, out, obase,
+                           ostride), codegen)
+
+    return tile
+
+
 def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
-    """``row(flat, at, blocks, yk, dk, bsum) -> float32``: the dot product of the ``blocks``
+    """``row(flat, at, blocks, yk, ybase, dk, bsum) -> float32`` (``_k_intrinsic``; ybase 0): the
+    dot product of the ``blocks``
     q4_k super-blocks (with ``five``, q5_k: the same scales, minimums and nibbles, and a fifth
     bit per code from its 32 ``qh`` bytes, 16 where set) at byte ``at`` of ``flat`` times
     activations quantized per 256 values (``_quantize_superblocks``: int8 ``yk`` in its layout,
@@ -429,13 +476,8 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
     chunks: its low nibbles are sub-blocks 4h and 4h + 2, its high nibbles 4h + 1 and 4h + 3,
     which is how the activations are laid out. The 6-bit scales and minimums are unpacked in
     64-bit integer registers. Against per-32 activations (a float scale and multiply-add per 64
-    values) 1.4x the rows a second from the cache on one core (q4_k), 1.1x (q5_k).
-
-    With ``tokens``, the batched path's tile: ``tile(flat, at, rstride, blocks, yk, ystride, dk,
-    dstride, bsum, bstride, out, obase, ostride)``, ``rows`` rows (row r at byte at + r *
-    rstride) times ``tokens`` tokens (token t's activations at yk[t * ystride], dk[t * dstride],
-    bsum[t * bstride]), products stored at out[obase + t * ostride + r]: each super-block's
-    scales, minimums and codes unpacked once for all the tokens."""
+    values) 1.4x the rows a second from the cache on one core (q4_k), 1.1x (q5_k). With
+    ``tokens``, the batched path's tile of ``rows`` x ``tokens`` (``_k_intrinsic``)."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -523,42 +565,12 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
                               vnni._reduce_lanes(builder, builder.load(mins_p), builder.fadd))
                  for total_p, mins_p in zip(row_totals, row_mins)] for row_totals, row_mins in zip(totals, mins)]
 
-    if not tokens:
-        @intrinsic
-        def row(typingctx, flat, at, blocks, yk, dk, bsum):  # type: ignore[no-untyped-def]
-            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                flat_a, yk_a, dk_a, bsum_a = vnni._arrays(context, builder, signature, args, (0, 3, 4, 5))
-                at0, nblocks = vnni._indices(context, builder, signature, args, (1, 2))
-                zero = ir.Constant(at0.type, 0)
-                return emit(builder, flat_a, yk_a, dk_a, bsum_a, [at0], nblocks, [zero], [zero], [zero])[0][0]
-
-            return types.float32(flat, at, blocks, yk, dk, bsum), codegen
-
-        return row
-
-    @intrinsic
-    def tile(typingctx, flat, at, rstride, blocks, yk, ystride, dk, dstride, bsum, bstride, out, obase,
-             ostride):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 4, 6, 8, 10))
-            at0, rstride_v, nblocks, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
-                context, builder, signature, args, (1, 2, 3, 5, 7, 9, 11, 12))
-
-            zero = ir.Constant(at0.type, 0)
-            bases = ([vnni._nth(builder, zero, stride, t) for t in range(tokens)]
-                     for stride in (ystride_v, dstride_v, bstride_v))
-            at_list = [vnni._nth(builder, at0, rstride_v, r) for r in range(rows)]
-            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, *bases)
-            vnni._store_tile(builder, out_a, sums, obase_v, ostride_v)
-            return context.get_dummy_value()
-
-        return (types.void(flat, at, rstride, blocks, yk, ystride, dk, dstride, bsum, bstride, out, obase, ostride),
-                codegen)
-
-    return tile
+    return _k_intrinsic(emit, tokens, rows)
 
 
 _q4_k_whole_row, _q5_k_whole_row = _q45_k_intrinsic(False), _q45_k_intrinsic(True)
+
+
 def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, yk, ybase, dk, bsum16) -> float32``: ``_q4_k_whole_row`` for q6_k, the
     activations in their natural order from yk[ybase]: the codes assembled from their bit planes
@@ -566,12 +578,8 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
     activations, vpdpwssd scales the pairs by their sub-block's int8 scale, the -32 offset taken
     off through the sums per 16 in the same integer accumulator; one float multiply-add a
     super-block. From the cache on one core 1.5-1.75x the rows a second of the per-32 loop
-    (14 against 21-25 GB/s).
-
-    With ``tokens``, the batched path's tile: ``tile(flat, at, rstride, blocks, yk, ybase, ystride,
-    dk, dstride, bsum16, bstride, out, obase, ostride)``, ``rows`` rows (row r at byte at + r *
-    rstride) times ``tokens`` tokens (token t's activations at yk[ybase + t * ystride], dk[t *
-    dstride], bsum16[t * bstride]), products stored at out[obase + t * ostride + r]."""
+    (14 against 21-25 GB/s). With ``tokens``, the batched path's tile of ``rows`` x ``tokens``
+    (``_k_intrinsic``)."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -625,39 +633,7 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         return [[vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd) for total_p in row_totals]
                 for row_totals in totals]
 
-    if not tokens:
-        @intrinsic
-        def row(typingctx, flat, at, blocks, yk, ybase, dk, bsum16):  # type: ignore[no-untyped-def]
-            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                flat_a, yk_a, dk_a, bsum_a = vnni._arrays(context, builder, signature, args, (0, 3, 5, 6))
-                at0, nblocks, ybase0 = vnni._indices(context, builder, signature, args, (1, 2, 4))
-                zero = ir.Constant(at0.type, 0)
-                return emit(builder, flat_a, yk_a, dk_a, bsum_a, [at0], nblocks, [ybase0], [zero], [zero])[0][0]
-
-            return types.float32(flat, at, blocks, yk, ybase, dk, bsum16), codegen
-
-        return row
-
-    @intrinsic
-    def tile(typingctx, flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum16, bstride, out, obase,
-             ostride):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 4, 7, 9, 11))
-            at0, rstride_v, nblocks, ybase0, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
-                context, builder, signature, args, (1, 2, 3, 5, 6, 8, 10, 12, 13))
-
-            zero = ir.Constant(at0.type, 0)
-            at_list = [vnni._nth(builder, at0, rstride_v, r) for r in range(rows)]
-            bases = ([vnni._nth(builder, base, stride, t) for t in range(tokens)]
-                     for base, stride in ((ybase0, ystride_v), (zero, dstride_v), (zero, bstride_v)))
-            sums = emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, *bases)
-            vnni._store_tile(builder, out_a, sums, obase_v, ostride_v)
-            return context.get_dummy_value()
-
-        return (types.void(flat, at, rstride, blocks, yk, ybase, ystride, dk, dstride, bsum16, bstride, out, obase,
-                           ostride), codegen)
-
-    return tile
+    return _k_intrinsic(emit, tokens, rows)
 
 
 _q6_k_whole_row = _q6_k_intrinsic()
@@ -690,25 +666,23 @@ def _k_batched(raw, kind, cols, yk, ybase, dk, bsum, out):  # pragma: no cover -
         tiled = first + (last - first) // K_TILE_ROWS * K_TILE_ROWS
         for t in range(0, whole, K_TILE_TOKENS):
             for r in range(first, tiled, K_TILE_ROWS):
-                at, o = r * row_bytes, t * rows + r
+                args = (flat, r * row_bytes, row_bytes, blocks, yf[t * ys:], ybase, ys, df[t * ds:], ds,
+                        bf[t * bs:], bs, of, t * rows + r, rows)
                 if kind == 4:
-                    _q6_k_tile(flat, at, row_bytes, blocks, yf[t * ys:], ybase, ys, df[t * ds:], ds, bf[t * bs:], bs,
-                               of, o, rows)
+                    _q6_k_tile(*args)
                 elif kind == 3:
-                    _q5_k_tile(flat, at, row_bytes, blocks, yf[t * ys:], ys, df[t * ds:], ds, bf[t * bs:], bs, of, o,
-                               rows)
+                    _q5_k_tile(*args)
                 else:
-                    _q4_k_tile(flat, at, row_bytes, blocks, yf[t * ys:], ys, df[t * ds:], ds, bf[t * bs:], bs, of, o,
-                               rows)
+                    _q4_k_tile(*args)
         for t in range(n):
             for r in range(tiled if t < whole else first, last):
-                at = r * row_bytes
+                args1 = (flat, r * row_bytes, blocks, yk[t], ybase, dk[t], bsum[t])
                 if kind == 4:
-                    out[t, r] = _q6_k_whole_row(flat, at, blocks, yk[t], ybase, dk[t], bsum[t])
+                    out[t, r] = _q6_k_whole_row(*args1)
                 elif kind == 3:
-                    out[t, r] = _q5_k_whole_row(flat, at, blocks, yk[t], dk[t], bsum[t])
+                    out[t, r] = _q5_k_whole_row(*args1)
                 else:
-                    out[t, r] = _q4_k_whole_row(flat, at, blocks, yk[t], dk[t], bsum[t])
+                    out[t, r] = _q4_k_whole_row(*args1)
 
 
 @njit(cache=True, nogil=True)
@@ -782,7 +756,7 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
     # ``_q6_k_whole_row`` against the activations quantized per 256, yk, dk, bsum of
     # ``_quantize_superblocks``).
     if kind == 2:
-        return _q4_k_whole_row(flat, start, blocks, yk, dk, bsum)
+        return _q4_k_whole_row(flat, start, blocks, yk, 0, dk, bsum)
     if kind == 4:
         return _q6_k_whole_row(flat, start, blocks, yk, blocks * 256, dk, bsum)
     if kind == 0:
@@ -790,7 +764,7 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
     if kind == 1:
         return _q3_k_row(flat, start, blocks, xq, dx, isum16)
     if kind == 3:
-        return _q5_k_whole_row(flat, start, blocks, yk, dk, bsum)
+        return _q5_k_whole_row(flat, start, blocks, yk, 0, dk, bsum)
     return _iq4_xs_row(flat, start, blocks, xq, dx, sums32)
 
 
@@ -897,8 +871,10 @@ def _cpu(name: str) -> CpuKernels:
         decode = block_decoder(_decode_q6_k, _F16_TO_F32)
     else:
         decode = block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS)
-    if name == "iq4_nl" or name in PER_256:  # multiplied in place (kernels.IN_PLACE)
-        return CpuKernels(matvec, decode, blocks_gemm, stepwise=False)
+    if name == "iq4_nl":  # q4_0's layout, multiplied in place as q4_0 is
+        return CpuKernels(matvec, decode, in_place=(vnni.batched_fits, vnni.matmul_blocks))
+    if name in PER_256:
+        return CpuKernels(matvec, decode, in_place=(batched_fits, matmul_k))
     return CpuKernels(matvec, decode)
 
 
@@ -988,5 +964,3 @@ def _device_decode(name: str) -> Any:
 for _name in KINDS:
     register_cpu(_name, _cpu(_name))
     register_device(_name, _device_decode(_name))
-for _name in PER_256:
-    IN_PLACE[_name] = (batched_fits, matmul_k)

@@ -228,13 +228,13 @@ def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
     tokens within the activations' rounding."""
     from model_factory import random_blocks
 
-    from ktc.runtime.kernels import IN_PLACE, VNNI_GEMM_MAX_TOKENS, linear
+    from ktc.runtime.kernels import VNNI_GEMM_MAX_TOKENS, cpu_kernels, linear
 
     rng = np.random.default_rng(rows * cols + tokens)
     raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl"
            else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
     x = rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
-    fits, _ = IN_PLACE[scheme]
+    fits, _ = cpu_kernels(scheme).in_place
     assert fits(scheme, cols) and tokens <= VNNI_GEMM_MAX_TOKENS[scheme]
     got = linear(x, raw, scheme)
     one = np.stack([matvec(raw, scheme, row) for row in x])
