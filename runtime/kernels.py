@@ -517,7 +517,8 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
 
     One token reads the weights once through the matrix-vector kernels (memory-bound). The block
     kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k and q6_k on a VNNI CPU multiply two tokens or
-    more in place, in int8, up to ``VNNI_GEMM_MAX_TOKENS`` (``CpuKernels.in_place``). Otherwise from
+    more in place, in int8 (``CpuKernels.in_place``: row tiles, then from ``LANES_MIN_TOKENS``
+    16 tokens a vector). Otherwise from
     ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix (compute-bound): int8
     multiplies in int8 (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded
     first, in tiles; each adds well under 1% relative error), f32 and f16 in float32. Between the
@@ -527,8 +528,8 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     if x.shape[0] == 1:
         return matvec(raw, scheme, x[0], scales=scales)[None, :]
     kernels = cpu_kernels(scheme)
-    if (kernels.in_place is not None and x.shape[0] <= VNNI_GEMM_MAX_TOKENS[scheme] and raw.dtype == np.uint8
-            and raw.flags.c_contiguous and kernels.in_place[0](scheme, x.shape[1])):
+    if (kernels.in_place is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous
+            and kernels.in_place[0](scheme, x.shape[1])):
         return kernels.in_place[1](x, raw, scheme)
     if kernels.stepwise and x.shape[0] < GEMM_MIN_TOKENS:
         return np.stack([matvec(raw, scheme, row, scales=scales) for row in x])
@@ -613,22 +614,37 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
     return out
 
 
-# Up to this many tokens a matrix of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) is multiplied in
-# place by vnni.matmul_blocks (int8 activations per block of 32, vpdpbusd, no decode), and one
-# of q4_k, q5_k or q6_k by kquants.matmul_k (per 256, vpmaddubsw and vpdpwssd), from two tokens on;
-# past it, decoded to bf16 (``_bf16_gemm``) and multiplied by torch, whose GEMM then wins. Where
-# the two cross at Mixtral's 14336 x 4096 (medians of 7 interleaved rounds; decode+bf16 time
-# over the VNNI kernel's): q8_0 1.39x at 32 tokens, 0.86x at 64; q4_0 1.91x at 32, 1.03x at
-# 128, 0.67x at 256; mxfp4 1.12x at 64, 0.64x at 128; iq4_nl (a slower decoder) 2.06x at 64,
-# 1.39x at 128; q4_k 2.68x at 16, 1.18x at 48, 1.07x at 64, 0.79x at 128; q5_k 2.27x at 16,
-# 1.15x at 48, 0.95x at 64; q6_k 2.88x at 16, 1.40x at 48, 1.15x at 64, 0.79x at 96. Since the
-# decode runs in tiles (``DECODE_TILE_BYTES``), whole experts (gate/up, SiLU, down at 4096 x
-# 14336, each call after torch's reference product, medians of 5; in place against tiled decode,
-# ms): q8_0 42.5/39.3 and 86.8/63.9 at 32 tokens, 22.5/25.0 at 16; q4_0 37.4/46.2 at 32,
-# 77.6/91.7 at 64, 147/141 and 102/87 at 128; q4_k 68.5/88.2 at 64; mxfp4 81.2/102 at 64; q5_k
-# 59.9/71.4 at 48; q6_k 69.2/73.8 at 64. iq4_nl is from the first measurement only.
-VNNI_GEMM_MAX_TOKENS = {"q8_0": 24, "q4_0": 96, "mxfp4": 64, "iq4_nl": 128, "q4_k": 64, "q5_k": 48,
-                        "q6_k": 64}
+# Several tokens of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) and of q4_k, q5_k and q6_k are
+# multiplied in place, without decoding the matrix: from this many tokens on by lanes.matmul (16
+# tokens a vector, the codes unpacked a chunk of rows at a time), below it by the row tiles
+# (vnni.matmul_blocks, kquants.matmul_k: 2 tokens x 4 or 8 rows, no unpacking), which read the
+# matrix once at about the one-token kernels' speed. Measured at Mixtral's 14336 x 4096 (ms,
+# medians of 9 interleaved rounds, lanes/tiles): q8_0 2.64/2.48 at 4 tokens, 2.82/3.80 at 8;
+# q4_0 3.15/2.72 at 8, 3.51/3.50 at 12; mxfp4 3.20/3.26 at 8, 2.71/4.98 at 12; iq4_nl
+# 2.85/2.55 at 8, 2.58/3.10 at 12; q4_k 3.33/2.62 at 8, 3.42/3.87 at 12; q5_k 4.16/3.16 at 8,
+# 3.36/4.31 at 12; q6_k 4.24/4.14 at 8, 3.87/4.77 at 12. lanes.matmul ran 1.0-1.6x torch's bf16
+# GEMM on the weights already decoded at 64 and 256 tokens (``benchmarks/kernels.py``), so
+# these schemes never take the decode-to-bf16 path where they fit.
+LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12}
+
+
+def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndarray]) -> tuple[
+        Callable[[str, int], bool], Callable[..., np.ndarray]]:
+    """``CpuKernels.in_place`` for a scheme of ``lanes.KINDS`` whose row tiles are ``tiles``
+    (``tiles_fit``): the tiles below ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on."""
+
+    def fits(scheme: str, cols: int) -> bool:
+        return lanes.fits(scheme, cols) or tiles_fit(scheme, cols)
+
+    def multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+        cols = x.shape[1]
+        if lanes.fits(scheme, cols) and (x.shape[0] >= LANES_MIN_TOKENS[scheme] or not tiles_fit(scheme, cols)):
+            return lanes.matmul(x, raw, scheme)
+        return tiles(x, raw, scheme)
+
+    return fits, multiply
+
+
 def _f32_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
     return matmul_t(x, decode(raw, scheme, x.shape[1]))
 
@@ -752,9 +768,9 @@ class CpuKernels:
     or more (decoded to bf16 and multiplied by torch, unless the scheme has better); with
     ``stepwise`` fewer tokens than that go through ``matvec`` one by one (a quantized matrix costs
     more to decode than a few passes over its bytes), else straight to ``batched``.
-    ``in_place``: (fits(scheme, cols), multiply(x, raw, scheme)) where the scheme has a kernel
-    that multiplies two tokens or more without decoding (``linear`` takes it up to
-    ``VNNI_GEMM_MAX_TOKENS`` for matrices it fits)."""
+    ``in_place``: (fits(scheme, cols), multiply(x, raw, scheme)) where the scheme has kernels
+    that multiply two tokens or more without decoding (``linear`` takes them for matrices they
+    fit; ``in_place`` builds the pair)."""
 
     matvec: Callable[..., np.ndarray]
     decode: Callable[..., np.ndarray]
@@ -794,16 +810,17 @@ def _blocks_multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     return vnni.matmul_blocks(x, raw, scheme)
 
 
+_BLOCKS_IN_PLACE = in_place(_blocks_fit, _blocks_multiply)
 register_cpu("q8_0", CpuKernels(_matvec_ggml("q8_0", lambda raw, x, out: _matvec_q8_0(raw, x, _F16_TO_F32, out)),
-                                block_decoder(_decode_q8_0, _F16_TO_F32), in_place=(_blocks_fit, _blocks_multiply)))
+                                block_decoder(_decode_q8_0, _F16_TO_F32), in_place=_BLOCKS_IN_PLACE))
 register_cpu("q4_0", CpuKernels(_matvec_ggml("q4_0", lambda raw, x, out: _matvec_q4_0(
     raw, x, x.reshape(-1, 32).sum(axis=1), _F16_TO_F32, out)), block_decoder(_decode_q4_0, _F16_TO_F32),
-    in_place=(_blocks_fit, _blocks_multiply)))
+    in_place=_BLOCKS_IN_PLACE))
 register_cpu("mxfp4", CpuKernels(_matvec_ggml("mxfp4", lambda raw, x, out: _matvec_mxfp4(raw, x, _E8M0, out)),
-                                 block_decoder(_decode_mxfp4, _FP4, _E8M0), in_place=(_blocks_fit, _blocks_multiply)))
+                                 block_decoder(_decode_mxfp4, _FP4, _E8M0), in_place=_BLOCKS_IN_PLACE))
 for _group in (32, 64, 128):
     register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group),
                                                block_decoder(_decode_int4, _group)))
 
 # the VNNI kernels, used above; the K-quants and fp8 register themselves
-from . import fp8, kquants, rows, vnni  # noqa: E402,F401
+from . import fp8, kquants, lanes, rows, vnni  # noqa: E402,F401

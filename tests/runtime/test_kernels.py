@@ -218,29 +218,56 @@ def test_block_vnni_matches_its_definition(scheme, shape):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 21), (40, 256, 3)])
-def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
-    """Tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last whole
-    tile one by one) give what the one-token kernel gives each token, which reads the same int8
-    activations (per 32; per 256 for the K-quants); and the dequantized weights times the
-    tokens within the activations' rounding."""
+def _blocks_case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random matrix of ``scheme`` (iq4_nl has no quantizer: random blocks) and tokens."""
     from model_factory import random_blocks
-
-    from ktc.runtime.kernels import VNNI_GEMM_MAX_TOKENS, cpu_kernels, linear
 
     rng = np.random.default_rng(rows * cols + tokens)
     raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl"
            else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
-    x = rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
+    return raw, rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
+
+
+IN_PLACE = ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"]
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", IN_PLACE)
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 7), (40, 256, 3)])
+def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
+    """A few tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last
+    whole tile one by one) give what the one-token kernel gives each token, which reads the same
+    int8 activations (per 32; per 256 for the K-quants); and the dequantized weights times the
+    tokens within the activations' rounding."""
+    from ktc.runtime.kernels import LANES_MIN_TOKENS, cpu_kernels, linear
+
+    raw, x = _blocks_case(scheme, rows, cols, tokens)
     fits, _ = cpu_kernels(scheme).in_place
-    assert fits(scheme, cols) and tokens <= VNNI_GEMM_MAX_TOKENS[scheme]
+    assert fits(scheme, cols) and tokens < LANES_MIN_TOKENS[scheme]
     got = linear(x, raw, scheme)
     one = np.stack([matvec(raw, scheme, row) for row in x])
     np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
     want = x.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", IN_PLACE)
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 16), (9, 1024, 21), (40, 512, 33), (3, 256, 50)])
+def test_lanes_match_their_definition(scheme, rows, cols, tokens):
+    """Many tokens (16 a vector, the last group padded; chunks of 16 rows, the last one short)
+    give the dequantized weights times each token's activations quantized to int8 per 32 values,
+    up to float rounding; ``linear`` sends them there."""
+    from ktc.runtime import lanes
+    from ktc.runtime.kernels import LANES_MIN_TOKENS, linear
+
+    raw, x = _blocks_case(scheme, rows, cols, tokens)
+    assert lanes.fits(scheme, cols) and tokens >= LANES_MIN_TOKENS[scheme]
+    quantized = np.stack([np.repeat(dx, 32) * xq for xq, dx, _ in (vnni.quantize_activations(row, 32) for row in x)])
+    want = quantized.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
+    got = linear(x, raw, scheme)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(got, lanes.matmul(x, raw, scheme))
 
 
 def test_bf16_gemm_decodes_in_tiles(monkeypatch):
@@ -260,19 +287,28 @@ def test_bf16_gemm_decodes_in_tiles(monkeypatch):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-def test_batched_blocks_outside_their_tiles():
-    """Rows that are not whole steps of the kernels' loop (q4_0 at 96 columns), and more tokens
-    than the in-place path takes, go the other ways, with the same products."""
-    from ktc.runtime.kernels import VNNI_GEMM_MAX_TOKENS, linear
+def test_batched_blocks_outside_their_tiles(monkeypatch):
+    """Rows that are not whole steps of the row tiles' loop (q4_0 at 96 columns) go 16 tokens a
+    vector even for a few tokens; whole steps take the tiles below LANES_MIN_TOKENS and the
+    lanes from there; each gives the same products."""
+    from ktc.runtime import kernels, lanes
+    from ktc.runtime.kernels import LANES_MIN_TOKENS, linear
 
+    taken = []
+    for module, name in ((lanes, "matmul"), (vnni, "matmul_blocks")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, real=real, name=name: taken.append(name) or real(*args))
     rng = np.random.default_rng(3)
-    for cols, tokens in ((96, 4), (128, VNNI_GEMM_MAX_TOKENS["q4_0"] + 1)):
+    least = LANES_MIN_TOKENS["q4_0"]
+    for cols, tokens in ((96, 4), (128, least - 1), (128, least)):
         raw = quantize(rng.standard_normal((24, cols)).astype(np.float32), "q4_0")
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         want = x.astype(np.float64) @ dequantize(raw, "q4_0", cols).astype(np.float64).T
         assert np.linalg.norm(linear(x, raw, "q4_0") - want) / np.linalg.norm(want) < 1e-2
-    assert not vnni.batched_fits("q4_0", 96) and vnni.batched_fits("q4_0", 128)
-    assert not vnni.batched_fits("int8", 128)  # torch's int8 GEMM
+    assert taken == ["matmul", "matmul_blocks", "matmul"]
+    assert not vnni.batched_fits("q4_0", 96) and vnni.batched_fits("q4_0", 128) and lanes.fits("q4_0", 96)
+    assert not vnni.batched_fits("int8", 128) and not lanes.fits("int8", 128)  # torch's int8 GEMM
+    assert kernels.cpu_kernels("int8").in_place is None
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")

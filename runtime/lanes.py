@@ -1,0 +1,421 @@
+"""Many tokens times one matrix with the tokens in the vector lanes (prefill), in int8 through
+AVX-512 VNNI.
+
+The row kernels of ``vnni`` and ``kquants`` put a row's values in the lanes of a 512-bit vector:
+every block of 32 values takes a conversion and two multiply-adds per token for its lanes of
+``vpdpbusd`` sums, and that float work, not the integer products, bounds them at about a
+quarter of the CPU's int8 rate. Here 16 tokens share a vector instead: their activations,
+quantized to int8 per 32 values, are laid out four values of each token a 32-bit lane
+(``activations``), and each ``vpdpbusd`` multiplies them by four codes of one row broadcast to
+every lane; a block of 32 values is 8 such products into one int32 sum per token, then one
+conversion and one multiply-add for its 16 tokens. The codes are unpacked to bytes a chunk of
+``CHUNK_ROWS`` rows at a time (``_unpack_blocks``/``_unpack_superblock``: vector code, with
+the blocks' scales), kept in the cache while every token goes over them, and the next chunk's
+bytes are prefetched meanwhile. ``vpdpbusd`` multiplies unsigned bytes by signed ones: the
+codes are stored unsigned (plus their kind's offset), and the offset times each block's sum of
+activations is where the int32 sums start. q4_k's and q5_k's minimums add one multiply-add a
+block; q6_k's 16-value scales split a block's sums in two.
+
+Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and torch's bf16
+``F.linear`` in ``benchmarks/kernels.py`` (part 3) and ``docs/runtime.md``.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import vnni
+
+LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
+# Rows x groups of 16 tokens a call of the tile. Measured at Mixtral's 14336 x 4096 with 64
+# tokens (q4_0), in-process and interleaved (medians of 7-9, two threads, GOP/s, torch bf16
+# 420-690 in the same runs): 8 x 1 660-710, 4 x 1 630-715, 16 x 1 590, 2 x 2 690-710, 4 x 2
+# 940-1180, 8 x 2 700-1120, 4 x 3 940-1090, 2 x 4 795, 4 x 4 390-770; the activations read
+# from memory by each product instead of held in registers (4 x 4, 8 x 4, 8 x 2) 610-820.
+# Splitting the columns so that a tile's activations stay in L1 did not help.
+TILE_ROWS, TILE_GROUPS = 4, 2
+CHUNK_ROWS = 16  # rows unpacked at a time; 16: 960 GOP/s, 32: 870, 64: 775 (4 x 2, as above)
+
+# The schemes, their kind codes here, and the offset that makes their codes unsigned.
+KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
+_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32)
+# Per kind: bytes of a block (or super-block), values it holds, and where the block kinds'
+# codes start.
+_SIZE = (0, 34, 18, 17, 18, 144, 176, 210)
+_VALUES = (0, 32, 32, 32, 32, 256, 256, 256)
+_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0)
+_MINIMUMS, _HALVES = 5, 7  # kinds from which on blocks have minimums (q4_k, q5_k); q6_k: 16-value scales
+
+
+def _unpack_intrinsic(kind: int):  # type: ignore[no-untyped-def]
+    """``unpack(flat, at, w, wat, sc, p, e8m0)``: the block of ``kind`` (q8_0, q4_0, mxfp4,
+    iq4_nl) at byte ``at`` of ``flat`` as 32 unsigned bytes at w[wat:wat + 32] (its values plus
+    the kind's ``_OFFSET``) and its scale (float32) at sc[p]. In vectors: element by element,
+    Numba's loops cost more than the products they feed at 32 tokens."""
+    from llvmlite import ir
+
+    codes_at = _CODES_AT[kind]
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    @intrinsic
+    def unpack(typingctx, flat, at, w, wat, sc, p, e8m0):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, w_a, sc_a, e8m0_a = vnni._arrays(context, builder, signature, args, (0, 2, 4, 6))
+            at_v, wat_v, p_v = vnni._indices(context, builder, signature, args, (1, 3, 5))
+            load = _loader(builder)
+            codes_i = builder.add(at_v, ir.Constant(at_v.type, codes_at))
+            bytes32, bytes16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+            if kind == 1:  # q8_0: the signed codes, their sign bits flipped
+                values = builder.xor(load(flat_a, codes_i, bytes32), ir.Constant(bytes32, [0x80] * 32))
+            else:
+                low, high = _nibbles(builder, load(flat_a, codes_i, bytes16))
+                if kind != 2:  # e2m1 codes or iq4 levels -> unsigned integers, a table look-up a byte
+                    shuffle = cgutils.get_or_insert_function(
+                        builder.module, ir.FunctionType(bytes16, [bytes16] * 2), "llvm.x86.ssse3.pshuf.b.128")
+                    table = ir.Constant(bytes16, list(vnni.E2M1_TWICE_PLUS_12 if kind == 3 else vnni.IQ4_PLUS_128))
+                    low, high = builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])
+                values = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+            _store(builder, values, w_a, wat_v)
+            if kind == 3:  # e8m0: a power of two from the table, halved for the doubled values
+                exponent = builder.zext(load(flat_a, at_v, i8), i32)
+                scale = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
+            else:  # fp16, converted by the CPU (F16C)
+                scale = builder.fpext(builder.bitcast(load(flat_a, at_v, i16), ir.HalfType()), f32)
+            builder.store(scale, builder.gep(sc_a.data, [p_v]))
+            return context.get_dummy_value()
+
+        return types.void(flat, at, w, wat, sc, p, e8m0), codegen
+
+    return unpack
+
+
+def _loader(builder):  # type: ignore[no-untyped-def]
+    """``load(array, index, type, align=1)``: a value of ``type`` at array[index]."""
+    def load(array, index, t, align=1):  # type: ignore[no-untyped-def]
+        return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=align)
+
+    return load
+
+
+def _store(builder, value, array, index):  # type: ignore[no-untyped-def]
+    builder.store(value, builder.bitcast(builder.gep(array.data, [index]), value.type.as_pointer()), align=1)
+
+
+def _nibbles(builder, packed, shift=None):  # type: ignore[no-untyped-def]
+    """A byte vector's low and high 4 bits, as bytes."""
+    from llvmlite import ir
+
+    t = packed.type
+    return (builder.and_(packed, ir.Constant(t, [15] * t.count)),
+            builder.lshr(packed, ir.Constant(t, [4] * t.count)))
+
+
+def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
+    """``codes(flat, at, w, wat)``: the 256 codes of the super-block of ``kind`` (q4_k, q5_k,
+    q6_k) at byte ``at`` of ``flat`` as unsigned bytes at w[wat:wat + 256], in order (q6_k's
+    unsigned, before its minus 32), assembled from their bit planes 32 at a time."""
+    from llvmlite import ir
+
+    i8 = ir.IntType(8)
+    bytes32 = ir.VectorType(i8, 32)
+
+    def spread(value):  # type: ignore[no-untyped-def]
+        return ir.Constant(bytes32, [value] * 32)
+
+    @intrinsic
+    def codes(typingctx, flat, at, w, wat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, w_a = vnni._arrays(context, builder, signature, args, (0, 2))
+            at_v, wat_v = vnni._indices(context, builder, signature, args, (1, 3))
+            load = _loader(builder)
+
+            def at(k):  # type: ignore[no-untyped-def]
+                return builder.add(at_v, ir.Constant(at_v.type, k))
+
+            def put(value, k):  # type: ignore[no-untyped-def]
+                _store(builder, value, w_a, builder.add(wat_v, ir.Constant(wat_v.type, k)))
+
+            if kind in (5, 6):  # q4_k, q5_k: sub-block j is the low (j even) or high nibbles of 32 bytes
+                first = 16 if kind == 5 else 48
+                high_bits = load(flat_a, at(16), bytes32) if kind == 6 else None
+                for i in range(4):
+                    for j, nibbles in zip((2 * i, 2 * i + 1), _nibbles(builder, load(flat_a, at(first + 32 * i),
+                                                                                      bytes32))):
+                        if high_bits is not None:  # q5_k: bit j of qh[l] is value l's fifth
+                            fifth = builder.and_(builder.lshr(high_bits, spread(j)), spread(1))
+                            nibbles = builder.or_(nibbles, builder.shl(fifth, spread(4)))
+                        put(nibbles, 32 * j)
+            else:  # q6_k: value 128 n + 32 s + l: ql[64 n + 32 (s % 2) + l] >> 4 (s // 2), qh[32 n + l] >> 2 s
+                for n in range(2):
+                    high = load(flat_a, at(128 + 32 * n), bytes32)
+                    for s in range(4):
+                        low = load(flat_a, at(64 * n + 32 * (s % 2)), bytes32)
+                        low = builder.and_(builder.lshr(low, spread(4 * (s // 2))), spread(15))
+                        top = builder.and_(builder.lshr(high, spread(2 * s)), spread(3))
+                        put(builder.or_(low, builder.shl(top, spread(4))), 128 * n + 32 * s)
+            return context.get_dummy_value()
+
+        return types.void(flat, at, w, wat), codegen
+
+    return codes
+
+
+def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # type: ignore[no-untyped-def]
+    """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
+    dstride, out, obase, ostride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r at
+    w[wbase + r * cols]; its blocks' scales, and with ``minimums`` their minimums, at sc/mn[pbase
+    + r * blocks * halves], ``halves`` a block) times ``groups`` groups of 16 tokens (group m's
+    int8 activations at act[abase + m * astride] as ``activations`` lays them out; their scales,
+    minus the codes' offset times their sums and their scales times their sums at
+    dx/shift/dsum[dbase + m * dstride]). Row r's 16 sums for group m are stored at out[obase +
+    m * ostride + 16 r]. Each block also prefetches two cache lines at ahead[aat + 128 b]."""
+    from llvmlite import ir
+
+    rows = TILE_ROWS
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    words, floats = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+    per_half = 8 // halves
+
+    @intrinsic
+    def tile(typingctx, w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
+             out, obase, ostride, ahead, aat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            w_a, sc_a, mn_a, act_a, dx_a, shift_a, dsum_a, out_a, ahead_a = vnni._arrays(
+                context, builder, signature, args, (0, 3, 4, 7, 10, 11, 12, 15, 18))
+            (wbase_v, cols_v, pbase_v, blocks_v, abase_v, astride_v, dbase_v, dstride_v, obase_v, ostride_v,
+             aat_v) = vnni._indices(context, builder, signature, args, (1, 2, 5, 6, 8, 9, 13, 14, 16, 17, 19))
+            index_t = wbase_v.type
+            load = _loader(builder)
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def splat(value, t):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(t, ir.Undefined), ir.Constant(words, [0] * 16))
+
+            dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
+                                                 "llvm.fma.v16f32")
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+                "llvm.prefetch.p0i8")
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 16)) for _ in range(groups)]
+                    for _ in range(rows)]
+            params_per_row = builder.mul(blocks_v, const(halves))
+            with cgutils.for_range(builder, blocks_v) as loop:
+                b = loop.index
+                for line in (0, 64):  # the next chunk's bytes, into L2, while this one is multiplied
+                    at = builder.add(builder.add(aat_v, builder.mul(b, const(128))), const(line))
+                    builder.call(prefetch, [builder.gep(ahead_a.data, [at]), ir.Constant(i32, 0), ir.Constant(i32, 1),
+                                            ir.Constant(i32, 1)])
+                xs, scales, shifts, dsums = [], [], [], []
+                for m in range(groups):
+                    a_i = builder.add(vnni._nth(builder, abase_v, astride_v, m), builder.mul(b, const(512)))
+                    xs.append([load(act_a, builder.add(a_i, const(64 * j)), words) for j in range(8)])
+                    d_i = builder.add(vnni._nth(builder, dbase_v, dstride_v, m), builder.mul(b, const(16)))
+                    scales.append(load(dx_a, d_i, floats, 4))
+                    if minimums:
+                        dsums.append(load(dsum_a, d_i, floats, 4))
+                    s_i = builder.add(vnni._nth(builder, builder.mul(dbase_v, const(halves)),
+                                                builder.mul(dstride_v, const(halves)), m),
+                                      builder.mul(b, const(16 * halves)))
+                    shifts.append([load(shift_a, builder.add(s_i, const(16 * h)), words, 4) for h in range(halves)])
+                firsts = [builder.add(vnni._nth(builder, wbase_v, cols_v, r), builder.mul(b, const(32)))
+                          for r in range(rows)]
+                p_rows = [builder.add(vnni._nth(builder, pbase_v, params_per_row, r), builder.mul(b, const(halves)))
+                          for r in range(rows)]
+                for h in range(halves):
+                    # the sums start at minus the codes' offset times the tokens' sums (the same
+                    # for every row) and take 8 / halves products, code by code across the rows
+                    sums = [[shifts[m][h] for m in range(groups)] for _ in range(rows)]
+                    for j in range(h * per_half, (h + 1) * per_half):
+                        for r in range(rows):
+                            weights = splat(load(w_a, builder.add(firsts[r], const(4 * j)), i32), words)
+                            sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]]) for m in range(groups)]
+                    for r in range(rows):
+                        p = builder.add(p_rows[r], const(h))
+                        scale = splat(load(sc_a, p, f32, 4), floats)
+                        lowest = splat(load(mn_a, p, f32, 4), floats) if minimums else None
+                        for m in range(groups):
+                            total = builder.call(fma, [builder.sitofp(sums[r][m], floats),
+                                                       builder.fmul(scale, scales[m]), builder.load(accs[r][m])])
+                            if minimums:  # minus the block's minimum times the tokens' sums
+                                total = builder.call(fma, [lowest, dsums[m], total])
+                            builder.store(total, accs[r][m])
+            for r in range(rows):
+                for m in range(groups):
+                    at = builder.add(vnni._nth(builder, obase_v, ostride_v, m), const(16 * r))
+                    builder.store(builder.load(accs[r][m]), builder.bitcast(builder.gep(out_a.data, [at]),
+                                                                            floats.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return (types.void(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
+                           out, obase, ostride, ahead, aat), codegen)
+
+    return tile
+
+
+_unpack_q8_0, _unpack_q4_0, _unpack_mxfp4, _unpack_iq4_nl = (_unpack_intrinsic(kind) for kind in range(1, 5))
+_codes_q4_k, _codes_q5_k, _codes_q6_k = (_superblock_intrinsic(kind) for kind in range(5, 8))
+_tile_pair, _tile_one = _tile_intrinsic(TILE_GROUPS), _tile_intrinsic(1)
+_tile_pair_minimums, _tile_one_minimums = _tile_intrinsic(TILE_GROUPS, minimums=True), _tile_intrinsic(1, minimums=True)
+_tile_pair_halves, _tile_one_halves = _tile_intrinsic(TILE_GROUPS, halves=2), _tile_intrinsic(1, halves=2)
+
+
+@njit(cache=True, nogil=True)
+def activations(x, n, cols, offset, halves):  # pragma: no cover - compiled
+    """The n tokens' activations x (float32, n * cols values) quantized to int8 per 32 values
+    (``vnni._quantize_groups``, as the one-token block kernels) and laid out for the tile: for
+    each group of 16 tokens and each block of 32 values, 8 vectors of four values of each
+    token; per group and block the 16 tokens' scales (``scales``) and their scales times their
+    sums (``dsum``), and per group, block and each of its ``halves`` minus ``offset`` times the
+    tokens' sums (``shift``, int32). Tokens past n (padding the last group) are zeros with scale
+    0."""
+    groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
+    blocks = cols // 32
+    xq = np.empty(n * cols, np.int8)
+    dx = np.empty(n * blocks, np.float32)
+    sums = np.empty(n * blocks, np.float32)
+    vnni._quantize_groups(x, 32, 0, xq, dx, sums)
+    words = xq.view(np.int32)
+    act = np.zeros(groups * blocks * 128, np.int32)
+    scales = np.zeros(groups * blocks * 16, np.float32)
+    dsum = np.zeros(groups * blocks * 16, np.float32)
+    shift = np.zeros(groups * blocks * halves * 16, np.int32)
+    span = 32 // halves
+    for t in range(n):
+        g, lane = t // LANE_TOKENS, t % LANE_TOKENS
+        for b in range(blocks):
+            at = (g * blocks + b) * 128 + lane
+            first = (t * cols + 32 * b) // 4
+            for j in range(8):
+                act[at + 16 * j] = words[first + j]
+            scales[(g * blocks + b) * 16 + lane] = dx[t * blocks + b]
+            dsum[(g * blocks + b) * 16 + lane] = sums[t * blocks + b]
+            for h in range(halves):
+                total = 0
+                for k in range(span):
+                    total += np.int32(xq[t * cols + 32 * b + span * h + k])
+                shift[((g * blocks + b) * halves + h) * 16 + lane] = -offset * total
+    return act.view(np.int8), scales, shift, dsum
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: no cover - compiled
+    # Row ``row`` of raw: its codes at w[wat:], its blocks' scales (and minimums) from sc/mn[p].
+    size, values = _SIZE[kind], _VALUES[kind]
+    base = row * raw.shape[1]
+    for b in range(raw.shape[1] // size):
+        at = base + b * size
+        at_w = wat + b * values
+        if kind == 1:
+            _unpack_q8_0(flat, at, w, at_w, sc, p + b, e8m0)
+        elif kind == 2:
+            _unpack_q4_0(flat, at, w, at_w, sc, p + b, e8m0)
+        elif kind == 3:
+            _unpack_mxfp4(flat, at, w, at_w, sc, p + b, e8m0)
+        elif kind == 4:
+            _unpack_iq4_nl(flat, at, w, at_w, sc, p + b, e8m0)
+        elif kind == 7:  # q6_k: 16 int8 scales of 16 values, times d
+            _codes_q6_k(flat, at, w, at_w)
+            d = f16[np.uint16(flat[at + 208]) | (np.uint16(flat[at + 209]) << np.uint16(8))]
+            for i in range(16):
+                sc[p + 16 * b + i] = d * np.float32(np.int8(flat[at + 192 + i]))
+        else:  # q4_k, q5_k: 8 6-bit scales and minimums of 32 values, times d and dmin
+            if kind == 5:
+                _codes_q4_k(flat, at, w, at_w)
+            else:
+                _codes_q5_k(flat, at, w, at_w)
+            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+            dmin = f16[np.uint16(flat[at + 2]) | (np.uint16(flat[at + 3]) << np.uint16(8))]
+            for j in range(8):
+                scale, lowest = kquants._scale_min_k4(raw, row, b * size + 4, j)
+                sc[p + 8 * b + j] = d * np.float32(scale)
+                mn[p + 8 * b + j] = -(dmin * np.float32(lowest))
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, out):  # pragma: no cover - compiled
+    # out [n, rows] = the tokens' ``activations`` times the rows raw of KINDS' ``kind``; each
+    # worker a CHUNK_ROWS-row chunk at a time (chunks dealt in turn: their cost is uniform),
+    # with its own buffers for the chunk's codes, scales and its tiles' sums.
+    rows, row_bytes = raw.shape
+    flat = raw.reshape(-1)
+    blocks = cols // 32
+    halves = 2 if kind == _HALVES else 1
+    params = blocks * halves  # scales a row
+    groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
+    chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for worker in prange(workers):
+        w = np.zeros(CHUNK_ROWS * cols, np.uint8)
+        sc = np.zeros(CHUNK_ROWS * params, np.float32)
+        mn = np.zeros(CHUNK_ROWS * params, np.float32)
+        sums = np.empty(groups * CHUNK_ROWS * 16, np.float32)
+        for chunk in range(worker, chunks, workers):
+            first = chunk * CHUNK_ROWS
+            count = min(CHUNK_ROWS, rows - first)
+            for r in range(count):
+                _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, f16)
+            sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)
+            mn[count * params:] = 0
+            ahead = (first + workers * CHUNK_ROWS) * row_bytes  # the worker's next chunk, prefetched by the tiles
+            if ahead >= flat.shape[0]:
+                ahead = 0
+            g = 0
+            while g < groups:
+                pair = g + TILE_GROUPS <= groups
+                for r in range(0, CHUNK_ROWS, TILE_ROWS):
+                    args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512, scales,
+                            shift, dsum, g * blocks * 16, blocks * 16, sums, (g * CHUNK_ROWS + r) * 16,
+                            CHUNK_ROWS * 16, flat, ahead)
+                    ahead += blocks * 128
+                    if kind == _HALVES:
+                        if pair:
+                            _tile_pair_halves(*args)
+                        else:
+                            _tile_one_halves(*args)
+                    elif kind >= _MINIMUMS:
+                        if pair:
+                            _tile_pair_minimums(*args)
+                        else:
+                            _tile_one_minimums(*args)
+                    elif pair:
+                        _tile_pair(*args)
+                    else:
+                        _tile_one(*args)
+                g += TILE_GROUPS if pair else 1
+            for t in range(n):
+                g, lane = t // LANE_TOKENS, t % LANE_TOKENS
+                for r in range(count):
+                    out[t, first + r] = sums[(g * CHUNK_ROWS + r) * 16 + lane]
+
+
+def fits(scheme: str, cols: int) -> bool:
+    """Whether ``matmul`` takes matrices of ``scheme`` with rows of ``cols`` values."""
+    kind = KINDS.get(scheme)
+    return vnni.HAVE_VNNI and vnni._COMPILED and kind is not None and cols % _VALUES[kind] == 0
+
+
+def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``KINDS`` stored
+    as C-contiguous uint8 rows ``raw`` (``fits``), without decoding it: each token's activations
+    quantized to int8 per 32 values (for the block kinds as their one-token kernels quantize
+    them, so each product is theirs up to the order of the float sums)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, cols = x.shape
+    kind = KINDS[scheme]
+    act, scales, shift, dsum = activations(x.reshape(-1), n, cols, _OFFSET[kind], 2 if kind == _HALVES else 1)
+    out = np.empty((n, raw.shape[0]), dtype=np.float32)
+    chunks = (raw.shape[0] + CHUNK_ROWS - 1) // CHUNK_ROWS
+    f16, e8m0 = vnni._tables()
+    _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, max(1, min(get_num_threads(), chunks)), out)
+    return out
+
+
+from . import kquants  # noqa: E402  (kquants imports kernels, which imports this module)
