@@ -129,6 +129,10 @@ class ExpertSet:
         if gpu:
             self._load_device(bundle, prefix, gpu, device)
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
+        # Set by the model around a forward whose last rows alone are read past this layer (the
+        # model's last layer in a prefill chunk: only the positions whose logits are kept): the
+        # other rows' expert outputs are zeros, as llama.cpp skips them in its last layer.
+        self.rows_wanted: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}") if gpu else None
 
     # ------------------------------------------------------------------------------------------
@@ -221,7 +225,18 @@ class ExpertSet:
 
     def forward_torch(self, hidden: Any, idx: Any, weights: Any) -> Any:
         """The same for torch tensors (what transformers passes): ``hidden`` on any device and
-        dtype; the result has ``hidden``'s device and dtype."""
+        dtype; the result has ``hidden``'s device and dtype. With ``rows_wanted`` only the last
+        rows are computed."""
+        import torch
+
+        wanted = self.rows_wanted
+        if wanted is not None and 0 < wanted < hidden.shape[0]:
+            out = torch.zeros_like(hidden)
+            out[-wanted:] = self._forward_torch(hidden[-wanted:], idx[-wanted:], weights[-wanted:])
+            return out
+        return self._forward_torch(hidden, idx, weights)
+
+    def _forward_torch(self, hidden: Any, idx: Any, weights: Any) -> Any:
         import torch
 
         idx_np = idx.detach().to("cpu", torch.int64).numpy()

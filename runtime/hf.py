@@ -304,7 +304,9 @@ class KtcModel:
     def forward_window(self, ids: np.ndarray, lo: int, hi: int, batch: int | None = None) -> np.ndarray:
         """Runs the token ids ``ids`` from an empty KV cache, ``batch`` tokens a forward (default:
         the prefill chunk), and returns the float32 logits [hi - lo, vocab] of positions lo to
-        hi - 1 (none where lo == hi; transformers then computes the last position's only)."""
+        hi - 1 (none where lo == hi; transformers then computes the last position's only). The
+        last layer's experts run for the positions whose logits a chunk keeps
+        (``last_layer_experts``)."""
         import inspect
 
         import torch
@@ -314,18 +316,33 @@ class KtcModel:
         keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         cache = self.new_cache()
         kept = []
+        final = self.last_layer_experts
         with torch.inference_mode():
             for start in range(0, len(ids), step):
                 end = min(len(ids), start + step)
                 first, last = max(start, lo), min(end, hi)  # the positions wanted in this chunk
                 chunk = torch.as_tensor(np.asarray(ids[start:end], dtype=np.int64)[None, :], device=self.input_device)
                 options = {"logits_to_keep": max(end - first, 1)} if keeps else {}  # the last n
-                logits = self.model(input_ids=chunk, **{self.cache_argument: cache}, use_cache=True,
-                                    **options).logits[0]
+                if final is not None:  # the last layer's experts for those positions alone
+                    final.rows_wanted = max(end - first, 1)
+                try:
+                    logits = self.model(input_ids=chunk, **{self.cache_argument: cache}, use_cache=True,
+                                        **options).logits[0]
+                finally:
+                    if final is not None:
+                        final.rows_wanted = None
                 if last > first:
                     at = logits.shape[0] - (end - first)
                     kept.append(logits[at:at + last - first].float().cpu().numpy())
         return np.concatenate(kept) if kept else np.empty((0, 0), dtype=np.float32)
+
+    @property
+    def last_layer_experts(self) -> ExpertSet | None:
+        """The experts of the model's last decoder layer (None where that layer is dense): past
+        them only the final norm and the output matrix read each position, so a prefill chunk
+        needs them only for the positions whose logits it keeps."""
+        layers = getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+        return next((e for e in self.experts if layers is not None and e.layer == layers - 1), None)
 
     @property
     def cache_argument(self) -> str:

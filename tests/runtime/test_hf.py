@@ -135,6 +135,30 @@ def test_generate_of_transformers_works(checkpoints, tmp_path):
     assert out[0, 12:].tolist() == reference_greedy(model, ids, 8)
 
 
+def test_prefill_runs_the_last_layers_experts_for_kept_positions_only(checkpoints, tmp_path):
+    """A prefill chunk runs the last layer's experts only for the positions whose logits it keeps
+    (past that layer only the final norm and the output matrix read a position, and llama.cpp
+    skips the rest the same way); the kept logits are transformers' own."""
+    model, folder = checkpoints["qwen3_moe"]
+    path = str(tmp_path / "m.ktb")
+    compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
+    ids = prompt_ids(20)[0].numpy()
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)[None]).logits[0]
+    with from_bundle(path) as km:
+        final = km.last_layer_experts
+        assert final is not None and final.layer == model.config.num_hidden_layers - 1 and len(km.experts) > 1
+        rows = []
+        real = final._forward_torch
+        final._forward_torch = lambda h, i, w: rows.append(h.shape[0]) or real(h, i, w)
+        last = km.forward_window(ids, 19, 20, batch=8)  # chunks of 8, 8 and 4 tokens
+        assert rows == [1, 1, 1] and final.rows_wanted is None
+        every = km.forward_window(ids, 6, 20, batch=8)
+        assert rows[3:] == [2, 8, 4]  # positions 6 and 7 kept: the first chunk's last two rows, then all
+    assert relative(torch.from_numpy(last), want[19:]) < 1e-4
+    assert relative(torch.from_numpy(every), want[6:]) < 1e-4
+
+
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "int4_g32", "mxfp4", "int8"])
 def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tmp_path):
     """--dense-scheme stores attention and lm_head quantized; on the CPU they run through ktc's
