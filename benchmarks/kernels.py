@@ -10,7 +10,7 @@ interleaved rounds, each round measuring the bandwidth first).
    (routing, activation quantization and function, combination, the rest) timed separately
    (target: under 5% of the layer).
 3. 64 and 256 tokens through one expert against torch bf16 ``F.linear`` on the same weights
-   dequantized (int8, q8_0, q4_0, mxfp4, iq4_nl, q4_k, q5_k, q6_k; iq4_nl from random blocks;
+   dequantized (int8, q8_0, q4_0, mxfp4, iq4_nl, q4_k, q5_k, q6_k, iq4_xs; iq4_nl and iq4_xs from random blocks;
    target: at least 1.5x torch's throughput), with
    each side's operations a second against this CPU's int8 and bf16 peaks, measured here as
    independent ``vpdpbusd`` and ``vdpbf16ps`` instructions on registers, on every thread (the
@@ -291,7 +291,7 @@ def main() -> int:
         for count in (64, 256) if not args.quick else (64,):
             xs = rng.standard_normal((count, hidden)).astype(np.float32)
             ops = 2 * count * 3 * hidden * inter
-            for scheme in ("int8", "q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"):
+            for scheme in ("int8", "q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"):
                 gate_up, down = stored(w_gate_up, scheme), stored(w_down, scheme)
                 wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)
                 wd = torch.from_numpy(dequantize(down, scheme, inter)).to(torch.bfloat16)

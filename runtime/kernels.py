@@ -532,8 +532,13 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
             and kernels.in_place[0](scheme, x.shape[1])):
         return kernels.in_place[1](x, raw, scheme)
     if kernels.stepwise and x.shape[0] < GEMM_MIN_TOKENS:
-        return np.stack([matvec(raw, scheme, row, scales=scales) for row in x])
+        return stepwise(x, raw, scheme, scales)
     return kernels.batched(x, raw, scheme, scales)
+
+
+def stepwise(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
+    """``x @ W.T`` token by token through the one-token kernel."""
+    return np.stack([matvec(raw, scheme, row, scales=scales) for row in x])
 
 
 def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -622,16 +627,20 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # medians of 9 interleaved rounds, lanes/tiles): q8_0 2.64/2.48 at 4 tokens, 2.82/3.80 at 8;
 # q4_0 3.15/2.72 at 8, 3.51/3.50 at 12; mxfp4 3.20/3.26 at 8, 2.71/4.98 at 12; iq4_nl
 # 2.85/2.55 at 8, 2.58/3.10 at 12; q4_k 3.33/2.62 at 8, 3.42/3.87 at 12; q5_k 4.16/3.16 at 8,
-# 3.36/4.31 at 12; q6_k 4.24/4.14 at 8, 3.87/4.77 at 12. lanes.matmul ran 1.0-1.6x torch's bf16
+# 3.36/4.31 at 12; q6_k 4.24/4.14 at 8, 3.87/4.77 at 12. iq4_xs has no tiles: below 4 tokens
+# the one-token kernel token by token (lanes/stepwise 6.32/3.53 at 2, 6.47/6.99 at 4; its scales'
+# unpacking is scalar code, about twice the others' fixed cost). lanes.matmul ran 1.0-1.6x torch's bf16
 # GEMM on the weights already decoded at 64 and 256 tokens (``benchmarks/kernels.py``), so
 # these schemes never take the decode-to-bf16 path where they fit.
-LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12}
+LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
+                    "iq4_xs": 4}
 
 
 def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndarray]) -> tuple[
         Callable[[str, int], bool], Callable[..., np.ndarray]]:
     """``CpuKernels.in_place`` for a scheme of ``lanes.KINDS`` whose row tiles are ``tiles``
-    (``tiles_fit``): the tiles below ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on."""
+    (``tiles_fit``; iq4_xs has none and passes ``stepwise``): the tiles below
+    ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on and wherever the tiles do not fit."""
 
     def fits(scheme: str, cols: int) -> bool:
         return lanes.fits(scheme, cols) or tiles_fit(scheme, cols)

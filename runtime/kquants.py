@@ -25,7 +25,7 @@ from ktc.formats.schemes import get_scheme
 
 from . import vnni
 from .device import register_device
-from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, in_place, register_cpu
+from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, in_place, register_cpu, stepwise
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
 # the kinds that read the activations per 256: q4_k and q5_k in one layout, q6_k in order
@@ -875,6 +875,8 @@ def _cpu(name: str) -> CpuKernels:
         return CpuKernels(matvec, decode, in_place=in_place(vnni.batched_fits, vnni.matmul_blocks))
     if name in PER_256:
         return CpuKernels(matvec, decode, in_place=in_place(batched_fits, matmul_k))
+    if name == "iq4_xs":  # no row tiles: the one-token kernel for a few tokens, then 16 a vector
+        return CpuKernels(matvec, decode, in_place=in_place(lambda scheme, cols: vnni.HAVE_VNNI, stepwise))
     return CpuKernels(matvec, decode)
 
 

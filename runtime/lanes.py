@@ -41,14 +41,14 @@ TILE_ROWS, TILE_GROUPS = 4, 2
 CHUNK_ROWS = 16  # rows unpacked at a time; 16: 960 GOP/s, 32: 870, 64: 775 (4 x 2, as above)
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
-KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
-_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32)
+KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8}
+_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128)
 # Per kind: bytes of a block (or super-block), values it holds, and where the block kinds'
 # codes start.
-_SIZE = (0, 34, 18, 17, 18, 144, 176, 210)
-_VALUES = (0, 32, 32, 32, 32, 256, 256, 256)
-_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0)
-_MINIMUMS, _HALVES = 5, 7  # kinds from which on blocks have minimums (q4_k, q5_k); q6_k: 16-value scales
+_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136)
+_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256)
+_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0)
+_HALVES = 7  # q6_k: 16-value scales, two a block; q4_k and q5_k (5, 6): minimums
 
 
 def _unpack_intrinsic(kind: int):  # type: ignore[no-untyped-def]
@@ -116,8 +116,9 @@ def _nibbles(builder, packed, shift=None):  # type: ignore[no-untyped-def]
 
 def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     """``codes(flat, at, w, wat)``: the 256 codes of the super-block of ``kind`` (q4_k, q5_k,
-    q6_k) at byte ``at`` of ``flat`` as unsigned bytes at w[wat:wat + 256], in order (q6_k's
-    unsigned, before its minus 32), assembled from their bit planes 32 at a time."""
+    q6_k, iq4_xs) at byte ``at`` of ``flat`` as unsigned bytes at w[wat:wat + 256], in order
+    (q6_k's unsigned, before its minus 32; iq4_xs's levels plus 128), assembled from their bit
+    planes 32 at a time."""
     from llvmlite import ir
 
     i8 = ir.IntType(8)
@@ -149,6 +150,16 @@ def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                             fifth = builder.and_(builder.lshr(high_bits, spread(j)), spread(1))
                             nibbles = builder.or_(nibbles, builder.shl(fifth, spread(4)))
                         put(nibbles, 32 * j)
+            elif kind == 8:  # iq4_xs: sub-block j's 16 bytes at 8 + 16 j, low nibbles then high, as iq4_nl's
+                bytes16 = ir.VectorType(i8, 16)
+                shuffle = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(bytes16, [bytes16] * 2), "llvm.x86.ssse3.pshuf.b.128")
+                table = ir.Constant(bytes16, list(vnni.IQ4_PLUS_128))
+                for j in range(8):
+                    low, high = (builder.call(shuffle, [table, half])
+                                 for half in _nibbles(builder, load(flat_a, at(8 + 16 * j), bytes16)))
+                    put(builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 32),
+                                                                      list(range(32)))), 32 * j)
             else:  # q6_k: value 128 n + 32 s + l: ql[64 n + 32 (s % 2) + l] >> 4 (s // 2), qh[32 n + l] >> 2 s
                 for n in range(2):
                     high = load(flat_a, at(128 + 32 * n), bytes32)
@@ -262,7 +273,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
 
 
 _unpack_q8_0, _unpack_q4_0, _unpack_mxfp4, _unpack_iq4_nl = (_unpack_intrinsic(kind) for kind in range(1, 5))
-_codes_q4_k, _codes_q5_k, _codes_q6_k = (_superblock_intrinsic(kind) for kind in range(5, 8))
+_codes_q4_k, _codes_q5_k, _codes_q6_k, _codes_iq4_xs = (_superblock_intrinsic(kind) for kind in range(5, 9))
 _tile_pair, _tile_one = _tile_intrinsic(TILE_GROUPS), _tile_intrinsic(1)
 _tile_pair_minimums, _tile_one_minimums = _tile_intrinsic(TILE_GROUPS, minimums=True), _tile_intrinsic(1, minimums=True)
 _tile_pair_halves, _tile_one_halves = _tile_intrinsic(TILE_GROUPS, halves=2), _tile_intrinsic(1, halves=2)
@@ -322,6 +333,13 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
             _unpack_mxfp4(flat, at, w, at_w, sc, p + b, e8m0)
         elif kind == 4:
             _unpack_iq4_nl(flat, at, w, at_w, sc, p + b, e8m0)
+        elif kind == 8:  # iq4_xs: 8 6-bit scales of 32 values (4 low bits, 2 high), minus 32, times d
+            _codes_iq4_xs(flat, at, w, at_w)
+            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+            high = np.int32(flat[at + 2]) | (np.int32(flat[at + 3]) << 8)
+            for j in range(8):
+                low = (np.int32(flat[at + 4 + j // 2]) >> (4 * (j % 2))) & 15
+                sc[p + 8 * b + j] = d * np.float32((low | (((high >> (2 * j)) & 3) << 4)) - 32)
         elif kind == 7:  # q6_k: 16 int8 scales of 16 values, times d
             _codes_q6_k(flat, at, w, at_w)
             d = f16[np.uint16(flat[at + 208]) | (np.uint16(flat[at + 209]) << np.uint16(8))]
@@ -380,7 +398,7 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
                             _tile_pair_halves(*args)
                         else:
                             _tile_one_halves(*args)
-                    elif kind >= _MINIMUMS:
+                    elif kind == 5 or kind == 6:  # q4_k, q5_k: minimums
                         if pair:
                             _tile_pair_minimums(*args)
                         else:

@@ -223,16 +223,17 @@ def _blocks_case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.nda
     from model_factory import random_blocks
 
     rng = np.random.default_rng(rows * cols + tokens)
-    raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme == "iq4_nl"
+    raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme in ("iq4_nl", "iq4_xs")
            else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
     return raw, rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
 
 
-IN_PLACE = ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"]
+TILED = ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"]  # row tiles for a few tokens
+IN_PLACE = TILED + ["iq4_xs"]
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", IN_PLACE)
+@pytest.mark.parametrize("scheme", TILED)
 @pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (16, 512, 2), (9, 1024, 7), (40, 256, 3)])
 def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
     """A few tokens multiplied in place (tiles of rows x tokens; the rows and tokens past the last

@@ -165,11 +165,17 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
 @pytest.mark.parametrize("family, scheme, width", [("qwen3_moe", "q4_0", 128), ("mixtral", "q8_0", 128),
                                                    ("gpt_oss", "mxfp4", 128), ("qwen3_moe", "q4_k", 256),
                                                    ("olmoe", "q6_k", 256)])
-def test_batched_tokens_equal_each_token_alone(family, scheme, width, tmp_path):
-    """24 tokens through a layer at once (each expert's tokens multiplied in place: hidden and
-    expert widths of whole steps of the kernels) give what each token alone gives through the
-    one-token path."""
+@pytest.mark.parametrize("tokens", [24, 160])
+def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tmp_path):
+    """Many tokens through a layer at once (each expert's tokens multiplied in place: row tiles
+    for a few, 16 tokens a vector from LANES_MIN_TOKENS on; hidden and expert widths of whole
+    steps of the kernels) give what each token alone gives through the one-token path: to float
+    rounding for the block kinds, whose activations are quantized per 32 values either way;
+    within the activations' rounding for the K-quants, whose one-token kernels quantize them
+    per 256 (about 1% a product, two products; the lanes against their definition: the kernel
+    tests)."""
     from ktc.runtime import vnni
+    from ktc.runtime.kernels import LANES_MIN_TOKENS
 
     if not vnni.HAVE_VNNI:
         pytest.skip("the in-place batched path needs AVX-512 VNNI")
@@ -181,11 +187,16 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tmp_path):
     rng = np.random.default_rng(8)
     with open_bundle(str(path)) as bundle:
         moe = MoELayer(bundle, mf.FAMILIES[family].moe_layers[-1])
-        h = rng.standard_normal((24, width)).astype(np.float32)
+        h = rng.standard_normal((tokens, width)).astype(np.float32)
         batched = moe.forward(h)
-        alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(24)])
-        np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())
+        most = int(moe.experts.counts.max())  # the most tokens an expert took in the batch
+        alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(tokens)])
         moe.close()
+    assert tokens == 24 or most >= LANES_MIN_TOKENS[scheme]  # the larger batch reaches the lanes
+    if scheme in ("q4_k", "q6_k") and tokens > 24:
+        assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) < 3e-2
+    else:
+        np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())
 
 
 def test_a_token_choosing_an_expert_twice(tiny_models, tmp_path):
