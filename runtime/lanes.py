@@ -309,8 +309,13 @@ def activations(x, n, cols, offset, halves):  # pragma: no cover - compiled
                 act[at + 16 * j] = words[first + j]
             scales[(g * blocks + b) * 16 + lane] = dx[t * blocks + b]
             dsum[(g * blocks + b) * 16 + lane] = sums[t * blocks + b]
+            if halves == 1:  # the code sum, back from the scaled one (exact: at most 32 x 127 in magnitude)
+                d = dx[t * blocks + b]
+                total = np.int32(np.rint(sums[t * blocks + b] / d)) if d > 0 else np.int32(0)
+                shift[(g * blocks + b) * 16 + lane] = -offset * total
+                continue
             for h in range(halves):
-                total = 0
+                total = np.int32(0)
                 for k in range(span):
                     total += np.int32(xq[t * cols + 32 * b + span * h + k])
                 shift[((g * blocks + b) * halves + h) * 16 + lane] = -offset * total
