@@ -516,14 +516,14 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     ``scheme`` as raw rows (uint8 [rows, row_bytes], or the plain dtype for f32/f16/bf16).
 
     One token reads the weights once through the matrix-vector kernels (memory-bound). The block
-    kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k and q6_k on a VNNI CPU multiply two tokens or
-    more in place, in int8 (``CpuKernels.in_place``: row tiles, then from ``LANES_MIN_TOKENS``
-    16 tokens a vector). Otherwise from
-    ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix (compute-bound): int8
-    multiplies in int8 (torch._int_mm), bf16 and the block schemes in bf16 (block schemes decoded
-    first, in tiles; each adds well under 1% relative error), f32 and f16 in float32. Between the
-    two, quantized weights go token by token through the one-token kernels (decoding a large
-    matrix costs more than a few passes over its bytes). ``scales`` as for ``matvec``."""
+    kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k, q6_k and iq4_xs on a VNNI CPU multiply two
+    tokens or more in place, in int8 (``CpuKernels.in_place``: row tiles, then from
+    ``LANES_MIN_TOKENS`` 16 tokens a vector). Otherwise from ``GEMM_MIN_TOKENS`` tokens on the
+    weights are used as a matrix (compute-bound): int8 multiplies in int8 (torch._int_mm), bf16
+    and the other quantized schemes in bf16 (decoded first, in tiles; each adds well under 1%
+    relative error), f32 and f16 in float32. Between the two, quantized weights go token by
+    token through the one-token kernels (decoding a large matrix costs more than a few passes
+    over its bytes). ``scales`` as for ``matvec``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape[0] == 1:
         return matvec(raw, scheme, x[0], scales=scales)[None, :]
@@ -619,8 +619,8 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
     return out
 
 
-# Several tokens of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) and of q4_k, q5_k and q6_k are
-# multiplied in place, without decoding the matrix: from this many tokens on by lanes.matmul (16
+# Several tokens of the block kinds (q8_0, q4_0, mxfp4, iq4_nl) and of q4_k, q5_k, q6_k and iq4_xs
+# are multiplied in place, without decoding the matrix: from this many tokens on by lanes.matmul (16
 # tokens a vector, the codes unpacked a chunk of rows at a time), below it by the row tiles
 # (vnni.matmul_blocks, kquants.matmul_k: 2 tokens x 4 or 8 rows, no unpacking), which read the
 # matrix once at about the one-token kernels' speed. Measured at Mixtral's 14336 x 4096 (ms,
@@ -628,10 +628,11 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # q4_0 3.15/2.72 at 8, 3.51/3.50 at 12; mxfp4 3.20/3.26 at 8, 2.71/4.98 at 12; iq4_nl
 # 2.85/2.55 at 8, 2.58/3.10 at 12; q4_k 3.33/2.62 at 8, 3.42/3.87 at 12; q5_k 4.16/3.16 at 8,
 # 3.36/4.31 at 12; q6_k 4.24/4.14 at 8, 3.87/4.77 at 12. iq4_xs has no tiles: below 4 tokens
-# the one-token kernel token by token (lanes/stepwise 6.32/3.53 at 2, 6.47/6.99 at 4; its scales'
-# unpacking is scalar code, about twice the others' fixed cost). lanes.matmul ran 1.0-1.6x torch's bf16
-# GEMM on the weights already decoded at 64 and 256 tokens (``benchmarks/kernels.py``), so
-# these schemes never take the decode-to-bf16 path where they fit.
+# the one-token kernel token by token (lanes/stepwise 6.32/3.53 at 2, 6.47/6.99 at 4; its
+# scales' unpacking is scalar code, about twice the others' fixed cost). lanes.matmul ran
+# 1.06-1.65x torch's bf16 GEMM on the weights already decoded at 64 and 256 tokens
+# (``benchmarks/kernels.py``), so these schemes never take the decode-to-bf16 path where they
+# fit.
 LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
                     "iq4_xs": 4}
 

@@ -9,19 +9,18 @@ quantized to int8 per 32 values, are laid out four values of each token a 32-bit
 (``activations``), and each ``vpdpbusd`` multiplies them by four codes of one row broadcast to
 every lane; a block of 32 values is 8 such products into one int32 sum per token, then one
 conversion and one multiply-add for its 16 tokens. The codes are unpacked to bytes a chunk of
-``CHUNK_ROWS`` rows at a time (``_unpack_blocks``/``_unpack_superblock``: vector code, with
-the blocks' scales), kept in the cache while every token goes over them, and the next chunk's
+``CHUNK_ROWS`` rows at a time (``_unpack_intrinsic``, ``_superblock_intrinsic``: vector code;
+the scales beside them), kept in the cache while every token goes over them, and the next chunk's
 bytes are prefetched meanwhile. ``vpdpbusd`` multiplies unsigned bytes by signed ones: the
 codes are stored unsigned (plus their kind's offset), and the offset times each block's sum of
 activations is where the int32 sums start. q4_k's and q5_k's minimums add one multiply-add a
-block; q6_k's 16-value scales split a block's sums in two.
+block; q6_k's 16-value scales split a block's sums in two. ``kernels.in_place`` sends a matrix
+here from ``kernels.LANES_MIN_TOKENS`` tokens on.
 
 Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and torch's bf16
 ``F.linear`` in ``benchmarks/kernels.py`` (part 3) and ``docs/runtime.md``.
 """
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 from numba import get_num_threads, njit, prange, types
@@ -72,13 +71,10 @@ def _unpack_intrinsic(kind: int):  # type: ignore[no-untyped-def]
             if kind == 1:  # q8_0: the signed codes, their sign bits flipped
                 values = builder.xor(load(flat_a, codes_i, bytes32), ir.Constant(bytes32, [0x80] * 32))
             else:
-                low, high = _nibbles(builder, load(flat_a, codes_i, bytes16))
+                halves = _nibbles(builder, load(flat_a, codes_i, bytes16))
                 if kind != 2:  # e2m1 codes or iq4 levels -> unsigned integers, a table look-up a byte
-                    shuffle = cgutils.get_or_insert_function(
-                        builder.module, ir.FunctionType(bytes16, [bytes16] * 2), "llvm.x86.ssse3.pshuf.b.128")
-                    table = ir.Constant(bytes16, list(vnni.E2M1_TWICE_PLUS_12 if kind == 3 else vnni.IQ4_PLUS_128))
-                    low, high = builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])
-                values = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+                    halves = _looked_up(builder, vnni.E2M1_TWICE_PLUS_12 if kind == 3 else vnni.IQ4_PLUS_128, halves)
+                values = _joined(builder, *halves)
             _store(builder, values, w_a, wat_v)
             if kind == 3:  # e8m0: a power of two from the table, halved for the doubled values
                 exponent = builder.zext(load(flat_a, at_v, i8), i32)
@@ -105,13 +101,30 @@ def _store(builder, value, array, index):  # type: ignore[no-untyped-def]
     builder.store(value, builder.bitcast(builder.gep(array.data, [index]), value.type.as_pointer()), align=1)
 
 
-def _nibbles(builder, packed, shift=None):  # type: ignore[no-untyped-def]
+def _nibbles(builder, packed):  # type: ignore[no-untyped-def]
     """A byte vector's low and high 4 bits, as bytes."""
     from llvmlite import ir
 
     t = packed.type
     return (builder.and_(packed, ir.Constant(t, [15] * t.count)),
             builder.lshr(packed, ir.Constant(t, [4] * t.count)))
+
+
+def _looked_up(builder, table, vectors):  # type: ignore[no-untyped-def]
+    """16-byte vectors of 4-bit codes as ``table``'s 16 bytes (one ``pshufb`` each)."""
+    from llvmlite import ir
+
+    bytes16 = ir.VectorType(ir.IntType(8), 16)
+    shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bytes16, [bytes16] * 2),
+                                             "llvm.x86.ssse3.pshuf.b.128")
+    return tuple(builder.call(shuffle, [ir.Constant(bytes16, list(table)), v]) for v in vectors)
+
+
+def _joined(builder, first, second):  # type: ignore[no-untyped-def]
+    """Two 16-byte vectors as one of 32 bytes."""
+    from llvmlite import ir
+
+    return builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32))))
 
 
 def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
@@ -151,15 +164,9 @@ def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                             nibbles = builder.or_(nibbles, builder.shl(fifth, spread(4)))
                         put(nibbles, 32 * j)
             elif kind == 8:  # iq4_xs: sub-block j's 16 bytes at 8 + 16 j, low nibbles then high, as iq4_nl's
-                bytes16 = ir.VectorType(i8, 16)
-                shuffle = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(bytes16, [bytes16] * 2), "llvm.x86.ssse3.pshuf.b.128")
-                table = ir.Constant(bytes16, list(vnni.IQ4_PLUS_128))
                 for j in range(8):
-                    low, high = (builder.call(shuffle, [table, half])
-                                 for half in _nibbles(builder, load(flat_a, at(8 + 16 * j), bytes16)))
-                    put(builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(ir.IntType(32), 32),
-                                                                      list(range(32)))), 32 * j)
+                    halves = _nibbles(builder, load(flat_a, at(8 + 16 * j), ir.VectorType(i8, 16)))
+                    put(_joined(builder, *_looked_up(builder, vnni.IQ4_PLUS_128, halves)), 32 * j)
             else:  # q6_k: value 128 n + 32 s + l: ql[64 n + 32 (s % 2) + l] >> 4 (s // 2), qh[32 n + l] >> 2 s
                 for n in range(2):
                     high = load(flat_a, at(128 + 32 * n), bytes32)
