@@ -347,14 +347,14 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
             _unpack_iq4_nl(flat, at, w, at_w, sc, p + b, e8m0)
         elif kind == 8:  # iq4_xs: 8 6-bit scales of 32 values (4 low bits, 2 high), minus 32, times d
             _codes_iq4_xs(flat, at, w, at_w)
-            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
+            d = kquants._f16(raw, row, b * size, f16)
             high = np.int32(flat[at + 2]) | (np.int32(flat[at + 3]) << 8)
             for j in range(8):
                 low = (np.int32(flat[at + 4 + j // 2]) >> (4 * (j % 2))) & 15
                 sc[p + 8 * b + j] = d * np.float32((low | (((high >> (2 * j)) & 3) << 4)) - 32)
         elif kind == 7:  # q6_k: 16 int8 scales of 16 values, times d
             _codes_q6_k(flat, at, w, at_w)
-            d = f16[np.uint16(flat[at + 208]) | (np.uint16(flat[at + 209]) << np.uint16(8))]
+            d = kquants._f16(raw, row, b * size + 208, f16)
             for i in range(16):
                 sc[p + 16 * b + i] = d * np.float32(np.int8(flat[at + 192 + i]))
         else:  # q4_k, q5_k: 8 6-bit scales and minimums of 32 values, times d and dmin
@@ -362,8 +362,8 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
                 _codes_q4_k(flat, at, w, at_w)
             else:
                 _codes_q5_k(flat, at, w, at_w)
-            d = f16[np.uint16(flat[at]) | (np.uint16(flat[at + 1]) << np.uint16(8))]
-            dmin = f16[np.uint16(flat[at + 2]) | (np.uint16(flat[at + 3]) << np.uint16(8))]
+            d = kquants._f16(raw, row, b * size, f16)
+            dmin = kquants._f16(raw, row, b * size + 2, f16)
             for j in range(8):
                 scale, lowest = kquants._scale_min_k4(raw, row, b * size + 4, j)
                 sc[p + 8 * b + j] = d * np.float32(scale)

@@ -219,7 +219,7 @@ def test_block_vnni_matches_its_definition(scheme, shape):
 
 
 def _blocks_case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """A random matrix of ``scheme`` (iq4_nl has no quantizer: random blocks) and tokens."""
+    """A random matrix of ``scheme`` (iq4_nl and iq4_xs have no quantizer: random blocks) and tokens."""
     from model_factory import random_blocks
 
     rng = np.random.default_rng(rows * cols + tokens)
