@@ -298,11 +298,11 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                     ls = builder.or_(builder.and_(nibbles, const(v8, 15)), builder.shl(builder.and_(high8, const(v8, 3)),
                                                                                         const(v8, 4)))
                     signed = builder.sub(ls, const(v8, 32))
-                    scales = builder.fmul(builder.fmul(to_float(signed, True), splat(d_v, floats8)),
-                                          load(dx_a, group, floats8))
-                    # levels + 128 are unsigned bytes for vpdpbusd; the 128 x sum of the activations is taken off
-                    offset = builder.fmul(builder.fmul(scales, load(sums_a, group, floats8)), const(floats8, 128.0))
-                    offset = builder.fdiv(offset, load(dx_a, group, floats8))  # sums are dx x sum(xq)
+                    weights = builder.fmul(to_float(signed, True), splat(d_v, floats8))  # d x scale per 32
+                    scales = builder.fmul(weights, load(dx_a, group, floats8))
+                    # levels + 128 are unsigned bytes for vpdpbusd; 128 x the activations' dequantized sum
+                    # (dx x their codes' sum) times the weights' scale is taken off
+                    offset = builder.fmul(builder.fmul(weights, load(sums_a, group, floats8)), const(floats8, 128.0))
                     total = builder.fsub(total, shuffle(offset, const(floats8, 0.0), list(range(8)) + [8] * 8))
                     lut_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64]),
                                                             "llvm.x86.avx512.pshuf.b.512")
