@@ -24,7 +24,10 @@ class Projections:
     """Matrices (``HostLinear``) sharing one input, run together by ``__call__``."""
 
     def __init__(self, linears: Sequence[Any], kinds: list[int]) -> None:
-        self.mats = tuple(lin.raw for lin in linears)
+        # read-only views of every matrix: a tuple of arrays is one Numba type only when their
+        # flags agree, and a GGUF's query and key rows, un-permuted from llama.cpp's rotary
+        # order, are arrays of their own beside the bundle's read-only map
+        self.mats = tuple(_read_only(lin.raw) for lin in linears)
         self.kinds = np.array(kinds, dtype=np.int64)
         # int8 rows end in their float32 scale, read through a float32 view of the matrix;
         # every matrix gets a view of the same type (its first 4 bytes where it has no scale)
@@ -39,8 +42,8 @@ class Projections:
     @classmethod
     def of(cls, linears: Sequence[Any]) -> Projections | None:
         """The set, or None where one call cannot take them: no VNNI, a scheme outside the block
-        kinds and the K-quants, inputs of different lengths, rows not C-contiguous uint8 of one
-        kind of array, biases."""
+        kinds and the K-quants, inputs of different lengths, rows not C-contiguous uint8 arrays,
+        biases."""
         if not vnni.HAVE_VNNI or not linears:
             return None
         kinds = [rows.kind(lin.scheme) for lin in linears]
@@ -49,7 +52,7 @@ class Projections:
         if None in kinds or any(lin.in_features != cols or lin.bias is not None for lin in linears):
             return None
         if any(not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or not r.flags.c_contiguous
-               or r.flags.writeable != raws[0].flags.writeable for r in raws):
+               for r in raws):
             return None
         if cols % 32 or (any(k >= rows.KQUANT for k in kinds) and cols % 256):  # type: ignore[operator]
             return None
@@ -66,6 +69,12 @@ class Projections:
     def split(self, out: np.ndarray) -> list[np.ndarray]:
         """``out`` of ``__call__`` cut into each matrix's part."""
         return np.split(out, self.splits)
+
+
+def _read_only(raw: np.ndarray) -> np.ndarray:
+    view = raw.view()
+    view.flags.writeable = False
+    return view
 
 
 @njit(cache=True, nogil=True)

@@ -209,6 +209,41 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, tmp_pat
         assert relative(logits[1], twin(ids).logits) < 1e-4
 
 
+def test_gguf_mixtral_rows_reordered_take_the_compiled_attention_step(tmp_path):
+    """A Mixtral GGUF's query and key rows, put back from llama.cpp's rotary order into arrays of
+    their own beside the bundle's read-only map, still go through the attention half's one
+    compiled call with the value rows (a set of matrices whose flags differ was refused, and
+    every layer's step ran matrix by matrix), and it gives what the step-by-step attention gives."""
+    from ktc.runtime import vnni
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI (or the JIT is off)")
+    base = mf.build_hf_model("mixtral")
+    twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 300})).eval()
+    folder = str(tmp_path / "st")
+    twin.save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 300)
+    gguf_path = mf.write_gguf(folder, str(tmp_path / "twin.gguf"), family="mixtral")
+    path = str(tmp_path / "g.ktb")
+    compile_bundle(gguf_path, path, cpu_scheme="q8_0", dense_scheme="q8_0")
+    prompt = torch.randint(3, 290, (1, 8), generator=torch.Generator().manual_seed(1))
+    runs = []
+    with from_bundle(path) as km:
+        assert km.fast is not None
+        layer = km.fast.layers[0]
+        assert layer.q.raw.flags.writeable != layer.v.raw.flags.writeable  # what the case is about
+        compiled = [one.compiled for one in km.fast.layers]
+        assert all(args is not None for args in compiled)
+        for use in (True, False):
+            for one, args in zip(km.fast.layers, compiled):
+                one.compiled = args if use else None
+            with torch.no_grad():
+                km.model(prompt, **{km.cache_argument: km.new_cache()})
+            runs.append([km.fast.step(t).copy() for t in (5, 17, 42)])
+    for got, want in zip(*runs):
+        assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-5
+
+
 def test_tied_embeddings_run_on_the_host_and_on_a_device(tmp_path):
     """lm_head tied to the input embedding: the bundle stores the table once, lm_head reads it."""
     import transformers
