@@ -140,6 +140,8 @@ class FastDecode:
         self.hidden_size = hidden
         self.seconds = np.zeros(len(self.layers) + 1)
         self.steps = 0
+        self._every: tuple[list[Any], Any] | None = None  # (the MoE arguments it was built from, the list)
+        self._mixed_types = False  # the layers' arguments did not go into one typed list
         cos, _ = self._rotary(0)
         if any(cos.shape[0] != layer.head_dim for layer in self.layers):  # a partial rotary embedding
             raise _Unsupported("rotary embedding")
@@ -196,15 +198,69 @@ class FastDecode:
         cos, sin = self._rotary(position)
         seconds, clock = self.seconds, time.perf_counter
         at = clock()
-        for i, layer in enumerate(self.layers):
-            x = self._layer_step(layer, x, cos, sin)
-            now = clock()
-            seconds[i] += now - at
-            at = now
+        every = self._every_layer()
+        if every is not None:  # the whole stack in one compiled call
+            x = self._layers_step(every, x, cos, sin, position)
+            at = clock()
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self._layer_step(layer, x, cos, sin)
+                now = clock()
+                seconds[i] += now - at
+                at = now
         logits = self.head.matvec(_rms_norm(x, self.norm.weight, self.norm.eps))
         seconds[-1] += clock() - at
         self.steps += 1
         return logits
+
+    def _every_layer(self) -> Any:
+        """Each layer's ``_moe_layer_token`` arguments (attention, MoE block) in a Numba typed
+        list, or None where a layer does not take that one call (a dense MLP, shared experts,
+        projections or experts outside the VNNI kernels) or the layers' arguments are not all of
+        one type. Kept while every layer's MoE arguments stay the same objects: unboxing the
+        list is one pointer, where a call a layer cost 30-50 us of Python each (among streaming
+        weights that had evicted the interpreter from the caches; 3.6 us with it in them)."""
+        if self._mixed_types:
+            return None
+        current = []
+        for layer in self.layers:
+            one_call = layer.moe._one_call() if layer.moe is not None and layer.moe.shared is None else None
+            if layer.compiled is None or one_call is None:
+                return None
+            current.append(one_call)
+        kept = self._every
+        if kept is not None and all(a is b for a, b in zip(kept[0], current)):
+            return kept[1]
+        from numba import typed
+
+        stack = typed.List()
+        try:
+            for layer, one_call in zip(self.layers, current):
+                stack.append((layer.compiled, (layer.moe.router, *one_call)))  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001  - layers whose arguments differ in type: one call each
+            self._mixed_types = True
+            return None
+        self._every = (current, stack)
+        return stack
+
+    def _layers_step(self, stack: Any, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, position: int) -> np.ndarray:
+        """Every layer's decode step in one call (``_layers_token``); each layer's time from the
+        cycle counter's marks between them, as a share of the call's."""
+        starts = np.empty(len(self.layers), dtype=np.int64)
+        for i, layer in enumerate(self.layers):
+            layer.cache.check_room(1)
+            starts[i] = max(0, position + 1 - layer.window) if layer.window else 0
+        marks = np.zeros(len(self.layers) + 1, dtype=np.int64)
+        started = time.perf_counter()
+        out = _layers_token(stack, x, cos, sin, position, starts, marks, vnni.stamps())
+        elapsed = time.perf_counter() - started
+        if out.shape[0] == 0:
+            raise KtcError("hidden states contain NaN or Inf")
+        for layer in self.layers:
+            layer.cache.advance(1)
+        spans = np.diff(marks).astype(np.float64)
+        self.seconds[:-1] += elapsed * spans / max(float(spans.sum()), 1.0)
+        return out
 
     def _rotary(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin of the rotary embedding at ``position``, from the model's rotary module:
@@ -344,6 +400,21 @@ def _moe_layer_token(attention, moe, x, cos, sin, position, start, stamps):  # p
     if y.shape[0] == 0:
         return y
     return out + y
+
+
+@njit(cache=True, nogil=True)
+def _layers_token(stack, x, cos, sin, position, starts, marks, stamps):  # pragma: no cover - compiled
+    # Every layer's _moe_layer_token in turn (``stack``: FastDecode._every_layer), the cycle
+    # counter read before the first and after each into ``marks``; empty as soon as a hidden
+    # state is not finite.
+    marks[0] = vnni._cycles()
+    for i in range(len(stack)):
+        attention, moe = stack[i]
+        x = _moe_layer_token(attention, moe, x, cos, sin, position, starts[i], stamps)
+        if x.shape[0] == 0:
+            return x
+        marks[i + 1] = vnni._cycles()
+    return x
 
 
 @njit(cache=True, nogil=True)

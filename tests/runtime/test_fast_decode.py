@@ -64,6 +64,10 @@ def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path
         # quantized projections take the compiled attention step where the CPU has VNNI
         assert all(layer.compiled is not None for layer in km.fast.layers) == (scheme != "f32" and vnni.HAVE_VNNI)
         fast = _steps(km, prompt, tokens, fast=True)
+        # every layer in one compiled call where each takes the one-call layer step
+        one_call = scheme != "f32" and vnni.HAVE_VNNI and not overrides.get("mlp_only_layers")
+        assert (km.fast._every is not None) == one_call
+        assert (km.fast.seconds[:-1] > 0).all()  # each layer's time, in either way
         length = km.cache.get_seq_length()
         slow = _steps(km, prompt, tokens, fast=False)
         assert length == km.cache.get_seq_length() == 20  # both fill the same cache
@@ -82,6 +86,22 @@ def test_compiled_attention_equals_the_step_by_step_one(family, overrides, tmp_p
             layer.compiled = None
         stepwise = _steps(km, prompt, tokens, fast=True)
     assert _relative(compiled, stepwise) < 1e-6
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_every_layer_in_one_call_equals_a_call_a_layer(tmp_path):
+    """The stack of layers in one compiled call (``_layers_token``) gives the logits and fills
+    the cache as one call a layer does."""
+    path = _bundle(tmp_path, "mixtral", "q8_0", sliding_window=5)  # each layer's window start too
+    prompt, tokens = _prompt(12), _prompt(20)[12:]
+    with from_bundle(path) as km:
+        together = _steps(km, prompt, tokens, fast=True)
+        assert km.fast._every is not None
+        keys = [layer.keys[:, :20].copy() for layer in km.fast.layers]
+        km.fast._every_layer = lambda: None
+        apart = _steps(km, prompt, tokens, fast=True)
+        assert all(np.array_equal(k, layer.keys[:, :20]) for k, layer in zip(keys, km.fast.layers))
+    assert _relative(together, apart) == 0.0
 
 
 def test_generate_takes_the_fast_steps_and_gives_transformers_tokens(tmp_path):
