@@ -122,7 +122,6 @@ class StepClock:
         for (owner, name, part), fn in zip(self.patched, self.saved):
             setattr(owner, name, self._wrap(fn, part))
         self.per_cycle = 0.0
-        self.one_region = False
         if vnni.HAVE_VNNI:
             vnni.STAMPS = np.zeros(9, dtype=np.int64)
             vnni.cycles()  # compiled or loaded outside the calibration
@@ -149,9 +148,6 @@ class StepClock:
             s = (stamps - stamps[0]) * self.per_cycle
             self.seconds |= {"quantize": s[1] + s[4] - s[3], "kernels": s[2] - s[1] + s[5] - s[4],
                              "activation": s[3] - s[2], "combine": s[6] - s[5]}
-            # whole experts a thread (rows.experts_token): the activation and its quantization
-            # run inside the one region, stamps 2 to 5 all at its end
-            self.one_region = bool(stamps[2] == stamps[5])
             if stamps[7]:  # the layer's own one-call path: its routing inside it
                 self.seconds["routing"] = s[8] - s[7]
         parts = {part: self.seconds.get(part, 0.0) for part in ("routing", "quantize", "kernels", "activation",
@@ -274,9 +270,7 @@ def main() -> int:
                 print(f"   {scheme:<6} {1e3 * got['total']:6.3f} ms per token, {read / got['total'] / 1e9:5.1f} GB/s; "
                       f"{100 * fraction:3.0f}% of its round's bandwidth (median {got['bandwidth'] / 1e9:.1f} GB/s; "
                       "target 60%)")
-                inside = (" (with the activation function and its quantization: whole experts a thread in one "
-                          "region)") if clock.one_region else ""
-                print(f"          kernels {1e3 * got['kernels']:.3f} ms{inside}; beside them routing "
+                print(f"          kernels {1e3 * got['kernels']:.3f} ms; beside them routing "
                       f"{1e3 * got['routing']:.3f}, "
                       f"activation quantization {1e3 * got['quantize']:.3f}, activation function "
                       f"{1e3 * got['activation']:.3f}, combination {1e3 * got['combine']:.3f}, the rest (checks, "

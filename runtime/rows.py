@@ -111,11 +111,9 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
     """One token x through k experts (their gate/up and down matrices' kinds, byte offsets in
     file and bytes a row), weighted by ``weights`` and summed, in one compiled call: x quantized,
     then where the kernels' ``threads`` (Numba's thread count, an argument: read inside, it
-    would keep these functions out of Numba's cache) share the experts evenly and every matrix
-    is of a block kind, one parallel region of whole experts a thread (``_experts_by_thread``);
-    else every gate/up in one parallel region, the activation (``vnni.activate``), it
-    quantized, every down in another. (The K-quants' row loops, compiled into that region's
-    body beside the activation, ran at 0.6x: 8 of Qwen3's q4_k experts 1370 against 823 us.)
+    would keep these functions out of Numba's cache) share the experts evenly one parallel
+    region of whole experts a thread (``_experts_by_thread``); else every gate/up in one
+    parallel region, the activation (``vnni.activate``), it quantized, every down in another.
     With ``stamps`` of 7 or more (``vnni.STAMPS``), the cycle counter at the start, after
     quantizing x, after the gate/up rows, after the activation, after quantizing it, after the
     down rows (in one region: 2 to 5 all at its end) and at the end."""
@@ -127,7 +125,7 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
     act = activations(x, 1, hidden, gu_kinds)
     if timed:
         stamps[1] = vnni._cycles()
-    if threads > 1 and k % threads == 0 and (gu_kinds < KQUANT).all() and (dn_kinds < KQUANT).all():
+    if threads > 1 and k % threads == 0:
         y = _experts_by_thread(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows,
                                hidden, inter, act, clamped, limit, alpha, gu_bias, has_gu_bias, threads)
         if timed:
