@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
 from ktc.errors import KtcError
@@ -292,9 +291,8 @@ class ExpertSet:
         fused = self._fused
         if fused is None or self._device_index or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
             return None
-        threads = numba.get_num_threads()  # the experts' split over the threads depends on it
         cached = self._one_call
-        if cached is not None and cached[0] is fused and cached[2] == threads:
+        if cached is not None and cached[0] is fused:
             return cached[1]
         scheme, file, gate_up, down = fused
         names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
@@ -312,8 +310,8 @@ class ExpertSet:
                       np.float32(7.0 if self.swiglu_limit is None else self.swiglu_limit),
                       np.float32(1.702 if self.swiglu_alpha is None else self.swiglu_alpha),
                       biases[0] if biases else none, biases is not None, biases[1] if biases else none,
-                      biases is not None, self.counts, threads)
-        self._one_call = (fused, tables, threads)
+                      biases is not None, self.counts)
+        self._one_call = (fused, tables)
         return tables
 
     def _fused_token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -161,7 +161,7 @@ class MoELayer:
 @njit(cache=True, nogil=True)
 def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file, f32, f16, e8m0, gu_kinds,
                gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter, clamped, limit, alpha, gu_bias, has_gu_bias,
-               dn_bias, has_dn_bias, counts, threads, x, stamps):  # pragma: no cover - compiled
+               dn_bias, has_dn_bias, counts, x, stamps):  # pragma: no cover - compiled
     # One token through the layer: its router (softmax, top k), then rows' one call over the
     # chosen experts. Empty when x is not finite. Stamps 7 and 8 (vnni.STAMPS) bracket the
     # routing.
@@ -181,7 +181,7 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
         stamps[8] = vnni._cycles()
     return chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows,
                                 inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
-                                threads, idx, weights, x, stamps)
+                                idx, weights, x, stamps)
 
 
 @njit(cache=True, nogil=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -106,17 +105,14 @@ def rows_many(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, out): 
 
 @njit(cache=True, nogil=True)
 def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, x, weights,
-                  inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, threads,
+                  inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias,
                   stamps):  # pragma: no cover - compiled
     """One token x through k experts (their gate/up and down matrices' kinds, byte offsets in
     file and bytes a row), weighted by ``weights`` and summed, in one compiled call: x quantized,
-    then where the kernels' ``threads`` (Numba's thread count, an argument: read inside, it
-    would keep these functions out of Numba's cache) share the experts evenly one parallel
-    region of whole experts a thread (``_experts_by_thread``); else every gate/up in one
-    parallel region, the activation (``vnni.activate``), it quantized, every down in another.
-    With ``stamps`` of 7 or more (``vnni.STAMPS``), the cycle counter at the start, after
-    quantizing x, after the gate/up rows, after the activation, after quantizing it, after the
-    down rows (in one region: 2 to 5 all at its end) and at the end."""
+    every gate/up in one parallel region, the activation (``vnni.activate``), it quantized, every
+    down in another. With ``stamps`` of 7 or more (``vnni.STAMPS``), the cycle counter at the
+    start, after quantizing x, after the gate/up rows, after the activation, after quantizing
+    it, after the down rows and at the end."""
     k = gu_kinds.shape[0]
     hidden = x.shape[0]
     timed = stamps.shape[0] >= 7
@@ -125,12 +121,6 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
     act = activations(x, 1, hidden, gu_kinds)
     if timed:
         stamps[1] = vnni._cycles()
-    if threads > 1 and k % threads == 0:
-        y = _experts_by_thread(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows,
-                               hidden, inter, act, clamped, limit, alpha, gu_bias, has_gu_bias, threads)
-        if timed:
-            stamps[2] = stamps[3] = stamps[4] = stamps[5] = vnni._cycles()
-        return _weighted_sum(y, weights, dn_bias, has_dn_bias, stamps, timed)
     h = np.empty((k, 2 * inter), np.float32)
     rows_many(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, hidden, act, h)
     if timed:
@@ -145,12 +135,6 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
     rows_many(file, f32, f16, e8m0, dn_kinds, dn_offsets, dn_rows, inter, act_a, y)
     if timed:
         stamps[5] = vnni._cycles()
-    return _weighted_sum(y, weights, dn_bias, has_dn_bias, stamps, timed)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _weighted_sum(y, weights, dn_bias, has_dn_bias, stamps, timed):  # pragma: no cover - compiled
-    k, hidden = y.shape
     out = np.zeros(hidden, np.float32)
     for e in range(k):
         for j in range(hidden):
@@ -160,43 +144,19 @@ def _weighted_sum(y, weights, dn_bias, has_dn_bias, stamps, timed):  # pragma: n
     return out
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _experts_by_thread(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, hidden,
-                       inter, act, clamped, limit, alpha, gu_bias, has_gu_bias, threads):  # pragma: no cover - compiled
-    # The experts' outputs [k, hidden] in one parallel region where the threads share the k
-    # experts evenly: each thread takes whole experts, gate/up, the activation, its
-    # quantization and down, one expert after another. The rows of every expert in one pool
-    # (``rows_many``) need a region for gate/up, one for down and the activation between them
-    # in one thread; with whole experts a thread only reads what it wrote, the same rows as the
-    # pool's even split gives it.
-    k = gu_kinds.shape[0]
-    per = k // threads
-    h = np.empty((k, 2 * inter), np.float32)
-    y = np.empty((k, hidden), np.float32)
-    for t in prange(threads):
-        for e in range(t * per, t * per + per):
-            rows(gu_kinds[e], file, f32, f16, e8m0, gu_offsets[e], gu_rows[e], 0, 2 * inter, hidden, act, 0, h[e])
-            a = vnni.activate(h[e:e + 1], inter, clamped, limit, alpha, gu_bias[e:e + 1] if has_gu_bias else gu_bias,
-                              has_gu_bias)
-            rows(dn_kinds[e], file, f32, f16, e8m0, dn_offsets[e], dn_rows[e], 0, hidden, inter,
-                 activations(a, 1, inter, dn_kinds[e:e + 1]), 0, y[e])
-    return y
-
-
 @njit(cache=True, nogil=True)
 def chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter,
-                         clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, threads, idx,
-                         weights, x, stamps):  # pragma: no cover - compiled
+                         clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, idx, weights, x,
+                         stamps):  # pragma: no cover - compiled
     """One token through the layer's experts ``idx`` (weighted by ``weights``; the tables are
-    the whole layer's, per expert, and the kernels' thread count, as
-    ``experts.ExpertSet.one_call_tables`` builds them): counted, then ``experts_token`` over
-    them."""
+    the whole layer's, per expert, as ``experts.ExpertSet.one_call_tables`` builds them): counted,
+    then ``experts_token`` over them."""
     for e in idx:
         counts[e] += 1
     return experts_token(file, f32, f16, e8m0, gu_kinds[idx], gu_offsets[idx], gu_rows[idx], dn_kinds[idx],
                          dn_offsets[idx], dn_rows[idx], x, weights, inter, clamped, limit, alpha,
                          gu_bias[idx] if has_gu_bias else gu_bias, has_gu_bias,
-                         dn_bias[idx] if has_dn_bias else dn_bias, has_dn_bias, threads, stamps)
+                         dn_bias[idx] if has_dn_bias else dn_bias, has_dn_bias, stamps)
 
 
 _NO_BIAS = np.zeros((1, 1), dtype=np.float32)
@@ -218,4 +178,4 @@ def token(file: np.ndarray, gu_schemes: tuple[str, ...], dn_schemes: tuple[str, 
                          _NO_BIAS if gate_up_bias is None else np.ascontiguousarray(gate_up_bias, dtype=np.float32),
                          gate_up_bias is not None,
                          _NO_BIAS if down_bias is None else np.ascontiguousarray(down_bias, dtype=np.float32),
-                         down_bias is not None, numba.get_num_threads(), vnni.stamps())
+                         down_bias is not None, vnni.stamps())

@@ -500,41 +500,6 @@ def test_experts_token_equals_experts_one_by_one(scheme, activation):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the one-call path of these schemes needs AVX-512 VNNI")
-@pytest.mark.parametrize("names", [("q4_0",) * 4, ("q4_k+q6_k", "q8_0", "q4_k+q6_k", "q8_0")])
-def test_experts_by_thread_equal_the_pooled_rows(names):
-    """Where the threads share the experts evenly, each takes whole experts in one parallel
-    region (gate/up, activation, its quantization, down); it gives what the pooled rows (a region
-    for every gate/up, one for every down) give, and its stamps show one region."""
-    from ktc.formats.schemes import expert_schemes
-    from ktc.runtime import rows
-
-    rng = np.random.default_rng(5)
-    hidden, inter, k = 256, 256, len(names)
-    pairs = [tuple(part.name for part in expert_schemes(name)) for name in names]
-    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
-                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in pairs]
-    file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
-    sizes = np.array([gu.nbytes + dn.nbytes for gu, dn in experts])
-    gate_up = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    down = gate_up + np.array([gu.nbytes for gu, _ in experts])
-    gu_kinds, gu_rows = rows.layout(tuple(p[0] for p in pairs), hidden)
-    dn_kinds, dn_rows = rows.layout(tuple(p[1] for p in pairs), inter)
-    f16, e8m0 = vnni._tables()
-    x = rng.standard_normal(hidden).astype(np.float32)
-    weights = rng.uniform(0.1, 1, k).astype(np.float32)
-    none = np.zeros((1, 1), dtype=np.float32)
-    outs, stamps = [], []
-    for threads in (1, 2):  # the argument picks the path; Numba's own thread count runs it
-        stamp = np.zeros(7, dtype=np.int64)
-        outs.append(rows.experts_token(file, file[:4].view(np.float32), f16, e8m0, gu_kinds, gate_up, gu_rows, dn_kinds,
-                                       down, dn_rows, x, weights, inter, False, np.float32(7), np.float32(1.702), none,
-                                       False, none, False, threads, stamp))
-        stamps.append(stamp)
-    np.testing.assert_array_equal(outs[1], outs[0])
-    assert len(set(stamps[1][2:6])) == 1 and len(set(stamps[0][2:6])) == 4
-
-
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
 def test_int4_float_kernel_where_there_is_no_vnni():
     """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""
