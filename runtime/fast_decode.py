@@ -224,7 +224,7 @@ class FastDecode:
             return None
         current = []
         for layer in self.layers:
-            one_call = layer.moe._one_call() if layer.moe is not None and layer.moe.shared is None else None
+            one_call = _moe_one_call(layer)
             if layer.compiled is None or one_call is None:
                 return None
             current.append(one_call)
@@ -249,7 +249,7 @@ class FastDecode:
         starts = np.empty(len(self.layers), dtype=np.int64)
         for i, layer in enumerate(self.layers):
             layer.cache.check_room(1)
-            starts[i] = max(0, position + 1 - layer.window) if layer.window else 0
+            starts[i] = _window_start(layer, position)
         marks = np.zeros(len(self.layers) + 1, dtype=np.int64)
         started = time.perf_counter()
         out = _layers_token(stack, x, cos, sin, position, starts, marks, vnni.stamps())
@@ -289,9 +289,9 @@ class FastDecode:
             cache = layer.cache
             position = cache.length
             cache.check_room(1)
-            start = max(0, position + 1 - layer.window) if layer.window else 0
+            start = _window_start(layer, position)
             moe = layer.moe
-            one_call = moe._one_call() if moe is not None and moe.shared is None else None
+            one_call = _moe_one_call(layer)
             if one_call is not None:  # the whole layer in one compiled call
                 out = _moe_layer_token(layer.compiled, (moe.router, *one_call), x, cos, sin, position, start,
                                        vnni.stamps())
@@ -322,7 +322,7 @@ class FastDecode:
         cache.check_room(1)
         _rope_into(q, k, v, cos, sin, layer.keys, layer.values, position)
         cache.advance(1)
-        start = max(0, position + 1 - layer.window) if layer.window else 0
+        start = _window_start(layer, position)
         attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling))
         x = x + layer.o.matvec(attended)
         return FastDecode._mlp_step(layer, x, _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps))
@@ -334,6 +334,18 @@ class FastDecode:
             return x + layer.moe.forward(h[None, :])[0]
         gate, up, down = layer.mlp  # type: ignore[misc]
         return x + down.matvec(_silu_times(gate.matvec(h), up.matvec(h)))
+
+
+def _window_start(layer: _Layer, position: int) -> int:
+    """The first cache position the query at ``position`` attends to (its sliding window)."""
+    return max(0, position + 1 - layer.window) if layer.window else 0
+
+
+def _moe_one_call(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
+    """The layer's MoE block's ``_moe_token`` arguments where its decode step takes that one
+    call (no shared experts), else None."""
+    moe = layer.moe
+    return moe._one_call() if moe is not None and moe.shared is None else None
 
 
 _NO_NORM = np.ones(1, dtype=np.float32)
