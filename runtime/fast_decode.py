@@ -236,7 +236,7 @@ class FastDecode:
         stack = typed.List()
         try:
             for layer, one_call in zip(self.layers, current):
-                stack.append((layer.compiled, (layer.moe.router, *one_call)))  # type: ignore[union-attr]
+                stack.append((layer.compiled, one_call))
         except Exception:  # noqa: BLE001  - layers whose arguments differ in type: one call each
             self._mixed_types = True
             return None
@@ -290,11 +290,9 @@ class FastDecode:
             position = cache.length
             cache.check_room(1)
             start = _window_start(layer, position)
-            moe = layer.moe
             one_call = _moe_one_call(layer)
             if one_call is not None:  # the whole layer in one compiled call
-                out = _moe_layer_token(layer.compiled, (moe.router, *one_call), x, cos, sin, position, start,
-                                       vnni.stamps())
+                out = _moe_layer_token(layer.compiled, one_call, x, cos, sin, position, start, vnni.stamps())
                 if out.shape[0] == 0:
                     raise KtcError("hidden states contain NaN or Inf")
                 cache.advance(1)
