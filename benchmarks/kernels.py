@@ -241,8 +241,10 @@ def main() -> int:
                 path = os.path.join(tmp, f"{scheme}.ktb")
                 compile_bundle(os.path.join(tmp, "src"), path, cpu_scheme=scheme)
                 layer = MoELayer(open_bundle(path), 0)
-                # The sparse source has zero weights: random routing weights give real routing.
-                layer.router = rng.standard_normal(layer.router.shape).astype(np.float32)
+                # The sparse source has zero weights: random routing weights give real routing,
+                # bf16 values as Qwen3-30B-A3B publishes its routers (the layer reads them as bf16).
+                router = rng.standard_normal(layer.router.shape).astype(np.float32).view(np.uint32)
+                layer.router = (router & np.uint32(0xFFFF0000)).view(np.float32)
                 layer.forward(rng.standard_normal((1, 2048)).astype(np.float32))
                 # Every page of the experts mapped before timing, as in a model's steady state: the
                 # first touch of each 4 KB page of the bundle's map is a page fault (with the pages

@@ -17,7 +17,7 @@ from . import vnni
 # attribute in Python, which compiled code cannot call.
 from .rows import chosen_experts_token
 from .experts import ExpertSet, tensor_float32
-from .kernels import _matvec_f32, matmul_t
+from .kernels import _matvec_bf16, _matvec_f32, matmul_t
 
 
 class MoELayer:
@@ -158,27 +158,40 @@ class MoELayer:
 
             listed = typed.List()
             listed.append(cached[1])
-            self._one_call_args = cached = (*cached[:2], listed)
+            self._one_call_args = cached = (*cached[:2], listed, cached[3])
         return cached[2]
 
     def _cached_one_call(self) -> tuple | None:  # type: ignore[type-arg]
-        # (the experts' tables, the arguments, their typed list or None), built once per tables
+        # (the experts' tables, the arguments, their typed list or None, the router they hold),
+        # built once per tables and router
         if self.info["gating"] == "sigmoid":
             return None
         tables = self.experts.one_call_tables()
         if tables is None:
             return None
         cached = self._one_call_args
-        if cached is None or cached[0] is not tables:
+        if cached is None or cached[0] is not tables or cached[3] is not self.router:
             bias = self.router_bias if self.router_bias is not None else np.zeros(1, dtype=np.float32)
-            cached = (tables, (self.router, bias, self.router_bias is not None, self.top_k,
+            cached = (tables, (_compact_router(self.router), bias, self.router_bias is not None, self.top_k,
                                bool(self.info["norm_topk_prob"]), np.float32(self.info["routed_scaling_factor"]),
-                               *tables), None)
+                               *tables), None, self.router)
             self._one_call_args = cached
         return cached
 
     def close(self) -> None:
         self.experts.close()
+
+
+def _compact_router(router: np.ndarray) -> np.ndarray:
+    """The router as bf16 bit patterns (uint16) where every value is one exactly, else as it is.
+    Routers are trained and published in bf16 (Qwen3-30B-A3B's, Mixtral's; a GGUF widens them to
+    f32): half the bytes, the same logits. At decode the router is read from memory once a
+    token, after the experts of the layers between have evicted it: its f32 bytes were 5% of a
+    Qwen3-30B-A3B-shaped Q4_0 layer's."""
+    bits = np.ascontiguousarray(router, dtype=np.float32).view(np.uint32)
+    if np.any(bits & np.uint32(0xFFFF)):
+        return router
+    return (bits >> np.uint32(16)).astype(np.uint16)
 
 
 @njit(cache=True, nogil=True)
@@ -195,7 +208,10 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
     if timed:
         stamps[7] = vnni._cycles()
     logits = np.empty(router.shape[0], dtype=np.float32)
-    _matvec_f32(router, x, logits)
+    if router.itemsize == 2:  # bf16 bit patterns (_compact_router)
+        _matvec_bf16(router, x, logits)
+    else:
+        _matvec_f32(router, x, logits)
     if has_router_bias:
         logits += router_bias
     idx, weights = _softmax_top_k(logits, k, normalize)

@@ -128,6 +128,29 @@ def test_one_token_fused_path(family, scheme, hf_models, tiny_models, tmp_path):
         moe.close()
 
 
+def test_one_token_reads_a_bf16_router_as_bf16(tiny_models, tmp_path):
+    """A router whose values are all bf16 (as models publish them) goes to the one-token call as
+    bf16 bit patterns, half the bytes, with the routing and output of the f32 router's batched
+    path; one with a value bf16 cannot hold stays f32."""
+    from ktc.runtime import vnni
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("the one-token call needs AVX-512 VNNI")
+    path = tmp_path / "m.ktb"
+    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme="q8_0")
+    with open_bundle(str(path)) as bundle:
+        moe = MoELayer(bundle, mf.FAMILIES["qwen3_moe"].moe_layers[-1])
+        assert moe._one_call()[0].dtype == np.float32  # the tiny model's f32 initialisation
+        bits = moe.router.view(np.uint32) & np.uint32(0xFFFF0000)
+        moe.router = bits.view(np.float32)
+        router = moe._one_call()[0]
+        assert router.dtype == np.uint16 and router.nbytes * 2 == moe.router.nbytes
+        np.testing.assert_array_equal((router.astype(np.uint32) << np.uint32(16)).view(np.float32), moe.router)
+        for _ in fused_against_plain(moe, np.random.default_rng(2)):
+            pass
+        moe.close()
+
+
 def fused_against_plain(moe: MoELayer, rng: np.random.Generator):  # type: ignore[no-untyped-def]
     """Three tokens through the layer's fused one-token path, each checked against the experts
     run one by one (per 32 values the fused kernels quantize activations as the one-token
