@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -269,10 +270,27 @@ def run_ktc(case: Case, clock: KernelClock, prompt: list[int], new: int, threads
             "framework_module": 1 - (kernel + attention) / result.decode_seconds}
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def run_llama(llama: str, gguf: str, prompt: int, new: int, threads: int) -> dict:
     bench = os.path.join(llama, "build", "bin", "llama-bench")
-    out = subprocess.run([bench, "-m", gguf, "-p", str(prompt), "-n", str(new), "-t", str(threads), "-r", "1",
-                          "-o", "json"], check=True, capture_output=True, text=True).stdout
+    done = subprocess.run([bench, "-m", gguf, "-p", str(prompt), "-n", str(new), "-t", str(threads), "-r", "1",
+                           "-o", "json"], capture_output=True, text=True)
+    if done.returncode in (-signal.SIGILL, -signal.SIGSEGV) and "amx" in _cpu_flags():
+        # Seen on a virtual machine whose CPU reports AMX that the hypervisor does not run: a
+        # native build of ggml takes its AMX matrix products, and the first prompt faults.
+        raise SystemExit(f"llama-bench died ({signal.Signals(-done.returncode).name}) on a CPU that reports AMX: "
+                         "rebuild llama.cpp's tools without it (cmake -DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+                         "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
+                         "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF, with build-llamacpp.sh's other options)")
+    done.check_returncode()
+    out = done.stdout
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
