@@ -4,8 +4,6 @@ routed experts (``runtime.experts``) and the shared experts.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
@@ -55,7 +53,7 @@ class MoELayer:
         if info["shared_experts"]:
             self.shared = tuple(tensor_float32(bundle, prefix + f"shared_experts.{p}") for p in ("gate", "up", "down"))
         self.shared_gate = tensor_float32(bundle, prefix + "shared_expert_gate") if info["shared_expert_gate"] else None
-        self._one_call_args: tuple | None = None  # type: ignore[type-arg]  # see _cached_one_call
+        self._one_call_args: tuple | None = None  # type: ignore[type-arg]  # (tables, router, arguments)
 
     @property
     def counts(self) -> np.ndarray:
@@ -119,9 +117,9 @@ class MoELayer:
         if hidden.ndim != 2 or hidden.shape[1] != self.hidden_size:
             raise KtcError(f"hidden states have shape {hidden.shape}; this layer takes [tokens, "
                            f"{self.hidden_size}]")
-        listed = self._one_call_listed() if hidden.shape[0] == 1 else None
-        if listed is not None:  # a decode step through VNNI experts: one compiled call
-            out = _moe_token_listed(listed, hidden[0], vnni.stamps())
+        args = self._one_call() if hidden.shape[0] == 1 else None
+        if args is not None:  # a decode step through VNNI experts: one compiled call
+            out = _moe_token(*args, hidden[0], vnni.stamps())
             if out.shape[0] == 0:
                 raise KtcError("hidden states contain NaN or Inf")
             out = out[None, :]
@@ -140,43 +138,22 @@ class MoELayer:
         return out
 
     def _one_call(self) -> tuple | None:  # type: ignore[type-arg]
-        """The arguments (but the token and the stamps) of ``_moe_token`` for this layer, or None
-        where one token does not take it: softmax routing, and the experts' one call
-        (``ExpertSet.one_call_tables``)."""
-        cached = self._cached_one_call()
-        return None if cached is None else cached[1]
-
-    def _one_call_listed(self) -> Any:
-        """``_one_call``'s arguments as the one item of a Numba typed list, or None. Unboxing the
-        list is one pointer, where the two dozen arguments one by one cost 20-80 us of the
-        interpreter a call among streaming weights (a tenth of a Qwen3-30B-A3B-shaped layer)."""
-        cached = self._cached_one_call()
-        if cached is None:
-            return None
-        if cached[2] is None:
-            from numba import typed
-
-            listed = typed.List()
-            listed.append(cached[1])
-            self._one_call_args = cached = (*cached[:2], listed, cached[3])
-        return cached[2]
-
-    def _cached_one_call(self) -> tuple | None:  # type: ignore[type-arg]
-        # (the experts' tables, the arguments, their typed list or None, the router they hold),
-        # built once per tables and router
+        """The arguments (but the token and the stamps) of ``_moe_token`` for this layer, the
+        router first, or None where one token does not take it: softmax routing, and the experts'
+        one call (``ExpertSet.one_call_tables``). Built once per tables and router."""
         if self.info["gating"] == "sigmoid":
             return None
         tables = self.experts.one_call_tables()
         if tables is None:
             return None
         cached = self._one_call_args
-        if cached is None or cached[0] is not tables or cached[3] is not self.router:
+        if cached is None or cached[0] is not tables or cached[1] is not self.router:
             bias = self.router_bias if self.router_bias is not None else np.zeros(1, dtype=np.float32)
-            cached = (tables, (_compact_router(self.router), bias, self.router_bias is not None, self.top_k,
-                               bool(self.info["norm_topk_prob"]), np.float32(self.info["routed_scaling_factor"]),
-                               *tables), None, self.router)
+            cached = (tables, self.router, (_compact_router(self.router), bias, self.router_bias is not None,
+                                            self.top_k, bool(self.info["norm_topk_prob"]),
+                                            np.float32(self.info["routed_scaling_factor"]), *tables))
             self._one_call_args = cached
-        return cached
+        return cached[2]
 
     def close(self) -> None:
         self.experts.close()
@@ -221,12 +198,6 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
     return chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows,
                                 inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts,
                                 idx, weights, x, stamps)
-
-
-@njit(cache=True, nogil=True)
-def _moe_token_listed(listed, x, stamps):  # pragma: no cover - compiled
-    # _moe_token on the arguments held as the one item of a typed list (MoELayer._one_call).
-    return _moe_token(*listed[0], x, stamps)
 
 
 @njit(cache=True, nogil=True)
