@@ -1,0 +1,153 @@
+"""Replay routing traces through the device expert cache's policy (``runtime/expert_cache.py``)
+and predict decode tokens/s against the static plan's, at 10%, 25% and 50% of the experts'
+bytes in VRAM.
+
+Traces: Zipf-skewed synthetic routing at Mixtral-8x7B's scale (32 layers of 8 experts, top 2,
+99 MB an expert at 4.5 bits a weight) and Qwen3-30B-A3B's (48 of 128, top 8, 2.7 MB), each
+steady (one popularity order per layer for the whole trace) and drifting (a new order every
+``--period`` tokens, as a long generation changes topic). The static plan keeps, under the
+budget, the experts a profile of the first order ranks highest (globally: every expert's bytes
+are equal, so the most used save the most); the cache holds the same experts at the start, the
+same number of them in each layer, and replaces them as the policy decides.
+
+The time model, per layer and token: the device's experts at ``gpu_bandwidth``, the others at
+``cpu_bandwidth``, concurrently (the slower of the two), plus ``sync_seconds`` where any runs on
+the CPU; an upload goes over PCIe at ``pcie_bandwidth`` one after another, lands when done (uses
+before that are misses, run on the CPU), and while one is under way the CPU's experts read at
+``cpu_bandwidth - pcie_bandwidth`` (the copies read the same host memory). Bandwidths are the
+hardware profile's defaults unless given. This replays the policy; it does not run the runtime,
+which does not have the cache yet.
+
+    python benchmarks/stream.py [--tokens 2048] [--period 256] [--zipf 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    layers: int
+    experts: int
+    top_k: int
+    expert_bytes: int
+
+
+SCALES = (Scale("mixtral-8x7b", 32, 8, 2, 3 * 4096 * 14336 * 9 // 16),
+          Scale("qwen3-30b-a3b", 48, 128, 8, 3 * 2048 * 768 * 9 // 16))
+
+
+def trace(scale: Scale, tokens: int, zipf: float, period: int | None, rng: np.random.Generator,
+          start: int = 0) -> np.ndarray:
+    """[tokens, layers, top_k] experts: each token's top k of a Zipf popularity (one order per
+    layer, drawn anew every ``period`` tokens after ``start`` when given), sampled without
+    replacement."""
+    weights = 1.0 / np.arange(1, scale.experts + 1) ** zipf
+    out = np.empty((tokens, scale.layers, scale.top_k), dtype=np.int64)
+    orders = np.stack([rng.permutation(scale.experts) for _ in range(scale.layers)])
+    for t in range(tokens):
+        if period and t > start and (t - start) % period == 0:
+            orders = np.stack([rng.permutation(scale.experts) for _ in range(scale.layers)])
+        # Gumbel top-k: k draws without replacement in proportion to the weights
+        keys = np.log(weights)[None, :] + rng.gumbel(size=(scale.layers, scale.experts))
+        ranks = np.argsort(-keys, axis=1)[:, : scale.top_k]
+        out[t] = np.take_along_axis(orders, ranks, axis=1)
+    return out
+
+
+def static_plan(profile: np.ndarray, scale: Scale, budget: float) -> list[tuple[int, ...]]:
+    """Per layer, the experts kept on the device: the most used over all layers, as many as
+    ``budget`` (a fraction of every expert's bytes) holds."""
+    count = int(budget * scale.layers * scale.experts)
+    ranked = np.argsort(-profile.reshape(-1), kind="stable")[:count]
+    chosen: list[list[int]] = [[] for _ in range(scale.layers)]
+    for flat in ranked.tolist():
+        chosen[flat // scale.experts].append(flat % scale.experts)
+    return [tuple(c) for c in chosen]
+
+
+def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profile: np.ndarray, hw,
+           cached: bool) -> tuple[float, float, int]:
+    """(tokens/s, hit rate, bytes uploaded) of the trace under the plan, with the cache or not."""
+    from ktc.runtime.expert_cache import LayerCache
+
+    caches = [LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li], initial=plan[li])
+              for li in range(scale.layers)]
+    upload = scale.expert_bytes / hw.pcie_bandwidth
+    clock, pcie_free, hits, uses, moved = 0.0, 0.0, 0, 0, 0
+    for token in routes:
+        for li, experts in enumerate(token):
+            if cached:
+                cache = caches[li]
+                on_device, on_cpu = cache.step(experts, clock)
+                for e, _ in cache.started:
+                    pcie_free = max(pcie_free, clock) + upload
+                    cache.uploaded(e, pcie_free)
+                    moved += scale.expert_bytes
+            else:
+                resident = set(plan[li])
+                on_device = [e for e in experts.tolist() if e in resident]
+                on_cpu = [e for e in experts.tolist() if e not in resident]
+            hits += len(on_device)
+            uses += len(experts)
+            cpu_bandwidth = hw.cpu_bandwidth - (hw.pcie_bandwidth if pcie_free > clock else 0.0)
+            seconds = max(len(on_device) * scale.expert_bytes / hw.gpu_bandwidth,
+                          len(on_cpu) * scale.expert_bytes / cpu_bandwidth)
+            clock += seconds + (hw.sync_seconds if on_cpu else 0.0)
+    return len(routes) / clock, hits / uses, moved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--period", type=int, default=256, help="tokens between routing changes (drifting)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="the popularity's Zipf exponent")
+    parser.add_argument("--profile-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from ktc.formats.hardware_profile import HardwareProfile
+
+    hw = HardwareProfile(vram_bytes=0, ram_bytes=0)
+    print(f"time model: CPU {hw.cpu_bandwidth / 1e9:.0f} GB/s, GPU {hw.gpu_bandwidth / 1e9:.0f} GB/s, PCIe "
+          f"{hw.pcie_bandwidth / 1e9:.0f} GB/s, {1e6 * hw.sync_seconds:.0f} us a layer with CPU experts; "
+          f"{args.tokens} tokens, Zipf {args.zipf}, drift every {args.period} tokens")
+    worst_drift, worst_steady = float("inf"), float("inf")
+    for scale in SCALES:
+        for kind, period in (("steady", None), ("drifting", args.period)):
+            # the profile: the trace's first tokens, before any drift, as `ktc profile` would
+            # record them on other text of the same kind
+            routes = trace(scale, args.profile_tokens + args.tokens, args.zipf, period,
+                           np.random.default_rng(args.seed), start=args.profile_tokens)
+            head, run = routes[: args.profile_tokens], routes[args.profile_tokens:]
+            profile = np.zeros((scale.layers, scale.experts))
+            for li in range(scale.layers):
+                profile[li] = np.bincount(head[:, li].reshape(-1), minlength=scale.experts)
+            for budget in (0.10, 0.25, 0.50):
+                plan = static_plan(profile, scale, budget)
+                s_rate, s_hit, _ = replay(run, scale, plan, profile, hw, cached=False)
+                c_rate, c_hit, moved = replay(run, scale, plan, profile, hw, cached=True)
+                ratio = c_rate / s_rate
+                if kind == "drifting":
+                    worst_drift = min(worst_drift, ratio)
+                else:
+                    worst_steady = min(worst_steady, ratio)
+                print(f"{scale.name:<14} {kind:<9} {100 * budget:3.0f}% in VRAM: static {s_rate:7.1f} tok/s "
+                      f"(hits {100 * s_hit:5.1f}%), cache {c_rate:7.1f} tok/s (hits {100 * c_hit:5.1f}%, "
+                      f"{moved / len(run) / 1e6:6.1f} MB uploaded a token): {ratio:.2f}x")
+    print(f"\nworst cache/static: drifting {worst_drift:.2f}x (goal at least 1.2x: "
+          f"{'met' if worst_drift >= 1.2 else 'NOT met'}), steady {worst_steady:.2f}x (goal never below 1.0x: "
+          f"{'met' if worst_steady >= 1.0 else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

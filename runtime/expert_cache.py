@@ -1,0 +1,154 @@
+"""A device expert cache's policy: which of a layer's experts hold its device slots.
+
+Besides the plan's resident experts, a layer may keep a pool of slots filled on demand. This
+module decides, token by token, what a use of an expert is (a hit, or a miss that runs on the CPU
+for this token) and which misses to upload into which slot; it moves no bytes itself, so the
+runtime and the replay benchmark (``benchmarks/stream.py``) share it.
+
+Replacement is frequency with decay, seeded by the profile: each expert's score is its
+profile frequency times the decay's horizon plus its uses since, each use counting
+``decay ** age`` (age in tokens). A miss is uploaded only when its score beats the lowest score
+in the pool (that slot's expert is evicted), or a slot is free: an expert used once among hot
+ones does not push them out, and a drift in routing moves the pool as the new experts' uses
+outweigh the old ones' decayed counts. Uploads take time: a slot is usable only once its upload
+has finished (``ready_at``), and until then a use is still a miss. A miss never waits for an
+upload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ktc.errors import ConfigError
+
+
+@dataclass
+class CacheCounters:
+    """Uses by outcome, and the uploads and evictions they caused."""
+
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    evictions: int = 0
+    bytes_uploaded: int = 0
+
+    @property
+    def uses(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.uses if self.uses else 0.0
+
+
+class LayerCache:
+    """One layer's device slots for experts of ``expert_bytes`` bytes each.
+
+    ``resident``: the plan's experts on the device for good (always hits; they take no slot).
+    ``slots``: how many more experts the pool holds. ``prior``: the profile's use frequency of
+    each of the layer's ``num_experts`` experts (any scale; uniform when None). ``decay``: the
+    weight of a use one token older (0 < decay < 1). ``margin``: how many decayed uses a miss
+    must score above the pool's lowest to replace it. ``initial``: experts already in the pool at
+    the start (the best of the prior by default), as the plan would place them.
+
+    The defaults are the best of those tried in ``benchmarks/stream.py``'s replay (decay 0.98,
+    0.99, 0.995; margin 1, 2, 4): with a margin of 1 (decay 0.99) the pool churned on routing
+    that did not drift (Qwen3-30B-A3B's scale, half the experts' bytes in VRAM: 0.85x the static
+    plan, the uploads' reads slowing the CPU's experts), with 4 0.98-1.00x, and drifting routing
+    gained most with the shorter memory."""
+
+    def __init__(self, num_experts: int, slots: int, expert_bytes: int, *, resident: tuple[int, ...] = (),
+                 prior: np.ndarray | None = None, decay: float = 0.98, margin: float = 4.0,
+                 initial: tuple[int, ...] | None = None) -> None:
+        if slots < 0 or num_experts < 1 or expert_bytes < 0:
+            raise ConfigError(f"a layer cache needs experts (got {num_experts}), slots >= 0 (got {slots}) "
+                              f"and expert bytes >= 0 (got {expert_bytes})")
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"the cache's decay must be between 0 and 1, not {decay}")
+        self.num_experts = num_experts
+        self.slots = slots
+        self.expert_bytes = expert_bytes
+        self.decay = decay
+        self.margin = margin
+        self.resident = frozenset(int(e) for e in resident)
+        if any(not 0 <= e < num_experts for e in self.resident):
+            raise ConfigError(f"resident experts {sorted(self.resident)} outside 0-{num_experts - 1}")
+        freq = np.ones(num_experts) if prior is None else np.asarray(prior, dtype=np.float64).reshape(-1)
+        if freq.shape != (num_experts,) or not np.all(np.isfinite(freq)) or (freq < 0).any():
+            raise ConfigError(f"the prior must hold {num_experts} finite frequencies >= 0")
+        total = freq.sum()
+        freq = freq / total if total > 0 else np.full(num_experts, 1.0 / num_experts)
+        # The prior counts as this many tokens of uses (the decay's horizon), at the time 0.
+        self._score = freq / (1.0 - decay)
+        self._stamp = np.zeros(num_experts, dtype=np.int64)  # the token each score was last brought to
+        self.now = 0
+        self.pool: dict[int, float] = {}  # expert -> the time its upload is done
+        if initial is None:
+            order = [int(e) for e in np.argsort(-freq, kind="stable") if int(e) not in self.resident]
+            initial = tuple(order[:slots])
+        if len(initial) > slots or any(e in self.resident or not 0 <= e < num_experts for e in initial):
+            raise ConfigError(f"the initial pool {initial} does not fit {slots} slots beside the residents")
+        for e in initial:
+            self.pool[int(e)] = 0.0
+        self.counters = CacheCounters()
+        self.started: list[tuple[int, int | None]] = []  # the last step's uploads: (expert, evicted)
+
+    @property
+    def device_bytes(self) -> int:
+        """The pool's bytes on the device (the residents' are the plan's)."""
+        return self.slots * self.expert_bytes
+
+    def score(self, expert: int) -> float:
+        """The expert's decayed use count at the current token."""
+        return float(self._score[expert] * self.decay ** (self.now - self._stamp[expert]))
+
+    def step(self, experts: np.ndarray, at: float = 0.0) -> tuple[list[int], list[int]]:
+        """One token's uses of ``experts`` (distinct) at time ``at`` (seconds; uploads started
+        now are ready ``expert_bytes / upload_bandwidth`` later, see ``uploaded``): returns
+        (the experts that hit, the experts that miss and run on the CPU this token). Misses
+        chosen for upload are in ``self.started`` until ``uploaded`` is called."""
+        self.now += 1
+        hits, misses = [], []
+        for e in (int(x) for x in experts):
+            if not 0 <= e < self.num_experts:
+                raise ConfigError(f"expert {e} outside 0-{self.num_experts - 1}")
+            self._score[e] = self.score(e) + 1.0
+            self._stamp[e] = self.now
+            ready = self.pool.get(e)
+            if e in self.resident or (ready is not None and ready <= at):
+                hits.append(e)
+            else:
+                misses.append(e)
+        self.counters.hits += len(hits)
+        self.counters.misses += len(misses)
+        self.started = self._admit(misses, {int(x) for x in experts})
+        return hits, misses
+
+    def _admit(self, misses: list[int], used: set[int]) -> list[tuple[int, int | None]]:
+        # Each miss not already on its way in, best score first, takes a free slot or the
+        # lowest-scored pooled expert's when it scores higher (never one this token uses).
+        started = []
+        for e in sorted((m for m in misses if m not in self.pool), key=lambda m: -self.score(m)):
+            if len(self.pool) < self.slots:
+                started.append((e, None))
+            else:
+                candidates = [p for p in self.pool if p not in used]
+                if not candidates:
+                    break
+                victim = min(candidates, key=lambda p: (self.score(p), p))
+                if self.score(victim) + self.margin >= self.score(e):
+                    continue
+                del self.pool[victim]
+                self.counters.evictions += 1
+                started.append((e, victim))
+            self.pool[e] = float("inf")  # on its way: a miss until ``uploaded`` says when it lands
+            self.counters.uploads += 1
+            self.counters.bytes_uploaded += self.expert_bytes
+        return started
+
+    def uploaded(self, expert: int, at: float) -> None:
+        """The upload of ``expert`` is done at time ``at``: later uses hit."""
+        if expert in self.pool:
+            self.pool[expert] = at
