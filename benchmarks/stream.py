@@ -18,7 +18,11 @@ before that are misses, run on the CPU), and while one is under way the CPU's ex
 hardware profile's defaults unless given. This replays the policy; it does not run the runtime,
 which does not have the cache yet.
 
+With ``--trace FILE`` (``ktc profile BUNDLE --text FILE -o p.json --trace FILE``) a recorded
+model's routing is replayed too, its first quarter (at most ``--profile-tokens``) as the profile.
+
     python benchmarks/stream.py [--tokens 2048] [--period 256] [--zipf 1.0]
+                                [--trace routes.npy --expert-bytes N] [--no-synthetic]
 """
 
 from __future__ import annotations
@@ -106,6 +110,27 @@ def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profil
     return len(routes) / clock, hits / uses, moved
 
 
+def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str,
+            hw) -> float:  # type: ignore[no-untyped-def]
+    """Prints the static plan's and the cache's predicted tokens/s at each budget, the plan and
+    the cache's priors from the routes' first ``profile_tokens`` tokens (as ``ktc profile`` would
+    record them on other text), the rest replayed; returns the worst cache/static ratio."""
+    head, run = routes[:profile_tokens], routes[profile_tokens:]
+    profile = np.zeros((scale.layers, scale.experts))
+    for li in range(scale.layers):
+        profile[li] = np.bincount(head[:, li].reshape(-1), minlength=scale.experts)
+    worst = float("inf")
+    for budget in (0.10, 0.25, 0.50):
+        plan = static_plan(profile, scale, budget)
+        s_rate, s_hit, _ = replay(run, scale, plan, profile, hw, cached=False)
+        c_rate, c_hit, moved = replay(run, scale, plan, profile, hw, cached=True)
+        worst = min(worst, c_rate / s_rate)
+        print(f"{scale.name:<14} {kind:<9} {100 * budget:3.0f}% in VRAM: static {s_rate:7.1f} tok/s "
+              f"(hits {100 * s_hit:5.1f}%), cache {c_rate:7.1f} tok/s (hits {100 * c_hit:5.1f}%, "
+              f"{moved / len(run) / 1e6:6.1f} MB uploaded a token): {c_rate / s_rate:.2f}x")
+    return worst
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -113,36 +138,43 @@ def main() -> int:
     parser.add_argument("--zipf", type=float, default=1.0, help="the popularity's Zipf exponent")
     parser.add_argument("--profile-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", help="also replay a recorded trace (ktc profile --trace FILE)")
+    parser.add_argument("--experts", type=int, help="the traced model's experts a layer (default: the most seen)")
+    parser.add_argument("--expert-bytes", type=int, default=SCALES[1].expert_bytes,
+                        help="the traced model's bytes an expert (default: Qwen3-30B-A3B's at 4.5 bits)")
+    parser.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=True,
+                        help="the synthetic traces (--no-synthetic: the recorded one alone)")
     args = parser.parse_args()
     from ktc.formats.hardware_profile import HardwareProfile
 
     hw = HardwareProfile(vram_bytes=0, ram_bytes=0)
     print(f"time model: CPU {hw.cpu_bandwidth / 1e9:.0f} GB/s, GPU {hw.gpu_bandwidth / 1e9:.0f} GB/s, PCIe "
-          f"{hw.pcie_bandwidth / 1e9:.0f} GB/s, {1e6 * hw.sync_seconds:.0f} us a layer with CPU experts; "
-          f"{args.tokens} tokens, Zipf {args.zipf}, drift every {args.period} tokens")
+          f"{hw.pcie_bandwidth / 1e9:.0f} GB/s, {1e6 * hw.sync_seconds:.0f} us a layer with CPU experts"
+          + (f"; synthetic: {args.tokens} tokens, Zipf {args.zipf}, drift every {args.period} tokens"
+             if args.synthetic else ""))
+    if args.trace:
+        routes = np.load(args.trace)
+        if routes.ndim != 3 or routes.shape[0] < 8:
+            print(f"{args.trace}: not a routing trace of [tokens, layers, k] (ktc profile --trace)")
+            return 1
+        scale = Scale(os.path.splitext(os.path.basename(args.trace))[0][:14], routes.shape[1], args.experts or int(routes.max()) + 1,
+                      routes.shape[2], args.expert_bytes)
+        # the first quarter (at most --profile-tokens) as the profile, the rest replayed
+        worst = compare(scale, routes, min(args.profile_tokens, len(routes) // 4), "recorded", hw)
+        print(f"recorded trace ({len(routes)} tokens): worst cache/static {worst:.2f}x\n")
+    if not args.synthetic:
+        return 0
     worst_drift, worst_steady = float("inf"), float("inf")
     for scale in SCALES:
         for kind, period in (("steady", None), ("drifting", args.period)):
-            # the profile: the trace's first tokens, before any drift, as `ktc profile` would
-            # record them on other text of the same kind
+            # the drift starts after the profile's tokens
             routes = trace(scale, args.profile_tokens + args.tokens, args.zipf, period,
                            np.random.default_rng(args.seed), start=args.profile_tokens)
-            head, run = routes[: args.profile_tokens], routes[args.profile_tokens:]
-            profile = np.zeros((scale.layers, scale.experts))
-            for li in range(scale.layers):
-                profile[li] = np.bincount(head[:, li].reshape(-1), minlength=scale.experts)
-            for budget in (0.10, 0.25, 0.50):
-                plan = static_plan(profile, scale, budget)
-                s_rate, s_hit, _ = replay(run, scale, plan, profile, hw, cached=False)
-                c_rate, c_hit, moved = replay(run, scale, plan, profile, hw, cached=True)
-                ratio = c_rate / s_rate
-                if kind == "drifting":
-                    worst_drift = min(worst_drift, ratio)
-                else:
-                    worst_steady = min(worst_steady, ratio)
-                print(f"{scale.name:<14} {kind:<9} {100 * budget:3.0f}% in VRAM: static {s_rate:7.1f} tok/s "
-                      f"(hits {100 * s_hit:5.1f}%), cache {c_rate:7.1f} tok/s (hits {100 * c_hit:5.1f}%, "
-                      f"{moved / len(run) / 1e6:6.1f} MB uploaded a token): {ratio:.2f}x")
+            worst = compare(scale, routes, args.profile_tokens, kind, hw)
+            if kind == "drifting":
+                worst_drift = min(worst_drift, worst)
+            else:
+                worst_steady = min(worst_steady, worst)
     print(f"\nworst cache/static: drifting {worst_drift:.2f}x (goal at least 1.2x: "
           f"{'met' if worst_drift >= 1.2 else 'NOT met'}), steady {worst_steady:.2f}x (goal never below 1.0x: "
           f"{'met' if worst_steady >= 1.0 else 'NOT met'})")

@@ -388,12 +388,17 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
 
 def _write_text(path: str, text: str) -> None:
     """Write an output file whole or not at all; its folder must exist, as for every output."""
+    _write_output(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def _write_output(path: str, write: Callable[[Any], Any]) -> None:
+    """``write`` an output file (opened binary) whole or not at all: a temporary file renamed."""
     from ktc.compile import check_writable_target
 
     check_writable_target(path)
     try:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(path + ".tmp", "wb") as f:
+            write(f)
         os.replace(path + ".tmp", path)
     except OSError as exc:
         raise KtcError(f"cannot write: {exc.strerror}", path=path) from None
@@ -839,11 +844,14 @@ def perplexity(bundle: str, text_file: str, ctx: int, batch: int | None, chunks:
               help="Where to write the profile (JSON, for ktc plan --profile).")
 @click.option("--ctx", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens a sequence at most (each from an empty KV cache).")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
+              help="Also write the routing token by token (NumPy .npy, int64 [tokens, MoE layers, top k]), "
+                   "for benchmarks/stream.py --trace.")
 @_forward_options
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @_handle_errors
 def profile(bundle: str, text_file: str | None, prompts_file: str | None, output: str, ctx: int,
-            batch: int | None, threads: int | None, as_json: bool) -> None:
+            trace_file: str | None, batch: int | None, threads: int | None, as_json: bool) -> None:
     """Record how often each MoE layer's router chooses each expert on your text.
 
     Runs the text through the bundle's model (prefill only, sequences of at most --ctx tokens,
@@ -855,6 +863,7 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
     Examples:
       ktc profile qwen.ktb --text my-corpus.txt -o profile.json
       ktc profile qwen.ktb --prompts prompts.txt -o profile.json --ctx 2048
+      ktc profile qwen.ktb --text my-corpus.txt -o profile.json --trace routes.npy
       ktc plan ./Qwen3-30B-A3B --vram 24GiB --profile profile.json
     """
     import statistics
@@ -867,10 +876,20 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
         raise KtcError("give the text to profile with --text FILE or --prompts FILE (one of them)")
     text = _read_text(text_file, "text") if text_file is not None else None
     prompts = _read_text(prompts_file, "prompts").splitlines() if prompts_file is not None else None
+    if trace_file is not None:
+        from ktc.compile import check_writable_target
+
+        check_writable_target(trace_file)  # before the text runs, not after
     recorded, figures = record(bundle, text=text, prompts=prompts, ctx=ctx, batch=batch, threads=threads,
-                               progress=not as_json, source=output)
+                               progress=not as_json, source=output, trace=trace_file is not None)
     recorded.save(output)
     figures |= {"bundle": bundle, "output": output}
+    if trace_file is not None:
+        import numpy as np
+
+        routes = figures.pop("trace")
+        _write_output(trace_file, lambda f: np.save(f, routes))
+        figures["trace"] = trace_file
     if as_json:
         _print_json("profile", figures)
         return
@@ -881,6 +900,8 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
     click.echo(f"  the most chosen expert of a layer takes {100 * min(shares):.1f}-{100 * max(shares):.1f}% of its "
                f"choices (median {100 * statistics.median(shares):.1f}%; {100 * uniform:.1f}% if routing were uniform)")
     click.echo(f"  use it: ktc plan MODEL --profile {output}")
+    if trace_file is not None:
+        click.echo(f"  the routing token by token: {trace_file} (benchmarks/stream.py --trace {trace_file})")
 
 
 def _cpu_prediction(bundle: Any, hardware: str | None, context: int) -> dict[str, Any] | None:

@@ -133,6 +133,8 @@ class ExpertSet:
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
         # other rows' expert outputs are zeros, as llama.cpp skips them in its last layer.
         self.rows_wanted: int | None = None
+        # Where a list: each forward's routing [tokens, k] appended (``ktc profile --trace``).
+        self.trace: list[np.ndarray] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}") if gpu else None
 
     # ------------------------------------------------------------------------------------------
@@ -212,6 +214,8 @@ class ExpertSet:
     def forward(self, hidden: np.ndarray, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The experts' weighted sum for ``hidden`` [tokens, hidden_size] (float32, numpy)
         routed to ``idx`` [tokens, k] with ``weights`` [tokens, k]."""
+        if self.trace is not None:
+            self.trace.append(np.array(idx, dtype=np.int64))
         if self._device_index:
             import torch
 
@@ -229,6 +233,8 @@ class ExpertSet:
         rows are computed."""
         import torch
 
+        if self.trace is not None:
+            self.trace.append(idx.detach().to("cpu", torch.int64).numpy().copy())
         wanted = self.rows_wanted
         if wanted is not None and 0 < wanted < hidden.shape[0]:
             out = torch.zeros_like(hidden)

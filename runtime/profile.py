@@ -36,9 +36,11 @@ def sequences(tokenizer: Any, *, text: str | None = None, prompts: list[str] | N
 
 def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = None, ctx: int = 512,
            batch: int | None = None, threads: int | None = None, progress: bool = False,
-           source: str = "ktc profile") -> tuple[ActivationProfile, dict[str, Any]]:
+           source: str = "ktc profile", trace: bool = False) -> tuple[ActivationProfile, dict[str, Any]]:
     """(the routing counts of ``bundle``'s model over the text, as an activation profile; the
-    figures: tokens, sequences, per layer the share of choices its most chosen expert took)."""
+    figures: tokens, sequences, per layer the share of choices its most chosen expert took, and
+    with ``trace`` the routing token by token, ``"trace"``: int array [tokens, MoE layers, k],
+    the sequences one after another)."""
     from tqdm import tqdm
 
     from .hf import from_bundle
@@ -50,15 +52,20 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
         experts = sorted(km.experts, key=lambda e: e.layer)
         for e in experts:
             e.counts[:] = 0
+            e.trace = [] if trace else None
         with tqdm(total=sum(map(len, runs)), unit="token", desc="profiling", disable=None if progress else True,
                   leave=False) as bar:
             for ids in runs:
                 km.forward_window(np.asarray(ids, dtype=np.int64), 0, 0, batch)
                 bar.update(len(ids))
         counts = np.stack([e.counts for e in experts]).astype(np.float64)
+        routes = np.stack([np.concatenate(e.trace) for e in experts], axis=1) if trace else None
+        for e in experts:
+            e.trace = None
         top_k = int(km.bundle.manifest["model"]["moe_layers"][0]["top_k"])
     profile = ActivationProfile(tuple(e.layer for e in experts), counts, source)
     tokens = sum(map(len, runs))
     share = counts.max(axis=1) / np.maximum(counts.sum(axis=1), 1)
-    return profile, {"tokens": tokens, "sequences": len(runs), "moe_layers": len(experts), "top_k": top_k,
-                     "num_experts": profile.num_experts, "top_expert_share": share.tolist()}
+    figures = {"tokens": tokens, "sequences": len(runs), "moe_layers": len(experts), "top_k": top_k,
+               "num_experts": profile.num_experts, "top_expert_share": share.tolist()}
+    return profile, figures | ({"trace": routes} if trace else {})

@@ -97,3 +97,39 @@ def test_cli_profile_then_plan(model, tmp_path):
     assert f"routing statistics: the profile {out} ({len(TEXT):,} tokens a layer)" in result.output
     result = runner.invoke(main, ["profile", bundle, "-o", out])
     assert result.exit_code != 0 and "--text FILE or --prompts FILE" in result.output
+
+
+def test_trace_is_the_routing_token_by_token(model, tmp_path):
+    """``--trace`` writes each token's choices per MoE layer, in text order: per layer they add up
+    to the profile's counts, and each token's choices are the k distinct experts transformers'
+    router picks for it."""
+    hf, folder, bundle = model
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out, trace = str(tmp_path / "profile.json"), str(tmp_path / "routes.npy")
+    result = CliRunner().invoke(main, ["profile", bundle, "--text", str(text), "-o", out, "--ctx", str(CTX),
+                                       "--trace", trace])
+    assert result.exit_code == 0, result.output
+    assert f"the routing token by token: {trace}" in result.output
+    routes = np.load(trace)
+    profile = load_activation_profile(out, moe_layers=(0, 1, 2), num_layers=3, num_experts=8)
+    assert routes.shape == (len(TEXT), 3, 2) and routes.dtype == np.int64
+    for layer in range(3):
+        np.testing.assert_array_equal(np.bincount(routes[:, layer].reshape(-1), minlength=8), profile.counts[layer])
+    assert all(len(set(choice)) == 2 for choice in routes.reshape(-1, 2).tolist())
+    from transformers import AutoTokenizer
+
+    first = sequences(AutoTokenizer.from_pretrained(folder), text=TEXT, ctx=CTX)[0]
+    gate = hf.model.layers[1].mlp.gate
+    chosen = []
+    handle = gate.register_forward_hook(lambda module, args, output: chosen.append(output[2].numpy()))
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([first]))
+    finally:
+        handle.remove()
+    np.testing.assert_array_equal(np.sort(routes[:CTX, 1], axis=1), np.sort(chosen[0].reshape(CTX, 2), axis=1))
+    result = CliRunner().invoke(main, ["profile", bundle, "--text", str(text), "-o", out,
+                                       "--trace", str(tmp_path / "no" / "routes.npy")])
+    assert result.exit_code != 0 and "does not exist" in result.output
+
