@@ -7,12 +7,12 @@ runtime and the replay benchmark (``benchmarks/stream.py``) share it.
 
 Replacement is frequency with decay, seeded by the profile: each expert's score is its
 profile frequency times the decay's horizon plus its uses since, each use counting
-``decay ** age`` (age in tokens). A miss is uploaded only when its score beats the lowest score
-in the pool (that slot's expert is evicted), or a slot is free: an expert used once among hot
-ones does not push them out, and a drift in routing moves the pool as the new experts' uses
-outweigh the old ones' decayed counts. Uploads take time: a slot is usable only once its upload
-has finished (``ready_at``), and until then a use is still a miss. A miss never waits for an
-upload.
+``decay ** age`` (age in tokens). A miss is uploaded only when a slot is free or its score
+beats the lowest in the pool by ``margin`` (that slot's expert is evicted): an expert used once
+among hot ones does not push them out, and a drift in routing moves the pool as the new experts'
+uses outweigh the old ones' decayed counts. Uploads take time: a slot is usable only once its
+upload has landed (the time the caller gives ``LayerCache.uploaded``), and until then a use is
+still a miss. A miss never waits for an upload.
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ class LayerCache:
         return float(self._score[expert] * self.decay ** (self.now - self._stamp[expert]))
 
     def step(self, experts: np.ndarray, at: float = 0.0) -> tuple[list[int], list[int]]:
-        """One token's uses of ``experts`` (distinct) at time ``at`` (seconds; uploads started
-        now are ready ``expert_bytes / upload_bandwidth`` later, see ``uploaded``): returns
-        (the experts that hit, the experts that miss and run on the CPU this token). Misses
-        chosen for upload are in ``self.started`` until ``uploaded`` is called."""
+        """One token's uses of ``experts`` (distinct) at time ``at`` (seconds): returns (the
+        experts that hit, the experts that miss and run on the CPU this token). The misses this
+        step starts uploading are ``self.started`` (each with the expert it evicts, or None);
+        each stays a miss until ``uploaded`` gives the time it lands."""
         self.now += 1
         hits, misses = [], []
         for e in (int(x) for x in experts):
@@ -128,7 +128,8 @@ class LayerCache:
 
     def _admit(self, misses: list[int], used: set[int]) -> list[tuple[int, int | None]]:
         # Each miss not already on its way in, best score first, takes a free slot or the
-        # lowest-scored pooled expert's when it scores higher (never one this token uses).
+        # lowest-scored pooled expert's when it scores ``margin`` higher (never one this token
+        # uses).
         started = []
         for e in sorted((m for m in misses if m not in self.pool), key=lambda m: -self.score(m)):
             if len(self.pool) < self.slots:

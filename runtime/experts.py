@@ -214,14 +214,14 @@ class ExpertSet:
     def forward(self, hidden: np.ndarray, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The experts' weighted sum for ``hidden`` [tokens, hidden_size] (float32, numpy)
         routed to ``idx`` [tokens, k] with ``weights`` [tokens, k]."""
-        if self.trace is not None:
-            self.trace.append(np.array(idx, dtype=np.int64))
-        if self._device_index:
+        if self._device_index:  # forward_torch records the trace
             import torch
 
             out = self.forward_torch(torch.from_numpy(hidden).to(self.device), torch.from_numpy(idx),
                                      torch.from_numpy(weights))
             return out.cpu().numpy()
+        if self.trace is not None:
+            self.trace.append(np.array(idx, dtype=np.int64))
         if self._fused is not None and idx.shape[0] == 1:  # one token: straight to the fused kernel
             return self._decode_token(hidden[0], idx[0].astype(np.int64, copy=False), weights[0])[None, :]
         cpu_work, _ = self._split(idx, weights)

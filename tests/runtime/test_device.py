@@ -110,3 +110,26 @@ def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
             on_device.close()
             on_cpu.close()
         (tmp_path / "m.ktb").unlink()
+
+
+def test_a_trace_records_each_forward_once(tiny_models, tmp_path):
+    """``ExpertSet.trace`` (``ktc profile --trace``) holds each forward's routing once, whether
+    the experts run on the CPU alone or some on the device (that path goes through torch)."""
+    from ktc.runtime.experts import ExpertSet
+
+    path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
+                                   lambda e: "gpu:int8" if e % 2 else "cpu:int8")
+    rng = np.random.default_rng(6)
+    hidden = rng.standard_normal((5, mf.HIDDEN)).astype(np.float32)
+    idx = np.stack([rng.choice(mf.EXPERTS, 2, replace=False) for _ in range(5)])
+    weights = np.full((5, 2), 0.5, dtype=np.float32)
+    with open_bundle(path) as bundle:
+        for device in ("cpu", None):
+            experts = ExpertSet(bundle, 0, device=device)
+            experts.trace = []
+            experts.forward(hidden, idx, weights)
+            experts.forward(hidden[:1], idx[:1], weights[:1])
+            on_device = tuple(range(1, mf.EXPERTS, 2)) if device else ()
+            assert len(experts.trace) == 2 and experts.gpu_experts == on_device
+            np.testing.assert_array_equal(np.concatenate(experts.trace), np.concatenate([idx, idx[:1]]))
+            experts.close()
