@@ -899,6 +899,11 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
                f"{figures['moe_layers']} MoE layers of {figures['num_experts']} experts (top {figures['top_k']})")
     click.echo(f"  the most chosen expert of a layer takes {100 * min(shares):.1f}-{100 * max(shares):.1f}% of its "
                f"choices (median {100 * statistics.median(shares):.1f}%; {100 * uniform:.1f}% if routing were uniform)")
+    pregating = figures["pregating"]
+    if pregating:
+        click.echo(f"  pre-gating (each MoE layer's router on the previous one's input) named "
+                   f"{100 * min(pregating):.1f}-{100 * max(pregating):.1f}% of the experts chosen "
+                   f"(median {100 * statistics.median(pregating):.1f}%)")
     click.echo(f"  use it: ktc plan MODEL --profile {output}")
     if trace_file is not None:
         click.echo(f"  the routing token by token: {trace_file} (benchmarks/stream.py --trace {trace_file})")

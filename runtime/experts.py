@@ -9,6 +9,7 @@ kernels release the GIL). Only device experts take device memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -133,8 +134,9 @@ class ExpertSet:
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
         # other rows' expert outputs are zeros, as llama.cpp skips them in its last layer.
         self.rows_wanted: int | None = None
-        # Where a list: each forward's routing [tokens, k] appended (``ktc profile --trace``).
-        self.trace: list[np.ndarray] | None = None
+        # Called with each forward's hidden states (float32 [tokens, hidden]) and routing (int64
+        # [tokens, k]) before the experts run (``ktc profile``: its trace and pre-gating).
+        self.observers: list[Callable[[np.ndarray, np.ndarray], None]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}") if gpu else None
 
     # ------------------------------------------------------------------------------------------
@@ -214,14 +216,14 @@ class ExpertSet:
     def forward(self, hidden: np.ndarray, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The experts' weighted sum for ``hidden`` [tokens, hidden_size] (float32, numpy)
         routed to ``idx`` [tokens, k] with ``weights`` [tokens, k]."""
-        if self._device_index:  # forward_torch records the trace
+        if self._device_index:  # forward_torch calls the observers
             import torch
 
             out = self.forward_torch(torch.from_numpy(hidden).to(self.device), torch.from_numpy(idx),
                                      torch.from_numpy(weights))
             return out.cpu().numpy()
-        if self.trace is not None:
-            self.trace.append(np.array(idx, dtype=np.int64))
+        for observe in self.observers:
+            observe(hidden, np.asarray(idx, dtype=np.int64))
         if self._fused is not None and idx.shape[0] == 1:  # one token: straight to the fused kernel
             return self._decode_token(hidden[0], idx[0].astype(np.int64, copy=False), weights[0])[None, :]
         cpu_work, _ = self._split(idx, weights)
@@ -233,8 +235,10 @@ class ExpertSet:
         rows are computed."""
         import torch
 
-        if self.trace is not None:
-            self.trace.append(idx.detach().to("cpu", torch.int64).numpy().copy())
+        if self.observers:
+            seen = hidden.detach().to("cpu", torch.float32).numpy(), idx.detach().to("cpu", torch.int64).numpy()
+            for observe in self.observers:
+                observe(*seen)
         wanted = self.rows_wanted
         if wanted is not None and 0 < wanted < hidden.shape[0]:
             out = torch.zeros_like(hidden)

@@ -112,9 +112,10 @@ def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
         (tmp_path / "m.ktb").unlink()
 
 
-def test_a_trace_records_each_forward_once(tiny_models, tmp_path):
-    """``ExpertSet.trace`` (``ktc profile --trace``) holds each forward's routing once, whether
-    the experts run on the CPU alone or some on the device (that path goes through torch)."""
+def test_observers_see_each_forward_once(tiny_models, tmp_path):
+    """``ExpertSet.observers`` (``ktc profile``'s trace and pre-gating) see each forward's hidden
+    states and routing once, whether the experts run on the CPU alone or some on the device (that
+    path goes through torch)."""
     from ktc.runtime.experts import ExpertSet
 
     path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
@@ -126,10 +127,12 @@ def test_a_trace_records_each_forward_once(tiny_models, tmp_path):
     with open_bundle(path) as bundle:
         for device in ("cpu", None):
             experts = ExpertSet(bundle, 0, device=device)
-            experts.trace = []
+            seen: list[tuple[np.ndarray, np.ndarray]] = []
+            experts.observers.append(lambda h, i: seen.append((h.copy(), i.copy())))
             experts.forward(hidden, idx, weights)
             experts.forward(hidden[:1], idx[:1], weights[:1])
             on_device = tuple(range(1, mf.EXPERTS, 2)) if device else ()
-            assert len(experts.trace) == 2 and experts.gpu_experts == on_device
-            np.testing.assert_array_equal(np.concatenate(experts.trace), np.concatenate([idx, idx[:1]]))
+            assert len(seen) == 2 and experts.gpu_experts == on_device
+            np.testing.assert_array_equal(np.concatenate([i for _, i in seen]), np.concatenate([idx, idx[:1]]))
+            np.testing.assert_array_equal(np.concatenate([h for h, _ in seen]), np.concatenate([hidden, hidden[:1]]))
             experts.close()

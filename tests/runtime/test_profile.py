@@ -133,3 +133,39 @@ def test_trace_is_the_routing_token_by_token(model, tmp_path):
                                        "--trace", str(tmp_path / "no" / "routes.npy")])
     assert result.exit_code != 0 and "does not exist" in result.output
 
+
+def test_pregating_is_the_next_router_on_this_layers_input(model):
+    """The pre-gating figure of each MoE layer pair: transformers' next router applied to this
+    layer's MoE input, its top k against the experts the next layer then chose."""
+    hf, folder, bundle = model
+    prompts = ["the next layer's router, one layer early"]
+    _, figures = record(bundle, prompts=prompts, ctx=CTX)
+    from transformers import AutoTokenizer
+
+    runs = sequences(AutoTokenizer.from_pretrained(folder), prompts=prompts, ctx=CTX)
+    assert len(runs) == 2  # the prompt is cut at the window: both parts count
+    named, total = np.zeros(2), np.zeros(2)
+    for ids in runs:
+        inputs, chosen = {}, {}
+        handles = []
+        for i, layer in enumerate(hf.model.layers):
+            handles.append(layer.mlp.register_forward_pre_hook(
+                lambda module, args, i=i: inputs.__setitem__(i, args[0].reshape(-1, args[0].shape[-1]))))
+            handles.append(layer.mlp.gate.register_forward_hook(
+                lambda module, args, output, i=i: chosen.__setitem__(i, output[2].reshape(len(ids), -1))))
+        try:
+            with torch.no_grad():
+                hf(torch.tensor([ids]))
+        finally:
+            for h in handles:
+                h.remove()
+        for i in range(2):
+            with torch.no_grad():
+                guess = (inputs[i] @ hf.model.layers[i + 1].mlp.gate.weight.T).topk(2, dim=-1).indices
+            named[i] += sum(len(set(g) & set(c)) for g, c in zip(guess.tolist(), chosen[i + 1].tolist()))
+            total[i] += chosen[i + 1].numel()
+    want = named / total
+    assert len(figures["pregating"]) == 2
+    np.testing.assert_allclose(figures["pregating"], want, atol=1e-9)
+    assert not all(w == 1.0 for w in want)  # the guess is not the next layer's own choice
+
