@@ -188,6 +188,11 @@ class Bundle:
             self._file = None
         return self._map
 
+    def advise(self, advice: int, start: int, length: int) -> None:
+        """``madvise`` on ``length`` bytes of the map from ``start`` (a multiple of the page
+        size): ``mmap.MADV_WILLNEED`` to start reading them, ``MADV_RANDOM`` against readahead."""
+        self._mapped().madvise(advice, start, length)
+
     @property
     def segments(self) -> list[dict[str, Any]]:
         return self.manifest["segments"]

@@ -1,0 +1,111 @@
+"""Experts paged in ahead of their layer: where a bundle's experts are read from disk (their pages
+not in the page cache, as a disk tier leaves them), a layer's experts are asked for one layer
+early, guessed by pre-gating (the next MoE layer's router on this layer's input, its top k for
+each token, as ``ktc profile`` measures it).
+
+``page_in`` asks the kernel to read byte ranges of the bundle's map (``madvise(MADV_WILLNEED)``:
+it starts the reads and returns; the layer's kernels then find the pages in memory instead of
+faulting on each). ``resident_share`` says which share of a range's pages are in memory
+(``mincore``). Python's ``mmap`` has ``madvise`` but not ``mincore``, so that is called through
+ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ktc.errors import KtcError
+from ktc.formats.bundle import Bundle
+
+PAGE = mmap.PAGESIZE
+
+
+def expert_ranges(bundle: Bundle, layer: int, experts: Iterable[int]) -> list[tuple[int, int]]:
+    """(file offset, bytes) of the gate/up and down matrices of ``experts`` of ``layer``
+    (compressed experts, which have no place in the map, left out)."""
+    ranges = []
+    for e in experts:
+        for part in ("gate_up", "down"):
+            t = bundle.tensors.get(f"layers.{layer}.experts.{int(e)}.{part}")
+            if t is not None and t.offset is not None:
+                ranges.append((t.offset, t.nbytes))
+    return ranges
+
+
+def _pages(start: int, nbytes: int) -> tuple[int, int]:
+    first = start // PAGE * PAGE
+    return first, (start + nbytes - first + PAGE - 1) // PAGE * PAGE
+
+
+def page_in(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> int:
+    """Ask for the pages of ``ranges`` of the bundle's map to be read (returns at once); the
+    bytes asked for."""
+    size = bundle.file_view().shape[0]
+    asked = 0
+    for start, nbytes in ranges:
+        first, length = _pages(start, nbytes)
+        length = min(length, size - first)
+        if length > 0:
+            bundle.advise(mmap.MADV_WILLNEED, first, length)
+            asked += length
+    return asked
+
+
+def resident_share(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> float:
+    """The share of the pages of ``ranges`` that are in memory now (``mincore``)."""
+    view = bundle.file_view()
+    base = view.ctypes.data
+    libc = ctypes.CDLL(None, use_errno=True)
+    resident = total = 0
+    for start, nbytes in ranges:
+        first, length = _pages(start, nbytes)
+        length = min(length, view.shape[0] - first)
+        if length <= 0:
+            continue
+        flags = (ctypes.c_ubyte * ((length + PAGE - 1) // PAGE))()
+        if libc.mincore(ctypes.c_void_p(base + first), ctypes.c_size_t(length), flags) != 0:
+            raise KtcError(f"mincore failed: {os.strerror(ctypes.get_errno())}", path=bundle.path)
+        pages = np.frombuffer(flags, np.uint8)
+        resident += int((pages & 1).sum())
+        total += pages.size
+    return resident / total if total else 1.0
+
+
+class Prefetcher:
+    """Pre-gating prefetch over a model's MoE layers (their ``ExpertSet``s, in order): each
+    layer's forward, before its experts run, pages in the experts the next layer's router
+    (``routers[i + 1]``, float32 [experts, hidden]) picks for its tokens. ``asked`` counts the
+    bytes asked for, ``guesses`` the experts a layer at a time."""
+
+    def __init__(self, bundle: Bundle, layers: list[Any], routers: list[np.ndarray], top_k: int) -> None:
+        if len(routers) != len(layers):
+            raise KtcError(f"{len(routers)} routers for {len(layers)} MoE layers")
+        self.bundle = bundle
+        self.layers = layers
+        self.asked = 0
+        self.guesses: list[tuple[int, np.ndarray]] = []  # (the layer guessed for, its experts)
+        self._installed = []
+        for i in range(len(layers) - 1):
+            observe = self._observer(layers[i + 1].layer, routers[i + 1], top_k)
+            layers[i].observers.append(observe)
+            self._installed.append((layers[i], observe))
+
+    def _observer(self, layer: int, router: np.ndarray, top_k: int):  # type: ignore[no-untyped-def]
+        def observe(hidden: np.ndarray, idx: np.ndarray) -> None:
+            logits = hidden @ router.T
+            guess = np.unique(np.argsort(-logits, axis=1, kind="stable")[:, :top_k])
+            self.guesses.append((layer, guess))
+            self.asked += page_in(self.bundle, expert_ranges(self.bundle, layer, guess))
+        return observe
+
+    def close(self) -> None:
+        for experts, observe in self._installed:
+            if observe in experts.observers:
+                experts.observers.remove(observe)
+        self._installed.clear()
