@@ -86,6 +86,7 @@ def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profil
 
     caches = [LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li], initial=plan[li])
               for li in range(scale.layers)]
+    residents = [set(p) for p in plan]
     upload = scale.expert_bytes / hw.pcie_bandwidth
     clock, pcie_free, hits, uses, moved = 0.0, 0.0, 0, 0, 0
     for token in routes:
@@ -98,7 +99,7 @@ def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profil
                     cache.uploaded(e, pcie_free)
                     moved += scale.expert_bytes
             else:
-                resident = set(plan[li])
+                resident = residents[li]
                 on_device = [e for e in experts.tolist() if e in resident]
                 on_cpu = [e for e in experts.tolist() if e not in resident]
             hits += len(on_device)

@@ -13,6 +13,7 @@ ctypes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 from collections.abc import Iterable
@@ -38,6 +39,13 @@ def expert_ranges(bundle: Bundle, layer: int, experts: Iterable[int]) -> list[tu
     return ranges
 
 
+def pregate(hidden: np.ndarray, router: np.ndarray, k: int) -> np.ndarray:
+    """Each token's guess [tokens, k] at the experts of the MoE layer whose ``router`` (float32
+    [experts, hidden]) is given, from the hidden states entering the MoE layer before it: the k
+    largest logits (the router's choice before its softmax or sigmoid)."""
+    return np.argsort(-(hidden @ router.T), axis=1, kind="stable")[:, :k]
+
+
 def _pages(start: int, nbytes: int) -> tuple[int, int]:
     first = start // PAGE * PAGE
     return first, (start + nbytes - first + PAGE - 1) // PAGE * PAGE
@@ -57,11 +65,16 @@ def page_in(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> int:
     return asked
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def resident_share(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> float:
     """The share of the pages of ``ranges`` that are in memory now (``mincore``)."""
     view = bundle.file_view()
     base = view.ctypes.data
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     resident = total = 0
     for start, nbytes in ranges:
         first, length = _pages(start, nbytes)
@@ -98,8 +111,7 @@ class Prefetcher:
 
     def _observer(self, layer: int, router: np.ndarray, top_k: int):  # type: ignore[no-untyped-def]
         def observe(hidden: np.ndarray, idx: np.ndarray) -> None:
-            logits = hidden @ router.T
-            guess = np.unique(np.argsort(-logits, axis=1, kind="stable")[:, :top_k])
+            guess = np.unique(pregate(hidden, router, top_k))
             self.guesses.append((layer, guess))
             self.asked += page_in(self.bundle, expert_ranges(self.bundle, layer, guess))
         return observe

@@ -49,6 +49,7 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
 
     from .experts import tensor_float32
     from .hf import from_bundle
+    from .prefetch import pregate
 
     with from_bundle(bundle, threads=threads) as km:
         if not km.experts:
@@ -64,7 +65,7 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
             e.observers.append(lambda hidden, idx, i=i: routes[i].append(idx.copy()))
             if i + 1 < len(experts):
                 e.observers.append(
-                    lambda hidden, idx, i=i: guesses[i].append(_top_k(hidden @ routers[i + 1].T, top_k)))
+                    lambda hidden, idx, i=i: guesses[i].append(pregate(hidden, routers[i + 1], top_k)))
         try:
             with tqdm(total=sum(map(len, runs)), unit="token", desc="profiling", disable=None if progress else True,
                       leave=False) as bar:
@@ -83,11 +84,6 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
     figures = {"tokens": tokens, "sequences": len(runs), "moe_layers": len(experts), "top_k": top_k,
                "num_experts": profile.num_experts, "top_expert_share": share.tolist(), "pregating": pregating}
     return profile, figures | ({"trace": chosen} if trace else {})
-
-
-def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """Each row's k largest logits' indices (a router's choice before its softmax or sigmoid)."""
-    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
 
 
 def _overlap(guess: np.ndarray, chosen: np.ndarray) -> float:
