@@ -650,11 +650,18 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
 @click.option("--hardware", type=click.Path(exists=True, dir_okay=False),
               help="A hardware profile (ktc doctor --calibrate --write-profile FILE): on the CPU, print the "
                    "decode time per token the CPU cost model predicts for this bundle beside the measured.")
+@click.option("--cache-slots", type=click.IntRange(min=0), default=0, show_default=True,
+              help="On a device: this many more device slots per MoE layer for CPU experts, filled on demand "
+                   "(a miss runs on the CPU and its expert is copied in for the next use); refused where they "
+                   "do not fit the VRAM the plan leaves free.")
+@click.option("--cache-profile", type=click.Path(exists=True, dir_okay=False),
+              help="An activation profile (ktc profile -o FILE): the slots' replacement policy starts from its "
+                   "expert frequencies [default: uniform].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
-        ignore_eos: bool, hardware: str | None, as_json: bool) -> None:
+        ignore_eos: bool, hardware: str | None, cache_slots: int, cache_profile: str | None, as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -667,6 +674,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
       ktc run qwen.ktb -p "The capital of France is" -n 32
       ktc run qwen.ktb --chat -p "Explain mixture of experts in one line" --temperature 0
       ktc run qwen.ktb --prompt-file long.txt -n 64 --device cuda --json
+      ktc run qwen.ktb -p "Once upon a time" --device cuda --cache-slots 4 --cache-profile profile.json
     """
     from ktc.formats.bundle import open_bundle
     from ktc.runtime.generate import Sampling, encode_prompt, generate, peak_device_bytes, peak_rss_bytes
@@ -692,8 +700,13 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         check_capacity(len(ids), max_new_tokens, kv_capacity(opened), bundle)
         planned = _planned_decode(opened.manifest.get("plan"))
         predicted = _cpu_prediction(opened, hardware, len(ids) + max_new_tokens // 2) if target is None else None
+        if cache_slots and target is None:
+            raise KtcError("--cache-slots holds experts in device memory; this run has no device",
+                           hint="run with --device cuda on a machine where torch sees a GPU")
+        prior = _bundle_profile(opened, cache_profile) if cache_profile else None
     loaded_at = time.perf_counter()
-    with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer) as model:
+    with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer, cache_slots=cache_slots,
+                     cache_prior=prior) as model:
         load_seconds = time.perf_counter() - loaded_at
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
@@ -702,6 +715,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         device_bytes, plan_bytes = model.device_total, model.plan_device_total
         used_threads = model.threads
         decode_steps = "ktc" if model.fast is not None else "transformers"
+        cached = _cache_counters(model.experts) if cache_slots else None
         parts = None
         if model.fast is not None and model.fast.steps:
             per_step = 1e3 * model.fast.seconds / model.fast.steps
@@ -718,7 +732,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "plan_predicted_ms_per_token": planned[0],
            "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
-           "decode_parts": parts, "cpu_predicted": predicted}
+           "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached}
     if as_json:
         _print_json("run", out)
         return
@@ -745,6 +759,33 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         shown = peak_device if peak_device is not None else device_bytes
         memory += f"; device {format_bytes(shown)}" + (f" of the plan's {format_bytes(plan_bytes)}" if plan_bytes else "")
     click.echo(memory, err=True)
+    if cached is not None:
+        click.echo(f"expert cache: {cache_slots} slots a layer ({format_bytes(cached['device_bytes'])}); "
+                   f"{cached['hits']} hits, {cached['misses']} misses ({cached['late']} while their copy was on its "
+                   f"way), hit rate {100 * cached['hit_rate']:.1f}% of {cached['uses']} uses; {cached['uploads']} "
+                   f"copies ({format_bytes(cached['bytes_uploaded'])}), {cached['evictions']} evictions", err=True)
+
+
+def _cache_counters(experts: list[Any]) -> dict[str, Any]:
+    """The expert cache's counters over every MoE layer (uses of the plan's device experts count
+    as hits; a use is one expert in one forward of one layer)."""
+    caches = [e.cache for e in experts if e.cache is not None]
+    total = {name: sum(getattr(c.counters, name) for c in caches)
+             for name in ("hits", "misses", "late", "uploads", "evictions", "bytes_uploaded")}
+    uses = total["hits"] + total["misses"]
+    return {**total, "uses": uses, "hit_rate": total["hits"] / uses if uses else 0.0,
+            "device_bytes": sum(c.nbytes for c in caches)}
+
+
+def _bundle_profile(opened: Any, path: str) -> Any:
+    """The activation profile at ``path``, checked against the bundle's model."""
+    from ktc.formats.activation_profile import load_activation_profile
+
+    model = opened.manifest["model"]
+    infos = model["moe_layers"]
+    return load_activation_profile(path, moe_layers=tuple(int(i["layer"]) for i in infos),
+                                   num_layers=int(model["config"]["num_layers"]),
+                                   num_experts=int(infos[0]["num_experts"]))
 
 
 def _forward_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,6 +30,7 @@ class CacheCounters:
 
     hits: int = 0
     misses: int = 0
+    late: int = 0  # misses whose expert's upload was on its way
     uploads: int = 0
     evictions: int = 0
     bytes_uploaded: int = 0
@@ -51,7 +52,9 @@ class LayerCache:
     each of the layer's ``num_experts`` experts (any scale; uniform when None). ``decay``: the
     weight of a use one token older (0 < decay < 1). ``margin``: how many decayed uses a miss
     must score above the pool's lowest to replace it. ``initial``: experts already in the pool at
-    the start (the best of the prior by default), as the plan would place them.
+    the start (the best of the prior by default), as the plan would place them. ``eligible``:
+    the experts a slot may hold (every non-resident one by default; a runtime whose slots are of
+    one scheme leaves out the experts of another).
 
     The defaults are the best of those tried in ``benchmarks/stream.py``'s replay (decay 0.98,
     0.99, 0.995; margin 1, 2, 4): with a margin of 1 (decay 0.99) the pool churned on routing
@@ -61,7 +64,7 @@ class LayerCache:
 
     def __init__(self, num_experts: int, slots: int, expert_bytes: int, *, resident: tuple[int, ...] = (),
                  prior: np.ndarray | None = None, decay: float = 0.98, margin: float = 4.0,
-                 initial: tuple[int, ...] | None = None) -> None:
+                 initial: tuple[int, ...] | None = None, eligible: tuple[int, ...] | None = None) -> None:
         if slots < 0 or num_experts < 1 or expert_bytes < 0:
             raise ConfigError(f"a layer cache needs experts (got {num_experts}), slots >= 0 (got {slots}) "
                               f"and expert bytes >= 0 (got {expert_bytes})")
@@ -75,6 +78,8 @@ class LayerCache:
         self.resident = frozenset(int(e) for e in resident)
         if any(not 0 <= e < num_experts for e in self.resident):
             raise ConfigError(f"resident experts {sorted(self.resident)} outside 0-{num_experts - 1}")
+        self.eligible = (frozenset(range(num_experts)) if eligible is None
+                         else frozenset(int(e) for e in eligible)) - self.resident
         freq = np.ones(num_experts) if prior is None else np.asarray(prior, dtype=np.float64).reshape(-1)
         if freq.shape != (num_experts,) or not np.all(np.isfinite(freq)) or (freq < 0).any():
             raise ConfigError(f"the prior must hold {num_experts} finite frequencies >= 0")
@@ -86,9 +91,9 @@ class LayerCache:
         self.now = 0
         self.pool: dict[int, float] = {}  # expert -> the time its upload is done
         if initial is None:
-            order = [int(e) for e in np.argsort(-freq, kind="stable") if int(e) not in self.resident]
+            order = [int(e) for e in np.argsort(-freq, kind="stable") if int(e) in self.eligible]
             initial = tuple(order[:slots])
-        if len(initial) > slots or any(e in self.resident or not 0 <= e < num_experts for e in initial):
+        if len(initial) > slots or any(e not in self.eligible for e in initial):
             raise ConfigError(f"the initial pool {initial} does not fit {slots} slots beside the residents")
         for e in initial:
             self.pool[int(e)] = 0.0
@@ -121,6 +126,7 @@ class LayerCache:
                 hits.append(e)
             else:
                 misses.append(e)
+                self.counters.late += ready is not None
         self.counters.hits += len(hits)
         self.counters.misses += len(misses)
         self.started = self._admit(misses, {int(x) for x in experts})
@@ -131,7 +137,8 @@ class LayerCache:
         # lowest-scored pooled expert's when it scores ``margin`` higher (never one this token
         # uses).
         started = []
-        for e in sorted((m for m in misses if m not in self.pool), key=lambda m: -self.score(m)):
+        waiting = [m for m in misses if m not in self.pool and m in self.eligible]
+        for e in sorted(waiting, key=lambda m: -self.score(m)):
             if len(self.pool) < self.slots:
                 started.append((e, None))
             else:

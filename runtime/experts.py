@@ -22,7 +22,8 @@ from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
 from . import rows, vnni
-from .device import check_device, matmul, upload
+from .device import DEVICE_DECODERS, check_device, matmul, upload
+from .device_cache import DeviceSlots
 from .kernels import expert_forward, expert_forward_batch, experts_token
 
 
@@ -62,9 +63,15 @@ class ExpertSet:
     runs the same torch code on the CPU, as tests do); with ``device=None`` every expert runs in
     the Numba kernels. ``compute_dtype`` is the torch dtype of device products (bf16 on CUDA,
     float32 elsewhere, by default). ``counts`` records how often each expert was chosen.
+
+    ``cache_slots``: besides the plan's device experts, this many device slots for CPU experts,
+    filled on demand (``device_cache.DeviceSlots``; its policy ``expert_cache.LayerCache`` takes
+    ``cache_prior``, the profile's use counts of the layer's experts). A use of a CPU expert a
+    slot holds runs on the device; any other runs on the CPU, never waiting for a copy.
     """
 
-    def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None) -> None:
+    def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
+                 cache_slots: int = 0, cache_prior: np.ndarray | None = None) -> None:
         device = check_device(device)
         model = bundle.manifest["model"]
         infos = {info["layer"]: info for info in model["moe_layers"]}
@@ -123,12 +130,15 @@ class ExpertSet:
                                       for e in range(self.num_experts)]))
         self.device = device
         self.gpu_experts = tuple(gpu)
-        self.device_bytes = 0
+        self.device_bytes = 0  # the plan's device experts' (the cache's slots: ``cache.nbytes``)
         self._device_weights: dict[str, Any] = {}
         self._device_index: dict[int, tuple[str, int]] = {}
         self._compute_dtype = compute_dtype
         if gpu:
             self._load_device(bundle, prefix, gpu, device)
+        self.cache: DeviceSlots | None = None
+        if cache_slots > 0 and device is not None and self.cpu:
+            self.cache = self._make_cache(bundle, cache_slots, cache_prior)
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
         # Set by the model around a forward whose last rows alone are read past this layer (the
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
@@ -137,7 +147,8 @@ class ExpertSet:
         # Called with each forward's hidden states (float32 [tokens, hidden]) and routing (int64
         # [tokens, k]) before the experts run (``ktc profile``: its trace and pre-gating).
         self.observers: list[Callable[[np.ndarray, np.ndarray], None]] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}") if gpu else None
+        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}")
+                      if self._on_device else None)
 
     # ------------------------------------------------------------------------------------------
     # Device experts
@@ -164,15 +175,38 @@ class ExpertSet:
         if self._compute_dtype is None:
             self._compute_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
+    def _make_cache(self, bundle: Bundle, slots: int, prior: np.ndarray | None) -> DeviceSlots:
+        """Device slots for the layer's CPU experts of its most common CPU scheme (one stack
+        holds one scheme; where a layer's CPU experts mix schemes, the others stay on the CPU)."""
+        import torch
+
+        schemes = [ex.scheme for ex in self.cpu.values()]
+        scheme = max(sorted(set(schemes)), key=schemes.count)
+        missing = [part.name for part in expert_schemes(scheme) if part.name not in DEVICE_DECODERS]
+        if missing:
+            raise KtcError(f"layer {self.layer}: no device decoder for {', '.join(missing)}, so its CPU experts "
+                           "cannot take cache slots", hint="run without --cache-slots")
+        if self._compute_dtype is None:
+            self._compute_dtype = torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        candidates = [e for e, ex in self.cpu.items() if ex.scheme == scheme]
+        return DeviceSlots(bundle, self.layer, self.num_experts, candidates, scheme, slots, self.device,
+                           resident=self.gpu_experts, prior=prior)
+
+    def _stack(self, expert: int) -> tuple[Any, int]:
+        """The device stack holding ``expert`` and its index there (a resident's, or a slot's)."""
+        if expert in self._device_index:
+            scheme, i = self._device_index[expert]
+            return self._device_weights[scheme], i
+        return self.cache.weights, self.cache.slot_of[expert]  # type: ignore[union-attr]
+
     def _run_device(self, x_all: Any, work: Work, out: Any) -> None:
         """Add the device experts' weighted outputs for ``work`` into ``out`` (float32, on the
         device); ``x_all`` holds every token's hidden state on the device."""
         import torch
 
         for e, tokens, weights in work:
-            scheme, i = self._device_index[e]
-            stack = self._device_weights[scheme]
-            gate_up_scheme, down_scheme = (s.name for s in expert_schemes(scheme))
+            stack, i = self._stack(e)
+            gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
             inter = stack.gate_up.shape[1] // 2
             rows = torch.from_numpy(tokens).to(self.device)
             h = matmul(x_all[rows], stack.gate_up[i], gate_up_scheme, self.hidden_size, self._compute_dtype)
@@ -194,8 +228,9 @@ class ExpertSet:
     # ------------------------------------------------------------------------------------------
     # Forward
 
-    def _split(self, idx: np.ndarray, weights: np.ndarray) -> tuple[Work, Work]:
-        """Per selected expert, its tokens and their weights: (CPU work, device work)."""
+    def _split(self, idx: np.ndarray, weights: np.ndarray, cached: frozenset[int] = frozenset()) -> tuple[Work, Work]:
+        """Per selected expert, its tokens and their weights: (CPU work, device work); the
+        experts in ``cached`` run from their cache slots."""
         self.counts += np.bincount(idx.ravel(), minlength=self.num_experts)[: self.num_experts]
         cpu_work: Work = []
         dev_work: Work = []
@@ -210,13 +245,13 @@ class ExpertSet:
                 tokens, first = np.unique(tokens, return_index=True)
                 chosen = np.add.reduceat(chosen, first)
             item = (e, tokens, chosen)
-            (dev_work if e in self._device_index else cpu_work).append(item)
+            (dev_work if e in self._device_index or e in cached else cpu_work).append(item)
         return cpu_work, dev_work
 
     def forward(self, hidden: np.ndarray, idx: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The experts' weighted sum for ``hidden`` [tokens, hidden_size] (float32, numpy)
         routed to ``idx`` [tokens, k] with ``weights`` [tokens, k]."""
-        if self._device_index:  # forward_torch calls the observers
+        if self._on_device:  # forward_torch calls the observers
             import torch
 
             out = self.forward_torch(torch.from_numpy(hidden).to(self.device), torch.from_numpy(idx),
@@ -251,12 +286,13 @@ class ExpertSet:
 
         idx_np = idx.detach().to("cpu", torch.int64).numpy()
         weights_np = weights.detach().to("cpu", torch.float32).numpy()
-        if self._fused is not None and not self._device_index and idx_np.shape[0] == 1:
+        if self._fused is not None and not self._on_device and idx_np.shape[0] == 1:
             # One token, every expert on the CPU (a decode step): straight to the fused kernel.
             host = hidden.detach().to("cpu", torch.float32).numpy()
             y = self._decode_token(host[0], idx_np[0], weights_np[0])
             return torch.from_numpy(y[None, :]).to(hidden.device, hidden.dtype)
-        cpu_work, dev_work = self._split(idx_np, weights_np)
+        cached = frozenset() if self.cache is None else self.cache.step(np.unique(idx_np))
+        cpu_work, dev_work = self._split(idx_np, weights_np, cached)
         host = None
         if cpu_work:
             host = np.ascontiguousarray(hidden.detach().to("cpu", torch.float32).numpy())
@@ -299,7 +335,7 @@ class ExpertSet:
         its gate/up and down in kinds of ``rows`` (the block kinds, the K-quants, iq4_xs), on a
         VNNI CPU. Built once per fused setup."""
         fused = self._fused
-        if fused is None or self._device_index or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
+        if fused is None or self._on_device or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
             return None
         cached = self._one_call
         if cached is not None and cached[0] is fused:
@@ -353,11 +389,19 @@ class ExpertSet:
             results.append((tokens, y * weights[:, None]))
         return results
 
+    @property
+    def _on_device(self) -> bool:
+        """Whether some of the layer's experts may run on the device (the plan's, or cached)."""
+        return bool(self._device_index) or self.cache is not None
+
     def close(self) -> None:
-        """Stop the worker thread and drop every reference to the bundle's memory and the device."""
+        """Stop the worker threads and drop every reference to the bundle's memory and the device."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
         self.cpu.clear()
         self._fused = None
         self._fused_biases = None

@@ -31,6 +31,7 @@ import numpy as np
 
 from ktc.errors import BundleError, KtcError, UnsupportedModelError
 from ktc.formats.bundle import Bundle, open_bundle
+from ktc.formats.hardware_profile import format_bytes
 from ktc.formats.transformers_model import (
     config_from_dict, gguf_name_map, gguf_processor, hf_name_map, import_transformers, is_experts_module,
     meta_model,
@@ -442,25 +443,29 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
-                tokenizer: Any = None) -> KtcModel:
+                tokenizer: Any = None, cache_slots: int = 0, cache_prior: Any = None) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
     plan's device experts and the KV cache (the plan's ``max_tokens``) on the GPU. ``threads``
     sets the CPU threads of ktc's kernels and torch (default: all cores). ``tokenizer``: the
-    bundle's tokenizer when the caller loaded it already (``load_tokenizer``).
+    bundle's tokenizer when the caller loaded it already (``load_tokenizer``). ``cache_slots``:
+    on a device, that many device slots per MoE layer for CPU experts, filled on demand
+    (``ExpertSet``), refused where they do not fit the VRAM the plan leaves free; ``cache_prior``:
+    an ``ActivationProfile`` of the model (the slots' policy's prior; uniform without one).
     """
     transformers = require_transformers()
     dev = check_device(device)
     bundle = open_bundle(path)
     try:
-        return _load(transformers, bundle, dev, threads, tokenizer)
+        return _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior)
     except BaseException:
         bundle.close()
         raise
 
 
-def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any) -> KtcModel:
+def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any,
+          cache_slots: int = 0, cache_prior: Any = None) -> KtcModel:
     import torch
 
     from .bench import set_threads
@@ -480,11 +485,14 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
     model = meta_model(transformers, config, dtype=dtype, experts_implementation=EXPERTS_IMPLEMENTATION,
                        buffers=True, path=bundle.path)
     loader = _Loader(transformers, bundle, model, device, dtype)
-    experts = loader.attach_experts()
+    if cache_slots and device is None:
+        raise KtcError("cache slots are device memory: they need a device (--device cuda)")
+    experts = loader.attach_experts(cache_slots, cache_prior)
     workload = run.get("workload") or {}
     max_tokens = kv_capacity(bundle)
     kv_dtype = torch.float32 if device is None else _kv_dtype(str(workload.get("kv_dtype", "bf16")))
     try:
+        _check_cache_budget(bundle, experts)
         loader.fill()
         cache = make_cache(config, max_tokens, device=loader.torch_device, dtype=kv_dtype, compute_dtype=dtype)
     except BaseException:
@@ -499,6 +507,8 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
     if device is not None:
         device_bytes = {"non_expert": loader.device_bytes,
                         "experts": sum(e.device_bytes for e in experts), "kv_cache": cache_bytes(cache)}
+        if cache_slots:
+            device_bytes["expert_cache"] = sum(e.cache.nbytes for e in experts if e.cache is not None)
         vram = (bundle.manifest.get("plan", {}).get("memory") or {}).get("vram") or {}
         if vram:
             plan_bytes = {"non_expert": sum(v for k, v in vram.items()
@@ -510,6 +520,25 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
 
     km.fast = fast_decoder(km)
     return km
+
+
+def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
+    """``KtcError`` when the experts' cache slots take more device memory than the plan leaves
+    free under its VRAM budget (the budget less everything the plan counted on the device)."""
+    slots = sum(e.cache.nbytes for e in experts if e.cache is not None)
+    if not slots:
+        return
+    plan = bundle.manifest.get("plan") or {}
+    budget = int((plan.get("hardware") or {}).get("vram_bytes") or 0)
+    vram = (plan.get("memory") or {}).get("vram") or {}
+    free = budget - sum(int(v) for v in vram.values())
+    if slots > free:
+        per_layer = max(e.cache.nbytes // max(e.cache.policy.slots, 1) for e in experts if e.cache is not None)
+        raise KtcError(f"the cache slots take {format_bytes(slots)} of device memory; the plan leaves "
+                       f"{format_bytes(max(free, 0))} of its {format_bytes(budget)} VRAM budget free",
+                       path=bundle.path,
+                       hint=f"use fewer --cache-slots (one slot per layer takes up to {format_bytes(per_layer)}), "
+                            "or plan with a larger --vram")
 
 
 class _Loader:
@@ -536,8 +565,9 @@ class _Loader:
 
     # -- experts -------------------------------------------------------------------------------
 
-    def attach_experts(self) -> list[ExpertSet]:
+    def attach_experts(self, cache_slots: int = 0, cache_prior: Any = None) -> list[ExpertSet]:
         info = {i["layer"]: i for i in self.bundle.manifest["model"]["moe_layers"]}
+        priors = {} if cache_prior is None else dict(zip(cache_prior.layers, cache_prior.counts))
         found: list[ExpertSet] = []
         from transformers.integrations import moe as hf_moe
 
@@ -551,7 +581,13 @@ class _Loader:
                                             f"(bundle MoE layers: {sorted(info)[:8]})", path=self.bundle.path)
             self._check_experts(name, module, info[layer], hf_moe)
             compute = None if self.device is None else self.dtype
-            experts = ExpertSet(self.bundle, layer, device=self.device, compute_dtype=compute)
+            try:
+                experts = ExpertSet(self.bundle, layer, device=self.device, compute_dtype=compute,
+                                    cache_slots=cache_slots, cache_prior=priors.get(layer))
+            except BaseException:
+                for done in found:
+                    done.close()
+                raise
             module._ktc_experts = experts
             for pname in list(module._parameters):
                 module._parameters[pname] = None

@@ -85,6 +85,8 @@ def test_bad_inputs_are_one_or_two_line_errors(bundle, tmp_path, demo_model):
         "older bundle": (run(_older_bundle(bundle, str(tmp_path / "old.ktb")), "-p", "hi"),
                          "compile it again"),
         "missing": (run(str(tmp_path / "none.ktb"), "-p", "hi"), "no such bundle"),
+        "cache without a device": (run(bundle, "-p", "hi", "--cache-slots", "2", "--device", "cpu"),
+                                   "this run has no device"),
     }
     if not torch.cuda.is_available():
         cases["cuda without CUDA"] = (run(bundle, "-p", "hi", "--device", "cuda"), "no CUDA device")

@@ -1,0 +1,216 @@
+"""Device expert cache slots (``ExpertSet(cache_slots=...)``) on torch's CPU device: the same
+code runs on CUDA, where the copies also go through a page-locked buffer on a side stream."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import model_factory as mf
+from ktc.compile import compile_bundle
+from ktc.errors import KtcError
+from ktc.formats.bundle import open_bundle
+from ktc.runtime import device_cache
+from ktc.runtime.expert_cache import LayerCache
+from ktc.runtime.experts import ExpertSet
+from ktc.runtime.generate import Sampling, generate
+from ktc.runtime.hf import from_bundle
+
+VOCAB = 40
+
+
+def _resident(e: int) -> bool:
+    return e % 4 == 0
+
+
+@pytest.fixture(scope="module")
+def cached_bundle(tmp_path_factory):
+    """A runnable tiny Qwen3-MoE whose experts 0 and 4 of each layer are on the device, the
+    others on the CPU, all bf16 (the CPU kernels and torch then differ by rounding alone)."""
+    tmp = tmp_path_factory.mktemp("cache")
+    folder = str(tmp / "src")
+    mf.write_safetensors(mf.build_hf_model("qwen3_moe").eval(), folder)
+    mf.write_char_tokenizer(folder, VOCAB)
+    return mf.compile_with_placement(folder, tmp, lambda e: "gpu:bf16" if _resident(e) else "cpu:bf16")
+
+
+def _routes(rng: np.random.Generator, tokens: int, shift: int) -> np.ndarray:
+    """Zipf-skewed top-k choices (distinct per token), the hottest expert ``shift``."""
+    p = 1.0 / np.arange(1, mf.EXPERTS + 1) ** 1.5
+    p /= p.sum()
+    order = (np.arange(mf.EXPERTS) + shift) % mf.EXPERTS
+    return np.stack([order[rng.choice(mf.EXPERTS, mf.TOP_K, replace=False, p=p)] for _ in range(tokens)])
+
+
+def _device_tensors(experts: ExpertSet) -> list[torch.Tensor]:
+    stacks = list(experts._device_weights.values()) + [experts.cache.weights]
+    return [t for s in stacks for t in (s.gate_up, s.down, s.gate_up_bias, s.down_bias) if t is not None]
+
+
+def test_slots_follow_the_policy_and_the_device_holds_what_was_planned(cached_bundle):
+    """Forward after forward (one token and several): every use is a hit or a miss, the slots
+    hold exactly the bytes of the experts the policy put there, the evictions are the policy's
+    own (a ``LayerCache`` stepped alone on the same routing), the device memory is the
+    residents' and the slots' and never grows, and the output is the CPU kernels'."""
+    rng = np.random.default_rng(0)
+    with open_bundle(cached_bundle) as bundle:
+        experts = ExpertSet(bundle, 1, device="cpu", cache_slots=2)
+        on_cpu = ExpertSet(bundle, 1)
+        cache = experts.cache
+        resident = tuple(e for e in range(mf.EXPERTS) if _resident(e))
+        assert experts.gpu_experts == resident and cache.policy.slots == 2
+        reference = LayerCache(mf.EXPERTS, 2, cache.policy.expert_bytes, resident=resident,
+                               eligible=tuple(e for e in range(mf.EXPERTS) if not _resident(e)))
+        assert cache.policy.expert_bytes == 3 * mf.HIDDEN * 32 * 2  # gate, up, down of 32 x HIDDEN, bf16
+        planned = experts.device_bytes + 2 * cache.policy.expert_bytes
+        pointers = [t.data_ptr() for t in _device_tensors(experts)]
+        uses = 0
+        for step in range(240):  # the hot experts move every 60 forwards
+            tokens = 1 if step % 3 else int(rng.integers(2, 6))
+            idx = _routes(rng, tokens, 1 + 3 * (step // 60))
+            weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+            hidden = rng.standard_normal((tokens, mf.HIDDEN)).astype(np.float32)
+            got = experts.forward(hidden, idx, weights)
+            want = on_cpu.forward(hidden, idx, weights)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            reference.step(np.unique(idx))
+            assert cache.policy.started == reference.started  # the same admissions and evictions
+            cache.wait()  # the copies land before the next forward, as the reference's do
+            for e, _ in reference.started:
+                reference.uploaded(e, 0.0)
+            uses += len(np.unique(idx))
+            counters = cache.counters
+            assert counters.hits + counters.misses == uses
+            assert counters == reference.counters
+            assert sum(t.numel() * t.element_size() for t in _device_tensors(experts)) == planned
+            assert [t.data_ptr() for t in _device_tensors(experts)] == pointers
+            assert set(cache.slot_of) == set(cache.policy.pool) and not set(cache.slot_of) & set(resident)
+            for e, slot in cache.slot_of.items():
+                for part in ("gate_up", "down"):
+                    held = getattr(cache.weights, part)[slot].numpy()
+                    stored = bundle.tensor(f"layers.1.experts.{e}.{part}").view(np.uint8).reshape(held.shape)
+                    np.testing.assert_array_equal(held, stored)
+        assert counters.hits > counters.misses > 0 and counters.evictions > 0
+        assert counters.bytes_uploaded == counters.uploads * cache.policy.expert_bytes
+        experts.close()
+        on_cpu.close()
+
+
+def test_a_miss_runs_on_the_cpu_while_its_copy_is_held(cached_bundle, monkeypatch):
+    """A copy that does not finish never holds the model up: the expert runs on the CPU (a late
+    miss while its copy is on its way) and from its slot once the copy has landed."""
+    release = threading.Event()
+    copy = device_cache.DeviceSlots._copy
+
+    def held_copy(self, expert, slot):  # type: ignore[no-untyped-def]
+        assert release.wait(timeout=60)
+        copy(self, expert, slot)
+
+    with open_bundle(cached_bundle) as bundle:
+        experts = ExpertSet(bundle, 2, device="cpu", cache_slots=2)
+        on_cpu = ExpertSet(bundle, 2)
+        monkeypatch.setattr(device_cache.DeviceSlots, "_copy", held_copy)
+        cache = experts.cache
+        cold = [e for e in range(mf.EXPERTS) if not _resident(e) and e not in cache.slot_of]
+        idx = np.array([[cold[0], 0]])
+        weights = np.array([[0.7, 0.3]], dtype=np.float32)
+        hidden = np.random.default_rng(1).standard_normal((1, mf.HIDDEN)).astype(np.float32)
+        want = on_cpu.forward(hidden, idx, weights)
+        # The pool is full of the prior's best: a few uses of the cold expert outscore them.
+        for _ in range(8):
+            np.testing.assert_allclose(experts.forward(hidden, idx, weights), want, rtol=1e-5, atol=1e-6)
+            if cold[0] in cache.policy.pool:
+                break
+        assert cold[0] in cache.policy.pool and cache.counters.misses >= 1 and cache.counters.late == 0
+        np.testing.assert_allclose(experts.forward(hidden, idx, weights), want, rtol=1e-5, atol=1e-6)
+        assert cache.counters.late == 1  # on its way, held: this use ran on the CPU
+        release.set()
+        cache.wait()
+        hits = cache.counters.hits
+        np.testing.assert_allclose(experts.forward(hidden, idx, weights), want, rtol=1e-5, atol=1e-6)
+        assert cache.counters.hits == hits + 2  # the resident and the landed slot
+        experts.close()
+        on_cpu.close()
+
+
+def test_greedy_generation_with_a_cache_is_the_static_plans(cached_bundle):
+    """A whole model with two cache slots per layer generates the static plan's greedy tokens,
+    with the same logits up to f32 rounding (a cached expert runs in torch, not the CPU kernels)."""
+    ids = list(range(3, 15))
+    with from_bundle(cached_bundle, device="cpu") as static:
+        want = generate(static, ids, max_new_tokens=12, sampling=Sampling(temperature=0), stop_at_eos=False)
+        with torch.inference_mode():
+            want_logits = static.model(input_ids=torch.tensor([ids + want.generated_tokens])).logits
+    with from_bundle(cached_bundle, device="cpu", cache_slots=2) as cached:
+        assert cached.device_bytes["expert_cache"] == 2 * len(cached.experts) * 3 * mf.HIDDEN * 32 * 2
+        got = generate(cached, ids, max_new_tokens=12, sampling=Sampling(temperature=0), stop_at_eos=False)
+        for e in cached.experts:
+            e.cache.wait()
+        with torch.inference_mode():
+            got_logits = cached.model(input_ids=torch.tensor([ids + got.generated_tokens])).logits
+        counters = [e.cache.counters for e in cached.experts]
+    assert got.generated_tokens == want.generated_tokens
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert sum(c.hits for c in counters) > 0 and sum(c.misses for c in counters) > 0
+
+
+def test_the_profile_fills_the_slots_at_load(cached_bundle, tmp_path):
+    """With an activation profile the slots start with each layer's most used CPU experts (the
+    plan's residents left out); without one, uniform."""
+    from ktc.cli import _bundle_profile
+    from ktc.formats.activation_profile import ActivationProfile
+
+    with open_bundle(cached_bundle) as bundle:
+        layers = tuple(int(i["layer"]) for i in bundle.manifest["model"]["moe_layers"])
+        counts = np.tile(np.arange(mf.EXPERTS, dtype=np.float64), (len(layers), 1))  # the last ones hottest
+        ActivationProfile(layers, counts, "test").save(str(tmp_path / "profile.json"))
+        prior = _bundle_profile(bundle, str(tmp_path / "profile.json"))
+    with from_bundle(cached_bundle, device="cpu", cache_slots=2, cache_prior=prior) as km:
+        assert all(set(e.cache.slot_of) == {6, 7} for e in km.experts)  # 4, 5 ... cooler; 0, 4 resident
+    with from_bundle(cached_bundle, device="cpu", cache_slots=2) as km:
+        assert all(set(e.cache.slot_of) == {1, 2} for e in km.experts)
+
+
+def test_slots_beyond_the_plans_free_vram_are_refused(demo_model, tmp_path):
+    path = str(tmp_path / "tight.ktb")
+    compile_bundle(demo_model, path, plan_kwargs=dict(vram="16MiB", ram="1GiB", reserve=0, max_tokens=2048))
+    with pytest.raises(KtcError, match="VRAM budget free") as info:
+        from_bundle(path, device="cpu", cache_slots=1)
+    assert "--cache-slots" in info.value.hint
+    with pytest.raises(KtcError, match="need a device"):
+        from_bundle(path, cache_slots=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_slots_take_their_bytes_and_copies_land(cached_bundle):
+    """On CUDA: the slots take their bytes once, the copies (page-locked staging, side stream)
+    land and are then read, and the output stays close to the CPU kernels' (bf16 products)."""
+    rng = np.random.default_rng(2)
+    with open_bundle(cached_bundle) as bundle:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        experts = ExpertSet(bundle, 1, device="cuda", cache_slots=2)
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+        held = experts.device_bytes + experts.cache.nbytes
+        assert held <= grown <= held + 512 * len(_device_tensors(experts))
+        on_cpu = ExpertSet(bundle, 1)
+        for step in range(120):
+            idx = _routes(rng, 1, 1 + 3 * (step // 40))
+            weights = np.full(idx.shape, 0.5, dtype=np.float32)
+            hidden = rng.standard_normal((1, mf.HIDDEN)).astype(np.float32)
+            got, want = experts.forward(hidden, idx, weights), on_cpu.forward(hidden, idx, weights)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+        experts.cache.wait()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before == grown
+        assert experts.cache.counters.uploads > 0 and experts.cache.counters.hits > 0
+        for e, slot in experts.cache.slot_of.items():
+            stored = bundle.tensor(f"layers.1.experts.{e}.down").view(np.uint8)
+            assert np.array_equal(experts.cache.weights.down[slot].cpu().numpy().ravel(), stored.ravel())
+        experts.close()
+        on_cpu.close()
