@@ -657,11 +657,17 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
 @click.option("--cache-profile", type=click.Path(exists=True, dir_okay=False),
               help="An activation profile (ktc profile -o FILE): the slots' replacement policy starts from its "
                    "expert frequencies [default: uniform].")
+@click.option("--prefetch", is_flag=True,
+              help="Pre-gating one MoE layer ahead: the experts the next layer's router picks for this layer's "
+                   "input are paged in from the bundle (madvise WILLNEED) and copied into its cache slots. It acts "
+                   "on every forward on a device; on the CPU on prefill, and on decode steps only where the "
+                   "experts are outside ktc's one compiled call (int8).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
-        ignore_eos: bool, hardware: str | None, cache_slots: int, cache_profile: str | None, as_json: bool) -> None:
+        ignore_eos: bool, hardware: str | None, cache_slots: int, cache_profile: str | None, prefetch: bool,
+        as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -706,7 +712,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         prior = _bundle_profile(opened, cache_profile) if cache_profile else None
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer, cache_slots=cache_slots,
-                     cache_prior=prior) as model:
+                     cache_prior=prior, prefetch=prefetch) as model:
         load_seconds = time.perf_counter() - loaded_at
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
@@ -716,6 +722,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         used_threads = model.threads
         decode_steps = "ktc" if model.fast is not None else "transformers"
         cached = _cache_counters(model.experts) if cache_slots else None
+        paged = model.prefetcher.asked if model.prefetcher is not None else None
         parts = None
         if model.fast is not None and model.fast.steps:
             per_step = 1e3 * model.fast.seconds / model.fast.steps
@@ -732,7 +739,8 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "plan_predicted_ms_per_token": planned[0],
            "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
-           "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached}
+           "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached,
+           "prefetch_paged_bytes": paged}
     if as_json:
         _print_json("run", out)
         return
@@ -764,6 +772,12 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                    f"{cached['hits']} hits, {cached['misses']} misses ({cached['late']} while their copy was on its "
                    f"way), hit rate {100 * cached['hit_rate']:.1f}% of {cached['uses']} uses; {cached['uploads']} "
                    f"copies ({format_bytes(cached['bytes_uploaded'])}), {cached['evictions']} evictions", err=True)
+        if prefetch:
+            share = cached["guess_used"] / cached["guessed"] if cached["guessed"] else 0.0
+            click.echo(f"pre-gating: {cached['prefetched']} of the copies started a layer ahead; "
+                       f"{100 * share:.1f}% of {cached['guessed']} guessed experts were used", err=True)
+    if paged is not None:
+        click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead", err=True)
 
 
 def _cache_counters(experts: list[Any]) -> dict[str, Any]:
@@ -771,7 +785,8 @@ def _cache_counters(experts: list[Any]) -> dict[str, Any]:
     as hits; a use is one expert in one forward of one layer)."""
     caches = [e.cache for e in experts if e.cache is not None]
     total = {name: sum(getattr(c.counters, name) for c in caches)
-             for name in ("hits", "misses", "late", "uploads", "evictions", "bytes_uploaded")}
+             for name in ("hits", "misses", "late", "uploads", "evictions", "bytes_uploaded", "prefetched",
+                          "guessed", "guess_used")}
     uses = total["hits"] + total["misses"]
     return {**total, "uses": uses, "hit_rate": total["hits"] / uses if uses else 0.0,
             "device_bytes": sum(c.nbytes for c in caches)}

@@ -123,7 +123,17 @@ class DeviceSlots:
         the plan's stacks); the policy's admissions start copying. Never waits for a copy."""
         self.poll()
         hits, _ = self.policy.step(experts, at=0.0)
-        for e, victim in self.policy.started:
+        self._start(self.policy.started)
+        return frozenset(e for e in hits if e in self.slot_of)
+
+    def prefetch(self, experts: np.ndarray) -> None:
+        """A guess at the next forward's experts (pre-gating, a layer ahead): the policy admits
+        them as it would that forward's misses, and their copies start now."""
+        self.poll()
+        self._start(self.policy.prefetch(experts))
+
+    def _start(self, started: list[tuple[int, int | None]]) -> None:
+        for e, victim in started:
             if victim is not None:
                 self._pending.pop(victim, None)  # superseded: the slot's next copy is e's
                 slot = self.slot_of.pop(victim)
@@ -131,7 +141,6 @@ class DeviceSlots:
                 slot = self._free.pop()
             self.slot_of[e] = slot
             self._pending[e] = self._worker.submit(self._copy, e, slot)
-        return frozenset(e for e in hits if e in self.slot_of)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

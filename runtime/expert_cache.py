@@ -34,6 +34,9 @@ class CacheCounters:
     uploads: int = 0
     evictions: int = 0
     bytes_uploaded: int = 0
+    prefetched: int = 0  # uploads a guess started (``prefetch``), among ``uploads``
+    guessed: int = 0  # experts guessed for a step, and of those the ones the step used
+    guess_used: int = 0
 
     @property
     def uses(self) -> int:
@@ -99,6 +102,7 @@ class LayerCache:
             self.pool[int(e)] = 0.0
         self.counters = CacheCounters()
         self.started: list[tuple[int, int | None]] = []  # the last step's uploads: (expert, evicted)
+        self._guess: frozenset[int] = frozenset()  # the last ``prefetch``'s experts, for the next step
 
     @property
     def device_bytes(self) -> int:
@@ -129,8 +133,32 @@ class LayerCache:
                 self.counters.late += ready is not None
         self.counters.hits += len(hits)
         self.counters.misses += len(misses)
-        self.started = self._admit(misses, {int(x) for x in experts})
+        used = {int(x) for x in experts}
+        if self._guess:
+            self.counters.guessed += len(self._guess)
+            self.counters.guess_used += len(self._guess & used)
+            self._guess = frozenset()
+        self.started = self._admit(misses, used)
         return hits, misses
+
+    def prefetch(self, experts: np.ndarray) -> list[tuple[int, int | None]]:
+        """A guess (pre-gating) at the next step's ``experts``: the ones not pooled are admitted
+        as a miss of that step would be, scored as if used once more, and start uploading now,
+        a layer ahead (returned as ``started`` is; the guessed experts already pooled are not
+        evicted for them). The next ``step`` counts how many of the guess it used."""
+        guess = frozenset(int(e) for e in experts)
+        self._guess = guess
+        changed = list(guess)
+        saved = self._score[changed].copy(), self._stamp[changed].copy()
+        for e in changed:  # as the next step will score them
+            self._score[e] = self.score(e) + 1.0
+            self._stamp[e] = self.now
+        try:
+            started = self._admit([e for e in sorted(guess) if e not in self.resident], set(guess))
+        finally:  # the uses themselves are counted by the step that makes them
+            self._score[changed], self._stamp[changed] = saved
+        self.counters.prefetched += len(started)
+        return started
 
     def _admit(self, misses: list[int], used: set[int]) -> list[tuple[int, int | None]]:
         # Each miss not already on its way in, best score first, takes a free slot or the

@@ -259,6 +259,7 @@ class KtcModel:
     cache: Any = None
     threads: int = 0  # the kernels' CPU threads
     fast: Any = None  # runtime.fast_decode.FastDecode where it computes the decode steps
+    prefetcher: Any = None  # runtime.prefetch.Prefetcher (``prefetch=True``)
 
     def __enter__(self) -> KtcModel:
         return self
@@ -361,6 +362,9 @@ class KtcModel:
 
     def close(self) -> None:
         """Release the bundle, every map of it and every device tensor."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
         for experts in self.experts:
             experts.close()
         self.experts.clear()
@@ -443,7 +447,8 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
-                tokenizer: Any = None, cache_slots: int = 0, cache_prior: Any = None) -> KtcModel:
+                tokenizer: Any = None, cache_slots: int = 0, cache_prior: Any = None,
+                prefetch: bool = False) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
@@ -453,15 +458,32 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     on a device, that many device slots per MoE layer for CPU experts, filled on demand
     (``ExpertSet``), refused where they do not fit the VRAM the plan leaves free; ``cache_prior``:
     an ``ActivationProfile`` of the model (the slots' policy's prior; uniform without one).
+    ``prefetch``: pre-gating one MoE layer ahead (``prefetch.Prefetcher``): the experts the next
+    layer's router picks for this layer's input are paged in, and copied into its cache slots.
+    It watches the forwards that go through the experts (``ExpertSet.observers``): every
+    forward on a device; on the CPU, prefill and the decode steps of layers outside ktc's one
+    compiled call (whose routing happens inside that call, unseen: the block schemes and
+    K-quants on a VNNI CPU).
     """
     transformers = require_transformers()
     dev = check_device(device)
     bundle = open_bundle(path)
     try:
-        return _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior)
+        km = _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior)
     except BaseException:
         bundle.close()
         raise
+    if prefetch:
+        from .prefetch import Prefetcher
+
+        try:
+            routers = [tensor_float32(bundle, f"layers.{e.layer}.router") for e in km.experts]
+            top_k = int(bundle.manifest["model"]["moe_layers"][0]["top_k"])
+            km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False)
+        except BaseException:
+            km.close()
+            raise
+    return km
 
 
 def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any,

@@ -93,27 +93,37 @@ def resident_share(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> float:
 class Prefetcher:
     """Pre-gating prefetch over a model's MoE layers (their ``ExpertSet``s, in order): each
     layer's forward, before its experts run, pages in the experts the next layer's router
-    (``routers[i + 1]``, float32 [experts, hidden]) picks for its tokens. ``asked`` counts the
-    bytes asked for, ``guesses`` the experts a layer at a time."""
+    (``routers[i + 1]``, float32 [experts, hidden]) picks for its tokens, and where the next
+    layer has device cache slots (``ExpertSet.cache``), starts copying them there
+    (``DeviceSlots.prefetch``). ``asked`` counts the bytes asked for, ``guesses`` the experts a
+    layer at a time (``keep_guesses``)."""
 
-    def __init__(self, bundle: Bundle, layers: list[Any], routers: list[np.ndarray], top_k: int) -> None:
+    def __init__(self, bundle: Bundle, layers: list[Any], routers: list[np.ndarray], top_k: int, *,
+                 page: bool = True, keep_guesses: bool = True) -> None:
         if len(routers) != len(layers):
             raise KtcError(f"{len(routers)} routers for {len(layers)} MoE layers")
         self.bundle = bundle
         self.layers = layers
+        self.page = page
+        self.keep_guesses = keep_guesses
         self.asked = 0
         self.guesses: list[tuple[int, np.ndarray]] = []  # (the layer guessed for, its experts)
         self._installed = []
         for i in range(len(layers) - 1):
-            observe = self._observer(layers[i + 1].layer, routers[i + 1], top_k)
+            observe = self._observer(layers[i + 1], routers[i + 1], top_k)
             layers[i].observers.append(observe)
             self._installed.append((layers[i], observe))
 
-    def _observer(self, layer: int, router: np.ndarray, top_k: int):  # type: ignore[no-untyped-def]
+    def _observer(self, nxt: Any, router: np.ndarray, top_k: int):  # type: ignore[no-untyped-def]
         def observe(hidden: np.ndarray, idx: np.ndarray) -> None:
             guess = np.unique(pregate(hidden, router, top_k))
-            self.guesses.append((layer, guess))
-            self.asked += page_in(self.bundle, expert_ranges(self.bundle, layer, guess))
+            if self.keep_guesses:
+                self.guesses.append((nxt.layer, guess))
+            if self.page:
+                self.asked += page_in(self.bundle, expert_ranges(self.bundle, nxt.layer, guess))
+            cache = getattr(nxt, "cache", None)
+            if cache is not None:
+                cache.prefetch(guess)
         return observe
 
     def close(self) -> None:

@@ -194,3 +194,16 @@ def test_hardware_profile_adds_the_cpu_prediction_beside_the_measured_parts(bund
     text = run(bundle, "-p", "A Mixture-of-Experts model", "-n", "4", "--hardware", str(profile))
     assert "the CPU cost model predicted" in text.stderr and "measured" in text.stderr
     assert json.loads(run(bundle, "-p", "x", "-n", "2", "--json").stdout)["cpu_predicted"] is None
+
+
+def test_prefetch_pages_in_the_guessed_experts(bundle):
+    """--prefetch on the CPU: the prompt's forward (and the int8 experts' decode steps) page in
+    the experts the next layer's router guesses; the text is the same as without it."""
+    args = ["-p", "A Mixture-of-Experts model", "-n", "6", "--temperature", "0", "--json"]
+    plain = json.loads(run(bundle, *args).stdout)
+    result = run(bundle, *args, "--prefetch")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["generated_tokens"] == plain["generated_tokens"]
+    assert plain["prefetch_paged_bytes"] is None and out["prefetch_paged_bytes"] > 0
+    assert out["expert_cache"] is None

@@ -214,3 +214,46 @@ def test_cuda_slots_take_their_bytes_and_copies_land(cached_bundle):
             assert np.array_equal(experts.cache.weights.down[slot].cpu().numpy().ravel(), stored.ravel())
         experts.close()
         on_cpu.close()
+
+
+def test_pre_gating_copies_the_next_layers_guess_before_it_runs(cached_bundle):
+    """With the prefetcher, a layer's forward starts copying into the next layer's slots the
+    experts its router picks for this layer's input, as the next layer's own miss would have
+    (the same admission), one layer earlier: that use is a hit where without the guess it is a
+    miss."""
+    import copy
+
+    from ktc.runtime.prefetch import Prefetcher, pregate
+
+    hidden = np.random.default_rng(4).standard_normal((1, mf.HIDDEN)).astype(np.float32)
+    half = np.full((1, 2), 0.5, dtype=np.float32)
+    with open_bundle(cached_bundle) as bundle:
+        routers = [np.asarray(bundle.tensor(f"layers.{layer}.router"), dtype=np.float32) for layer in (0, 1)]
+        guess = pregate(hidden, routers[1], mf.TOP_K)[0]
+        cold = [e for e in guess.tolist() if not _resident(e)][0]
+        prior = np.ones(mf.EXPERTS)
+        prior[cold] = 0.0  # the slots start with other experts
+        first = ExpertSet(bundle, 0, device="cpu", cache_slots=2)
+        with_guess, without = (ExpertSet(bundle, 1, device="cpu", cache_slots=2, cache_prior=prior) for _ in "ab")
+        prefetcher = Prefetcher(bundle, [first, with_guess], routers, mf.TOP_K, page=False)
+        idx = np.array([[cold, 0]])
+        for _ in range(100):  # uses of the cold expert (misses) until one more would admit it
+            if copy.deepcopy(with_guess.cache.policy).prefetch(guess):
+                break
+            for layer in (with_guess, without):
+                layer.forward(hidden, idx, half)
+        assert cold not in with_guess.cache.slot_of and with_guess.cache.counters.misses > 0
+        first.forward(hidden, np.array([[1, 2]]), half)  # guesses layer 1's experts
+        assert cold in with_guess.cache.slot_of and with_guess.cache.counters.prefetched == 1
+        with_guess.cache.wait()
+        before = [(layer.cache.counters.hits, layer.cache.counters.misses) for layer in (with_guess, without)]
+        for layer in (with_guess, without):
+            layer.forward(hidden, idx, half)
+        after = [(layer.cache.counters.hits, layer.cache.counters.misses) for layer in (with_guess, without)]
+        assert after[0] == (before[0][0] + 2, before[0][1])  # the guessed expert and the resident hit
+        assert after[1] == (before[1][0] + 1, before[1][1] + 1)  # admitted now, too late for this use
+        assert with_guess.cache.counters.guessed == len(set(guess.tolist()))
+        assert with_guess.cache.counters.guess_used == len({cold, 0} & set(guess.tolist()))
+        prefetcher.close()
+        for layer in (first, with_guess, without):
+            layer.close()

@@ -115,3 +115,35 @@ def test_bad_settings_are_refused(kwargs):
     args = dict(num_experts=8, slots=2, expert_bytes=1) | kwargs
     with pytest.raises(ConfigError):
         LayerCache(args.pop("num_experts"), args.pop("slots"), args.pop("expert_bytes"), **args)
+
+
+def test_a_guess_starts_uploads_a_step_early_and_leaves_the_scores_alone():
+    """``prefetch`` admits a guessed expert as that step's miss would be (a free slot, or a
+    margin over the pool's lowest not guessed), so its upload can land before the step; the
+    scores stay those of the uses, and the step counts how much of the guess it used."""
+    prior = np.array([8.0, 4.0, 2.0, 1.0, 1.0, 1.0])
+    guessed = LayerCache(6, 2, 10, prior=prior, margin=0.5)
+    plain = LayerCache(6, 2, 10, prior=prior, margin=0.5)
+    assert set(guessed.pool) == {0, 1}
+    for cache in (guessed, plain):
+        for _ in range(30):  # expert 5 becomes hot, 1 cools
+            cache.step(np.array([0, 5]))
+            for e, _ in cache.started:
+                cache.uploaded(e, 0.0)
+    assert set(guessed.pool) == set(plain.pool) == {0, 5}
+    assert guessed.prefetch(np.array([0, 2])) == []  # 2 is cold: no margin over 5's score
+    np.testing.assert_array_equal(guessed._score, plain._score)
+    assert guessed.prefetch(np.array([5, 0])) == []  # pooled already
+    for _ in range(40):  # 2 heats up, 5 cools, but each use of 2 is a miss
+        plain.step(np.array([0, 2]))
+        guessed.step(np.array([0, 2]))
+        if 2 in plain.pool:
+            break
+    assert 2 in plain.pool and 2 in guessed.pool  # both admitted at the same use (never uploaded here)
+    fresh = LayerCache(6, 2, 10, prior=prior, margin=0.5, initial=(0,))
+    started = fresh.prefetch(np.array([3, 0]))
+    assert started == [(3, None)] and fresh.counters.prefetched == 1 and fresh.counters.uses == 0
+    fresh.uploaded(3, 0.0)
+    hits, misses = fresh.step(np.array([3, 4]))
+    assert hits == [3] and misses == [4]  # landed before its step: a hit
+    assert (fresh.counters.guessed, fresh.counters.guess_used) == (2, 1)
