@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -662,12 +663,16 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
                    "input are paged in from the bundle (madvise WILLNEED) and copied into its cache slots. It acts "
                    "on every forward on a device; on the CPU on prefill, and on decode steps only where the "
                    "experts are outside ktc's one compiled call (int8).")
+@click.option("--prefill-offload", is_flag=True,
+              help="On a device: a prompt chunk of 32 tokens or more copies the CPU experts it uses to the device "
+                   "where the copy beats the CPU's work (the plan's PCIe bandwidth against the CPU's time a token, "
+                   "measured on the first chunk), within the VRAM the plan leaves free, and frees them after.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
         ignore_eos: bool, hardware: str | None, cache_slots: int, cache_profile: str | None, prefetch: bool,
-        as_json: bool) -> None:
+        prefill_offload: bool, as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -706,13 +711,14 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         check_capacity(len(ids), max_new_tokens, kv_capacity(opened), bundle)
         planned = _planned_decode(opened.manifest.get("plan"))
         predicted = _cpu_prediction(opened, hardware, len(ids) + max_new_tokens // 2) if target is None else None
-        if cache_slots and target is None:
-            raise KtcError("--cache-slots holds experts in device memory; this run has no device",
+        if (cache_slots or prefill_offload) and target is None:
+            flag = "--cache-slots" if cache_slots else "--prefill-offload"
+            raise KtcError(f"{flag} puts experts in device memory; this run has no device",
                            hint="run with --device cuda on a machine where torch sees a GPU")
         prior = _bundle_profile(opened, cache_profile) if cache_profile else None
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer, cache_slots=cache_slots,
-                     cache_prior=prior, prefetch=prefetch) as model:
+                     cache_prior=prior, prefetch=prefetch, prefill_offload=prefill_offload) as model:
         load_seconds = time.perf_counter() - loaded_at
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
@@ -723,6 +729,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         decode_steps = "ktc" if model.fast is not None else "transformers"
         cached = _cache_counters(model.experts) if cache_slots else None
         paged = model.prefetcher.asked if model.prefetcher is not None else None
+        offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
         parts = None
         if model.fast is not None and model.fast.steps:
             per_step = 1e3 * model.fast.seconds / model.fast.steps
@@ -740,7 +747,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
            "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached,
-           "prefetch_paged_bytes": paged}
+           "prefetch_paged_bytes": paged, "prefill_offload": offloaded}
     if as_json:
         _print_json("run", out)
         return
@@ -778,6 +785,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                        f"{100 * share:.1f}% of {cached['guessed']} guessed experts were used", err=True)
     if paged is not None:
         click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead", err=True)
+    if offloaded is not None:
+        click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of 32 tokens "
+                   f"or more copied {offloaded['experts']} experts ({format_bytes(offloaded['bytes_uploaded'])})",
+                   err=True)
 
 
 def _cache_counters(experts: list[Any]) -> dict[str, Any]:

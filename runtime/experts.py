@@ -9,6 +9,7 @@ kernels release the GIL). Only device experts take device memory.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from . import rows, vnni
 from .device import DEVICE_DECODERS, check_device, matmul, upload
 from .device_cache import DeviceSlots
 from .kernels import expert_forward, expert_forward_batch, experts_token
+from .offload import PrefillOffload
 
 
 def tensor_float32(bundle: Bundle, name: str) -> np.ndarray:
@@ -68,10 +70,13 @@ class ExpertSet:
     filled on demand (``device_cache.DeviceSlots``; its policy ``expert_cache.LayerCache`` takes
     ``cache_prior``, the profile's use counts of the layer's experts). A use of a CPU expert a
     slot holds runs on the device; any other runs on the CPU, never waiting for a copy.
+    ``offload``: an ``offload.PrefillOffload`` (shared by a model's layers): a forward of many
+    tokens copies the CPU experts its cost model chooses to the device for that forward alone.
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
-                 cache_slots: int = 0, cache_prior: np.ndarray | None = None) -> None:
+                 cache_slots: int = 0, cache_prior: np.ndarray | None = None,
+                 offload: PrefillOffload | None = None) -> None:
         device = check_device(device)
         model = bundle.manifest["model"]
         infos = {info["layer"]: info for info in model["moe_layers"]}
@@ -139,6 +144,12 @@ class ExpertSet:
         self.cache: DeviceSlots | None = None
         if cache_slots > 0 and device is not None and self.cpu:
             self.cache = self._make_cache(bundle, cache_slots, cache_prior)
+        self.offload = offload if device is not None and self.cpu else None
+        self._offloaded: dict[int, tuple[Any, int]] = {}  # this forward's copied CPU experts: (stack, index)
+        if self.offload is not None and self._compute_dtype is None:
+            import torch
+
+            self._compute_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
         # Set by the model around a forward whose last rows alone are read past this layer (the
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
@@ -197,6 +208,8 @@ class ExpertSet:
         if expert in self._device_index:
             scheme, i = self._device_index[expert]
             return self._device_weights[scheme], i
+        if expert in self._offloaded:
+            return self._offloaded[expert]
         return self.cache.weights, self.cache.slot_of[expert]  # type: ignore[union-attr]
 
     def _run_device(self, x_all: Any, work: Work, out: Any) -> None:
@@ -293,18 +306,69 @@ class ExpertSet:
             return torch.from_numpy(y[None, :]).to(hidden.device, hidden.dtype)
         cached = frozenset() if self.cache is None else self.cache.step(np.unique(idx_np))
         cpu_work, dev_work = self._split(idx_np, weights_np, cached)
+        try:
+            if self.offload is not None and cpu_work:
+                cpu_work, dev_work = self._offload(cpu_work, dev_work, idx_np.shape[0])
+            return self._compute(hidden, cpu_work, dev_work)
+        finally:
+            self._offloaded = {}  # the copies are freed with the forward
+
+    def _compute(self, hidden: Any, cpu_work: Work, dev_work: Work) -> Any:
+        import torch
+
         host = None
         if cpu_work:
             host = np.ascontiguousarray(hidden.detach().to("cpu", torch.float32).numpy())
         if not dev_work:  # nothing to overlap with: no thread hand-off
-            out = torch.from_numpy(self._accumulate(host.shape, self._run_cpu(host, cpu_work)))
+            out = torch.from_numpy(self._accumulate(host.shape, self._run_cpu_timed(host, cpu_work)))
             return out.to(hidden.device, hidden.dtype)
-        future = self._pool.submit(self._run_cpu, host, cpu_work) if cpu_work else None
+        future = self._pool.submit(self._run_cpu_timed, host, cpu_work) if cpu_work else None
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         self._run_device(hidden.detach().to(self.device), dev_work, out)
         if future is not None:
             out += torch.from_numpy(self._accumulate(host.shape, future.result())).to(out.device)
         return out.to(hidden.dtype)
+
+    def _offload(self, cpu_work: Work, dev_work: Work, tokens: int) -> tuple[Work, Work]:
+        """Move the CPU experts the offload's cost model chooses to the device for this forward:
+        their bytes copied, stacked per scheme (``device.upload``), into ``_offloaded``."""
+        offload = self.offload
+        work = [(e, self.cpu[e].scheme, len(t), self._cpu_bytes(e)) for e, t, _ in cpu_work
+                if all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
+        chosen = set(offload.choose(work, tokens)) if offload is not None else set()
+        if not chosen:
+            return cpu_work, dev_work
+        by_scheme: dict[str, list[int]] = {}
+        for e in sorted(chosen):
+            by_scheme.setdefault(self.cpu[e].scheme, []).append(e)
+        for scheme, experts in by_scheme.items():
+            parts = [self.cpu[e] for e in experts]
+            biases = parts[0].gate_up_bias is not None
+            stack = upload(scheme, [p.gate_up.view(np.uint8).reshape(p.gate_up.shape[0], -1) for p in parts],
+                           [p.down.view(np.uint8).reshape(p.down.shape[0], -1) for p in parts],
+                           [p.gate_up_bias for p in parts] if biases else [],
+                           [p.down_bias for p in parts] if biases else [], self.device)
+            self._offloaded.update({e: (stack, i) for i, e in enumerate(experts)})
+        return ([w for w in cpu_work if w[0] not in chosen], dev_work + [w for w in cpu_work if w[0] in chosen])
+
+    def _cpu_bytes(self, expert: int) -> int:
+        ex = self.cpu[expert]
+        return int(ex.gate_up.nbytes + ex.down.nbytes)
+
+    def _run_cpu_timed(self, hidden: np.ndarray, work: Work) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``_run_cpu``, timed for the offload's estimate where the work is several tokens of
+        one scheme."""
+        offload = self.offload
+        if offload is None or len(hidden) < 2:
+            return self._run_cpu(hidden, work)
+        started = time.perf_counter()
+        results = self._run_cpu(hidden, work)
+        seconds = time.perf_counter() - started
+        schemes = {self.cpu[e].scheme for e, _, _ in work}
+        if len(schemes) == 1:
+            offload.observe(schemes.pop(), sum(len(t) for _, t, _ in work),
+                            sum(self._cpu_bytes(e) for e, _, _ in work), seconds)
+        return results
 
     @staticmethod
     def _accumulate(shape: tuple[int, ...], results: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
@@ -391,8 +455,9 @@ class ExpertSet:
 
     @property
     def _on_device(self) -> bool:
-        """Whether some of the layer's experts may run on the device (the plan's, or cached)."""
-        return bool(self._device_index) or self.cache is not None
+        """Whether some of the layer's experts may run on the device (the plan's, cached, or
+        copied for a prefill forward)."""
+        return bool(self._device_index) or self.cache is not None or self.offload is not None
 
     def close(self) -> None:
         """Stop the worker threads and drop every reference to the bundle's memory and the device."""

@@ -260,6 +260,7 @@ class KtcModel:
     threads: int = 0  # the kernels' CPU threads
     fast: Any = None  # runtime.fast_decode.FastDecode where it computes the decode steps
     prefetcher: Any = None  # runtime.prefetch.Prefetcher (``prefetch=True``)
+    offload: Any = None  # runtime.offload.PrefillOffload (``prefill_offload=True``)
 
     def __enter__(self) -> KtcModel:
         return self
@@ -448,7 +449,7 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
                 tokenizer: Any = None, cache_slots: int = 0, cache_prior: Any = None,
-                prefetch: bool = False) -> KtcModel:
+                prefetch: bool = False, prefill_offload: bool = False) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
@@ -463,13 +464,16 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     It watches the forwards that go through the experts (``ExpertSet.observers``): every
     forward on a device; on the CPU, prefill and the decode steps of layers outside ktc's one
     compiled call (whose routing happens inside that call, unseen: the block schemes and
-    K-quants on a VNNI CPU).
+    K-quants on a VNNI CPU). ``prefill_offload``: on a device, a forward of 32 tokens or more
+    copies the CPU experts it uses to the device where the cost model says the copy is faster
+    (``offload.PrefillOffload``, with the plan's PCIe and CPU bandwidths), within the VRAM the
+    plan and the cache slots leave free; the offload's counters are ``KtcModel.offload``.
     """
     transformers = require_transformers()
     dev = check_device(device)
     bundle = open_bundle(path)
     try:
-        km = _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior)
+        km = _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior, prefill_offload)
     except BaseException:
         bundle.close()
         raise
@@ -487,7 +491,7 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
 
 
 def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any,
-          cache_slots: int = 0, cache_prior: Any = None) -> KtcModel:
+          cache_slots: int = 0, cache_prior: Any = None, prefill_offload: bool = False) -> KtcModel:
     import torch
 
     from .bench import set_threads
@@ -507,9 +511,10 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
     model = meta_model(transformers, config, dtype=dtype, experts_implementation=EXPERTS_IMPLEMENTATION,
                        buffers=True, path=bundle.path)
     loader = _Loader(transformers, bundle, model, device, dtype)
-    if cache_slots and device is None:
-        raise KtcError("cache slots are device memory: they need a device (--device cuda)")
-    experts = loader.attach_experts(cache_slots, cache_prior)
+    if (cache_slots or prefill_offload) and device is None:
+        raise KtcError("cache slots and prefill offload use device memory: they need a device (--device cuda)")
+    offload = _prefill_offload(bundle) if prefill_offload else None
+    experts = loader.attach_experts(cache_slots, cache_prior, offload)
     workload = run.get("workload") or {}
     max_tokens = kv_capacity(bundle)
     kv_dtype = torch.float32 if device is None else _kv_dtype(str(workload.get("kv_dtype", "bf16")))
@@ -537,7 +542,7 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
                                             if k not in ("gpu_experts", "kv_cache", "workspace", "reserve")),
                           "experts": int(vram.get("gpu_experts", 0)), "kv_cache": int(vram.get("kv_cache", 0))}
     km = KtcModel(model, tokenizer, bundle, device, dtype, max_tokens, int(workload.get("prefill_chunk") or 512),
-                  device_bytes, plan_bytes, experts, cache, used)
+                  device_bytes, plan_bytes, experts, cache, used, offload=offload)
     from .fast_decode import fast_decoder
 
     km.fast = fast_decoder(km)
@@ -546,14 +551,14 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
 
 def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
     """``KtcError`` when the experts' cache slots take more device memory than the plan leaves
-    free under its VRAM budget (the budget less everything the plan counted on the device)."""
+    free under its VRAM budget (``_free_vram``); the prefill offload gets what they leave."""
     slots = sum(e.cache.nbytes for e in experts if e.cache is not None)
+    offload = next((e.offload for e in experts if e.offload is not None), None)
+    budget, free = _free_vram(bundle)
+    if offload is not None:  # what the slots leave
+        offload.budget_bytes = max(free - slots, 0)
     if not slots:
         return
-    plan = bundle.manifest.get("plan") or {}
-    budget = int((plan.get("hardware") or {}).get("vram_bytes") or 0)
-    vram = (plan.get("memory") or {}).get("vram") or {}
-    free = budget - sum(int(v) for v in vram.values())
     if slots > free:
         per_layer = max(e.cache.nbytes // max(e.cache.policy.slots, 1) for e in experts if e.cache is not None)
         raise KtcError(f"the cache slots take {format_bytes(slots)} of device memory; the plan leaves "
@@ -561,6 +566,28 @@ def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
                        path=bundle.path,
                        hint=f"use fewer --cache-slots (one slot per layer takes up to {format_bytes(per_layer)}), "
                             "or plan with a larger --vram")
+
+
+def _free_vram(bundle: Bundle) -> tuple[int, int]:
+    """(the plan's VRAM budget, what it leaves free of it: the budget less everything the plan
+    counted on the device)."""
+    plan = bundle.manifest.get("plan") or {}
+    budget = int((plan.get("hardware") or {}).get("vram_bytes") or 0)
+    vram = (plan.get("memory") or {}).get("vram") or {}
+    return budget, budget - sum(int(v) for v in vram.values())
+
+
+def _prefill_offload(bundle: Bundle) -> Any:
+    """The prefill offload of a model from ``bundle``, with its plan's bandwidths (the hardware
+    profile's defaults where it was not planned); its budget is set once the slots are known."""
+    from ktc.formats.hardware_profile import HardwareProfile
+
+    from .offload import PrefillOffload
+
+    hardware = (bundle.manifest.get("plan") or {}).get("hardware") or {}
+    defaults = HardwareProfile(vram_bytes=0, ram_bytes=0)
+    return PrefillOffload(float(hardware.get("pcie_bandwidth") or defaults.pcie_bandwidth),
+                          float(hardware.get("cpu_bandwidth") or defaults.cpu_bandwidth), 0)
 
 
 class _Loader:
@@ -587,7 +614,7 @@ class _Loader:
 
     # -- experts -------------------------------------------------------------------------------
 
-    def attach_experts(self, cache_slots: int = 0, cache_prior: Any = None) -> list[ExpertSet]:
+    def attach_experts(self, cache_slots: int = 0, cache_prior: Any = None, offload: Any = None) -> list[ExpertSet]:
         info = {i["layer"]: i for i in self.bundle.manifest["model"]["moe_layers"]}
         priors = {} if cache_prior is None else dict(zip(cache_prior.layers, cache_prior.counts))
         found: list[ExpertSet] = []
@@ -605,7 +632,7 @@ class _Loader:
             compute = None if self.device is None else self.dtype
             try:
                 experts = ExpertSet(self.bundle, layer, device=self.device, compute_dtype=compute,
-                                    cache_slots=cache_slots, cache_prior=priors.get(layer))
+                                    cache_slots=cache_slots, cache_prior=priors.get(layer), offload=offload)
             except BaseException:
                 for done in found:
                     done.close()

@@ -87,6 +87,8 @@ def test_bad_inputs_are_one_or_two_line_errors(bundle, tmp_path, demo_model):
         "missing": (run(str(tmp_path / "none.ktb"), "-p", "hi"), "no such bundle"),
         "cache without a device": (run(bundle, "-p", "hi", "--cache-slots", "2", "--device", "cpu"),
                                    "this run has no device"),
+        "offload without a device": (run(bundle, "-p", "hi", "--prefill-offload", "--device", "cpu"),
+                                     "--prefill-offload puts experts in device memory"),
     }
     if not torch.cuda.is_available():
         cases["cuda without CUDA"] = (run(bundle, "-p", "hi", "--device", "cuda"), "no CUDA device")
@@ -206,4 +208,4 @@ def test_prefetch_pages_in_the_guessed_experts(bundle):
     out = json.loads(result.stdout)
     assert out["generated_tokens"] == plain["generated_tokens"]
     assert plain["prefetch_paged_bytes"] is None and out["prefetch_paged_bytes"] > 0
-    assert out["expert_cache"] is None
+    assert out["expert_cache"] is None and out["prefill_offload"] is None

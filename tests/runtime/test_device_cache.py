@@ -14,6 +14,7 @@ from ktc.compile import compile_bundle
 from ktc.errors import KtcError
 from ktc.formats.bundle import open_bundle
 from ktc.runtime import device_cache
+from ktc.runtime import experts as experts_module
 from ktc.runtime.expert_cache import LayerCache
 from ktc.runtime.experts import ExpertSet
 from ktc.runtime.generate import Sampling, generate
@@ -257,3 +258,69 @@ def test_pre_gating_copies_the_next_layers_guess_before_it_runs(cached_bundle):
         prefetcher.close()
         for layer in (first, with_guess, without):
             layer.close()
+
+
+def _prefill(rng: np.random.Generator, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    idx = np.stack([rng.choice(mf.EXPERTS, mf.TOP_K, replace=False) for _ in range(tokens)])
+    weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    return rng.standard_normal((tokens, mf.HIDDEN)).astype(np.float32), idx, weights
+
+
+def test_prefill_offload_copies_what_the_cost_model_chooses_and_frees_it(cached_bundle):
+    """A forward of many tokens: nothing is copied before the CPU's time a token has been
+    measured; then the experts whose copy beats the CPU (a fast link here) run on the device,
+    within the budget, with the CPU kernels' output, and their copies go with the forward. Few
+    tokens, or a slow link, copy nothing."""
+    import gc
+    import weakref
+
+    from ktc.runtime.offload import PrefillOffload
+
+    rng = np.random.default_rng(5)
+    with open_bundle(cached_bundle) as bundle:
+        on_cpu = ExpertSet(bundle, 1)
+        expert_bytes = 3 * mf.HIDDEN * 32 * 2
+        offload = PrefillOffload(pcie_bandwidth=1e15, cpu_bandwidth=1e12, budget_bytes=3 * expert_bytes + 1)
+        experts = ExpertSet(bundle, 1, device="cpu", offload=offload)
+        copies = []
+        real_upload = experts_module.upload
+
+        def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+            stack = real_upload(*args, **kwargs)
+            copies.append((weakref.ref(stack.gate_up), stack.gate_up.shape[0]))
+            return stack
+
+        experts_module.upload = watched
+        try:
+            for step in range(3):
+                hidden, idx, weights = _prefill(rng, 40)
+                got = experts.forward(hidden, idx, weights)
+                want = on_cpu.forward(hidden, idx, weights)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+                if step == 0:  # the first forward measures the CPU
+                    assert copies == [] and offload.counters.measured == 1 and "bf16" in offload.seconds_per_token
+            assert offload.counters.offloaded == 2 and offload.counters.experts == 6  # 3 fit the budget
+            assert sum(n for _, n in copies) == 6 and offload.counters.bytes_uploaded == 6 * expert_bytes
+            gc.collect()
+            assert all(ref() is None for ref, _ in copies) and experts._offloaded == {}
+            experts.forward(*_prefill(rng, 8))  # too few tokens
+            offload.pcie_bandwidth = 1.0  # a copy would take forever
+            experts.forward(*_prefill(rng, 40))
+            assert offload.counters.experts == 6 and len(copies) == 2
+        finally:
+            experts_module.upload = real_upload
+        experts.close()
+        on_cpu.close()
+
+
+def test_a_whole_model_with_prefill_offload_generates_the_static_plans_tokens(cached_bundle):
+    ids = [3 + i % 30 for i in range(70)]
+    with from_bundle(cached_bundle, device="cpu") as static:
+        want = generate(static, ids, max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
+    with from_bundle(cached_bundle, device="cpu", prefill_offload=True) as km:
+        assert km.offload is not None and km.offload.budget_bytes > 0
+        km.offload.seconds_per_token["bf16"] = 1.0  # as if measured on a very slow CPU: every expert goes
+        got = generate(km, ids, max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
+        # the prompt's one forward a layer, but the last, which computes its last row alone
+        assert km.offload.counters.offloaded == len(km.experts) - 1
+    assert got.generated_tokens == want.generated_tokens

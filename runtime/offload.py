@@ -1,0 +1,95 @@
+"""Prefill offload: a forward of many tokens copies the CPU experts it uses to the device and
+computes them there, where the copy is faster than the CPU's work (llama.cpp does the same for
+batches of 32 tokens or more, copying every expert the batch uses).
+
+The choice is per expert, by a cost model: a CPU expert used by ``n`` tokens costs its bytes over
+the CPU's read bandwidth plus ``n`` times the seconds one token takes through it beyond that
+read; a copied one costs its bytes over the PCIe bandwidth (the device's own product is left
+out: at prefill sizes it is two orders faster than either). The CPU's experts and the copies
+run at the same time, so experts move to the device, the most tokens per byte first, while that
+shortens the longer of the two. The seconds a token takes on the CPU are measured, not assumed:
+every CPU forward of several tokens updates them per scheme (a moving average), and until the
+first such forward of a scheme has run nothing of it is copied. The copies of one forward take
+at most ``budget_bytes`` of device memory and are freed when it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ktc.errors import ConfigError
+
+
+@dataclass
+class OffloadCounters:
+    forwards: int = 0  # forwards of at least ``min_tokens`` tokens with CPU experts
+    offloaded: int = 0  # of those, the ones that copied experts to the device
+    experts: int = 0  # experts copied (one per forward that copied it)
+    bytes_uploaded: int = 0
+    measured: int = 0  # CPU forwards that updated the estimate
+
+
+class PrefillOffload:
+    """The offload choice of a model's MoE layers (one instance shared by all of them).
+
+    ``pcie_bandwidth`` and ``cpu_bandwidth`` in bytes/s (the plan's hardware profile's),
+    ``budget_bytes`` the device memory a forward's copies may take, ``min_tokens`` the fewest
+    tokens a forward must have for any copy (llama.cpp's 32), ``smoothing`` the weight of each
+    new measurement of the CPU's seconds per token."""
+
+    def __init__(self, pcie_bandwidth: float, cpu_bandwidth: float, budget_bytes: int, *, min_tokens: int = 32,
+                 smoothing: float = 0.3) -> None:
+        if not (pcie_bandwidth > 0 and cpu_bandwidth > 0) or budget_bytes < 0 or min_tokens < 1:
+            raise ConfigError("prefill offload needs positive bandwidths, a budget >= 0 and min_tokens >= 1")
+        self.pcie_bandwidth = float(pcie_bandwidth)
+        self.cpu_bandwidth = float(cpu_bandwidth)
+        self.budget_bytes = int(budget_bytes)
+        self.min_tokens = min_tokens
+        self.smoothing = smoothing
+        self.seconds_per_token: dict[str, float] = {}  # scheme -> CPU seconds a token through one expert
+        self.counters = OffloadCounters()
+
+    def cpu_seconds(self, scheme: str, tokens: int, nbytes: int) -> float | None:
+        """The CPU's predicted time for one expert of ``nbytes`` through ``tokens`` tokens (None
+        before the scheme has been measured)."""
+        per_token = self.seconds_per_token.get(scheme)
+        return None if per_token is None else nbytes / self.cpu_bandwidth + tokens * per_token
+
+    def choose(self, work: list[tuple[int, str, int, int]], tokens: int) -> list[int]:
+        """Of ``work`` (expert, scheme, its tokens, its bytes) in a forward of ``tokens`` tokens,
+        the experts to copy to the device."""
+        if tokens < self.min_tokens or not work:
+            return []
+        self.counters.forwards += 1
+        costs = []
+        for e, scheme, n, nbytes in work:
+            cpu = self.cpu_seconds(scheme, n, nbytes)
+            if cpu is None:
+                return []  # this scheme's CPU time is measured by this forward first
+            costs.append((e, cpu, nbytes))
+        cpu_left = sum(c for _, c, _ in costs)
+        copying, used, chosen = 0.0, 0, []
+        for e, cpu, nbytes in sorted(costs, key=lambda c: -c[1] / max(c[2], 1)):
+            copy = nbytes / self.pcie_bandwidth
+            if used + nbytes > self.budget_bytes:
+                continue
+            if max(cpu_left - cpu, copying + copy) < max(cpu_left, copying):
+                cpu_left -= cpu
+                copying += copy
+                used += nbytes
+                chosen.append(e)
+        if chosen:
+            self.counters.offloaded += 1
+            self.counters.experts += len(chosen)
+            self.counters.bytes_uploaded += used
+        return chosen
+
+    def observe(self, scheme: str, token_uses: int, nbytes: int, seconds: float) -> None:
+        """A CPU forward of ``scheme``'s experts: ``token_uses`` tokens through experts (summed
+        over them) of ``nbytes`` bytes in all took ``seconds``."""
+        if token_uses < 2 or seconds <= 0:
+            return
+        per_token = max(seconds - nbytes / self.cpu_bandwidth, 0.0) / token_uses
+        old = self.seconds_per_token.get(scheme)
+        self.seconds_per_token[scheme] = per_token if old is None else old + self.smoothing * (per_token - old)
+        self.counters.measured += 1
