@@ -106,6 +106,8 @@ class HardwareProfile:
     gpu_bandwidth: float = 900e9
     pcie_bandwidth: float = 25e9
     sync_seconds: float = 50e-6
+    # the read bandwidth of the disk the bundle is on (``ktc doctor``); 0: unknown, no disk tier
+    disk_bandwidth: float = 0.0
     source: str = "defaults"
     # {"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
     # {scheme: bytes}, the same three of "matrix", and "matrix_row_seconds": {scheme: s}},
@@ -122,7 +124,7 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if not math.isfinite(getattr(self, name)) or not getattr(self, name) > 0:
                 raise ConfigError(f"hardware profile: {name} must be a positive, finite number")
-        for name in ("sync_seconds", *_CPU_FIXED):
+        for name in ("sync_seconds", "disk_bandwidth", *_CPU_FIXED):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"hardware profile: {name} must be a finite number, at least 0")
         for path, rates in (self.cpu_scheme_bandwidth or {}).items():
@@ -143,6 +145,8 @@ class HardwareProfile:
         if self.cpu_scheme_bandwidth is None:  # not calibrated: the file says nothing of it
             for name in ("cpu_scheme_bandwidth", *_CPU_FIXED):
                 del data[name]
+        if not self.disk_bandwidth:  # not measured: the file says nothing of it
+            del data["disk_bandwidth"]
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
 
     @classmethod
@@ -165,7 +169,7 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if name in fields:
                 values[name] = fields.number(name, positive=True)
-        for name in ("sync_seconds", *_CPU_FIXED):
+        for name in ("sync_seconds", "disk_bandwidth", *_CPU_FIXED):
             if name in fields:
                 values[name] = fields.number(name, minimum=0)
         if "cpu_scheme_bandwidth" in fields:
@@ -188,7 +192,8 @@ def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | 
                           cpu_bandwidth: str | float | None = None,
                           gpu_bandwidth: str | float | None = None,
                           pcie_bandwidth: str | float | None = None,
-                          sync_us: float | None = None) -> HardwareProfile:
+                          sync_us: float | None = None,
+                          disk_bandwidth: str | float | None = None) -> HardwareProfile:
     """A profile from a JSON file and/or flags; flags override the file."""
     if profile_path:
         base = load_hardware_profile(profile_path, vram_bytes=None if vram is None else parse_bytes(vram))
@@ -200,6 +205,7 @@ def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | 
              ("reserve_bytes", reserve, parse_bytes), ("cpu_bandwidth", cpu_bandwidth, parse_bandwidth),
              ("gpu_bandwidth", gpu_bandwidth, parse_bandwidth),
              ("pcie_bandwidth", pcie_bandwidth, parse_bandwidth),
-             ("sync_seconds", sync_us, lambda us: float(us) * 1e-6))
+             ("sync_seconds", sync_us, lambda us: float(us) * 1e-6),
+             ("disk_bandwidth", disk_bandwidth, parse_bandwidth))
     changes: dict[str, Any] = {field: parse(value) for field, value, parse in flags if value is not None}
     return replace(base, **changes) if changes else base

@@ -49,7 +49,7 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
          pin_gpu: object = (), pin_cpu: object = (), quality_weight: float = 0.0,
          time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
-         sync_us: float | None = None, source_types: bool = False,
+         sync_us: float | None = None, disk_bandwidth: str | float | None = None, source_types: bool = False,
          calibration_text: str | os.PathLike[str] | None = None, calibration_tokens: int = 1024):
     """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
 
@@ -72,7 +72,7 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
     ir = model if isinstance(model, ModelIR) else load_model(model)
     hw = make_hardware_profile(profile_path=hardware, vram=vram, ram=ram, reserve=reserve,
                                cpu_bandwidth=cpu_bandwidth, gpu_bandwidth=gpu_bandwidth,
-                               pcie_bandwidth=pcie_bandwidth, sync_us=sync_us)
+                               pcie_bandwidth=pcie_bandwidth, sync_us=sync_us, disk_bandwidth=disk_bandwidth)
     if isinstance(profile, (str, os.PathLike)):
         activation = load_activation_profile(os.fspath(profile), moe_layers=ir.moe_layer_indices,
                                              num_layers=ir.config.num_layers,

@@ -259,6 +259,10 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--pcie-bandwidth", help="PCIe bandwidth [default: 25GB/s]."),
         click.option("--sync-us", type=FiniteFloat(min=0),
                      help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
+        click.option("--disk-bandwidth",
+                     help="Read bandwidth of the disk the bundle will be on, e.g. 3GB/s (ktc doctor measures it): "
+                          "where the CPU experts do not fit --ram, the least used stay on disk, read through the "
+                          "bundle's map, instead of the plan being refused [default: no disk tier]."),
         click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
                      help="KV cache capacity: total tokens over all sequences."),
         click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -316,7 +320,7 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      pin_gpu=kw["pin_gpu"], pin_cpu=kw["pin_cpu"], quality_weight=kw["quality_weight"],
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
-                     sync_us=kw["sync_us"], source_types=source_types,
+                     sync_us=kw["sync_us"], disk_bandwidth=kw.get("disk_bandwidth"), source_types=source_types,
                      calibration_text=kw.get("calibration_text"))
 
 
@@ -445,6 +449,9 @@ def _given_flags(*names: str) -> list[str]:
                    "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32. "
                    "auto keeps a quantized source's own block types (a Q4_K_M GGUF's Q4_K/Q6_K, byte "
                    "for byte) and stores float matrices in bf16. [default: the plan's, else auto]")
+@click.option("--disk-bandwidth",
+              help="With a budget, as in ktc plan: the disk's read bandwidth (e.g. 3GB/s), which lets the least "
+                   "used CPU experts stay on disk where they do not fit --ram.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes building experts; each writes its experts into the bundle. "
                    "Pays off on large models (start-up about 1 s); the bytes do not depend on it.")
@@ -467,7 +474,8 @@ def _given_flags(*names: str) -> list[str]:
 @_handle_errors
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
-                    profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str | None, jobs: int,
+                    profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str | None,
+                    disk_bandwidth: str | None, jobs: int,
                     compress: bool, report_error: bool, calibration_text: str | None, allow_nonfinite: bool,
                     hash_sources: bool, check: bool, stop_after: str | None, dump_after: str | None,
                     as_json: bool) -> None:
@@ -491,7 +499,8 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     check_writable_target(output)
     if plan_path and (vram or hardware):
         raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
-    given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens", "cpu_scheme", "gpu_scheme")
+    given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens", "cpu_scheme", "gpu_scheme",
+                         "disk_bandwidth")
     if plan_path and given:
         raise KtcError(f"{', '.join(given)}: the plan file fixes the placement, the schemes and the workload",
                        hint=f"give {given[0].replace('-scheme', '-schemes')} to ktc plan when making the plan")
@@ -504,7 +513,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     if vram or hardware:
         plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,
                        "max_tokens": max_tokens, "batch": batch, "profile": profile,
-                       "calibration_text": calibration_text}
+                       "calibration_text": calibration_text, "disk_bandwidth": disk_bandwidth}
     started = time.perf_counter()
     result = compile_bundle(source, output, plan_path=plan_path, plan_kwargs=plan_kwargs,
                             cpu_scheme=cpu_scheme, gpu_scheme=gpu_scheme, dense_scheme=dense_scheme,
@@ -730,6 +739,9 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         cached = _cache_counters(model.experts) if cache_slots else None
         paged = model.prefetcher.asked if model.prefetcher is not None else None
         offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
+        pinning = None
+        if model.pinning is not None:
+            pinning = {"method": model.pinning[0], "pinned_bytes": model.pinning[1], "fallback": model.pinning[2]}
         parts = None
         if model.fast is not None and model.fast.steps:
             per_step = 1e3 * model.fast.seconds / model.fast.steps
@@ -747,7 +759,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
            "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached,
-           "prefetch_paged_bytes": paged, "prefill_offload": offloaded}
+           "prefetch_paged_bytes": paged, "prefill_offload": offloaded, "disk_tier": pinning}
     if as_json:
         _print_json("run", out)
         return
@@ -785,6 +797,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                        f"{100 * share:.1f}% of {cached['guessed']} guessed experts were used", err=True)
     if paged is not None:
         click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead", err=True)
+    if pinning is not None:
+        click.echo(f"disk tier: the RAM experts ({format_bytes(pinning['pinned_bytes'])}) pinned by "
+                   f"{'mlock' if pinning['method'] == 'mlock' else 'MADV_WILLNEED: ' + pinning['fallback']}; "
+                   "the disk experts paged in a layer ahead by pre-gating", err=True)
     if offloaded is not None:
         click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of 32 tokens "
                    f"or more copied {offloaded['experts']} experts ({format_bytes(offloaded['bytes_uploaded'])})",
@@ -1006,8 +1022,11 @@ def _planned_decode(plan: Any) -> tuple[float | None, int]:
               help="Also measure what the CPU decode cost model assumes (a minute or two): ktc's "
                    "kernels' bytes/s at each scheme and the fixed cost of a layer's and a token's "
                    "step; into the profile.")
+@click.option("--disk", "disk_folder", type=click.Path(file_okay=False),
+              help="Also measure the read bandwidth of the disk under this folder (where bundles will be; "
+                   "writes and reads back a 256 MiB file): ktc plan's disk tier, written into the profile.")
 @_handle_errors
-def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
+def doctor(as_json: bool, write_profile: str | None, calibrate: bool, disk_folder: str | None) -> None:
     """Check this machine: versions, CPU features, cores, RAM, CUDA devices, measured memory
     bandwidth, Numba's threading layer, and what will hurt, with the fix.
 
@@ -1022,6 +1041,7 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
     Examples:
       ktc doctor --write-profile hw.json && ktc plan ./model --hardware hw.json
       ktc doctor --calibrate --write-profile hw.json && ktc run q.ktb -p "Hello" --hardware hw.json
+      ktc doctor --disk /models --write-profile hw.json && ktc plan ./model --hardware hw.json --ram 32GiB
     """
     if write_profile:
         from ktc.compile import check_writable_target
@@ -1041,6 +1061,12 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
         report["hardware_profile"] = {**profile.to_json(), "source": "ktc doctor --calibrate"}
         if "vram_bytes" not in written:
             del report["hardware_profile"]["vram_bytes"]
+    if disk_folder is not None:
+        from ktc.runtime.doctor import disk_read_bandwidth
+
+        disk = disk_read_bandwidth(disk_folder)
+        report["disk_read_gbps"] = disk / 1e9
+        report["hardware_profile"]["disk_bandwidth"] = disk
     if write_profile:
         _write_text(write_profile, json.dumps(report["hardware_profile"], indent=1) + "\n")
     if as_json:
@@ -1055,6 +1081,9 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool) -> None:
     click.echo(f"{'cuda':<14}" + (", ".join(f"{d['name']} {d['memory_bytes'] / 2**30:.0f} GiB" for d in report["cuda"])
                                   or "no CUDA device"))
     click.echo(f"{'bandwidth':<14}{report['read_bandwidth_gbps']:.1f} GB/s read, measured")
+    if disk_folder is not None:
+        click.echo(f"{'disk':<14}{report['disk_read_gbps']:.2f} GB/s read under {disk_folder}, measured "
+                   "(the disk tier's rate in the profile)")
     click.echo(f"{'numba threads':<14}{report['numba']['threads']} ({report['numba']['threading_layer']})")
     click.echo(f"{'kernels':<14}{report['kernels']['description']}")
     if calibrate:

@@ -436,6 +436,7 @@ class DenseTensor:
 class Device(str, enum.Enum):
     GPU = "gpu"
     CPU = "cpu"
+    DISK = "disk"  # computed on the CPU, read from the bundle's map without a place in the RAM budget
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ def render_plan_text(plan: Plan) -> str:
                  f"{_runs(plan.placement.layers, per_layer)}")
     lines.append("schemes: " + ", ".join(f"{d} {k} x{v}" for (d, k), v in sorted(_scheme_counts(plan).items()))
                  + _from_source(plan))
+    on_disk = sum(p.device is Device.DISK for row in plan.placement.experts for p in row)
+    if on_disk:
+        lines.append(f"disk tier: {on_disk} experts, the least used where RAM is short, stay in the bundle's map "
+                     f"outside the RAM budget, read at {plan.hardware.disk_bandwidth / 1e9:.1f} GB/s when used "
+                     "(ktc run pins the RAM experts and pages these in a layer ahead)")
     status = "optimal" if plan.solve.optimal else f"within {100 * plan.solve.gap:.2f}% of optimal (proven)"
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
@@ -113,12 +118,12 @@ def _layer_times(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     cpu = np.zeros(len(plan.placement.layers))
     for i, row in enumerate(plan.placement.experts):
         for e, p in enumerate(row):
-            device = GPU if p.device is Device.GPU else CPU
-            (gpu if device == GPU else cpu)[i] += plan.usage[i, e] * seconds[(device, p.scheme)] * 1e3
+            side = gpu if p.device is Device.GPU else cpu  # the disk tier computes on the CPU
+            side[i] += plan.usage[i, e] * seconds[(p.device.value, p.scheme)] * 1e3
     return gpu, cpu
 
 
-_HUE = {Device.GPU: 215, Device.CPU: 28}  # blue, orange
+_HUE = {Device.GPU: 215, Device.CPU: 28, Device.DISK: 280}  # blue, orange, purple
 
 
 def _shade(device: Device, level: float) -> str:

@@ -21,14 +21,14 @@ import numpy as np
 
 from ktc.errors import BudgetError
 
-GPU, CPU = "gpu", "cpu"
+GPU, CPU, DISK = "gpu", "cpu", "disk"  # a disk option runs on the CPU's side and takes no RAM
 
 
 @dataclass(frozen=True)
 class PlacementOption:
     """Where an expert may live and what it costs there."""
 
-    device: str  # "gpu" or "cpu"
+    device: str  # "gpu", "cpu" or "disk"
     scheme: str
     vram_bytes: int  # bytes of VRAM it occupies (0 on the CPU)
     ram_bytes: int  # bytes of RAM it occupies (0 on the GPU)
@@ -319,11 +319,13 @@ def polish(problem: PlacementProblem, choice: np.ndarray) -> np.ndarray:
 
 
 def greedy_placement(problem: PlacementProblem) -> np.ndarray | None:
-    """A feasible placement without search: every expert at its smallest CPU option, then the
-    most used experts moved to their smallest GPU option while VRAM lasts. None if RAM is short."""
+    """A feasible placement without search: the most used experts at their smallest GPU option
+    while VRAM lasts, then at their smallest CPU option while RAM lasts, the rest on disk where
+    the problem has disk options. None if RAM is short without them."""
     opts = problem.options
     gpu_opts = [i for i, o in enumerate(opts) if o.device == GPU]
     cpu_opts = [i for i, o in enumerate(opts) if o.device == CPU]
+    disk_opts = [i for i, o in enumerate(opts) if o.device == DISK]
     n_layers, n_experts = problem.shape
     choice = np.full((n_layers, n_experts), -1, dtype=np.int64)
     vram_left, ram_left = problem.vram_budget, problem.ram_budget
@@ -332,10 +334,13 @@ def greedy_placement(problem: PlacementProblem) -> np.ndarray | None:
         allowed = problem.allowed[layer, expert]
         gpu = [i for i in gpu_opts if allowed[i] and opts[i].vram_bytes <= vram_left]
         cpu = [i for i in cpu_opts if allowed[i] and opts[i].ram_bytes <= ram_left]
+        disk = [i for i in disk_opts if allowed[i]]
         if gpu:
             pick = min(gpu, key=lambda i: opts[i].vram_bytes)
         elif cpu:
             pick = min(cpu, key=lambda i: opts[i].ram_bytes)
+        elif disk:
+            pick = min(disk, key=lambda i: opts[i].seconds_per_use)
         else:
             return None
         choice[layer, expert] = pick

@@ -84,7 +84,8 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
                 problems.append(f"layer {layer.layer} expert {expert.index}: scheme {where.scheme} is "
                                 f"not allowed on the {where.device.value}")
             pinned = pins.get((layer.layer, expert.index))
-            if pinned is not None and pinned is not where.device:
+            on_cpu_side = where.device is Device.DISK and pinned is Device.CPU  # pinned off the GPU
+            if pinned is not None and pinned is not where.device and not on_cpu_side:
                 problems.append(f"layer {layer.layer} expert {expert.index} is pinned to the "
                                 f"{pinned.value} but placed on the {where.device.value}")
             shape = ExpertShape(cfg.hidden_size, expert.gate.shape[0], expert.gate_bias is not None)
@@ -95,9 +96,12 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
             if where.device is Device.GPU:
                 vram += footprint.stored_bytes
                 gpu_seconds += p_step * footprint.data_bytes / hardware.gpu_bandwidth
-            else:
-                ram += footprint.stored_bytes
+            else:  # the disk tier: no RAM, its bytes read from disk first
+                ram += footprint.stored_bytes if where.device is Device.CPU else 0
                 cpu_seconds += p_step * footprint.data_bytes / hardware.cpu_bandwidth
+                if where.device is Device.DISK:
+                    cpu_seconds += p_step * footprint.stored_bytes / hardware.disk_bandwidth if \
+                        hardware.disk_bandwidth > 0 else float("inf")
                 cpu_used = cpu_used or p_step > 0
         total_seconds += max(gpu_seconds, cpu_seconds)
         if cpu_used:

@@ -31,7 +31,7 @@ from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
 from .base import Pass, PassContext
 from .decode_cost import is_input_embedding, rate
 from .placement_solver import (
-    CPU, GPU, PlacementOption, PlacementProblem, PlacementSolution, evaluate, is_feasible,
+    CPU, DISK, GPU, PlacementOption, PlacementProblem, PlacementSolution, evaluate, is_feasible,
     solve_placement,
 )
 
@@ -266,7 +266,7 @@ def placement_from_json(data: dict[str, Any], path: str = "<plan>") -> Placement
             device, _, scheme = item.partition(":") if isinstance(item, str) else ("", "", "")
             if device not in devices or not scheme:
                 raise FormatError(f"plan: layer {layer} expert {expert} is placed at {item!r}; expected "
-                                  "\"gpu:SCHEME\" or \"cpu:SCHEME\"", path=path)
+                                  "\"gpu:SCHEME\", \"cpu:SCHEME\" or \"disk:SCHEME\"", path=path)
             placed.append(ExpertPlacement(Device(device), scheme))
         experts.append(tuple(placed))
     return Placement(tuple(sorted(layers)), tuple(experts))
@@ -443,6 +443,12 @@ def _options(ir: ModelIR, hw: HardwareProfile, opts: PlannerOptions) -> tuple[Pl
                 ram_bytes=fp.stored_bytes if device == CPU else 0,
                 seconds_per_use=seconds,
                 error=expert_scheme_error(name)))
+            if device == CPU and hw.disk_bandwidth > 0:
+                # The disk tier: the same expert left in the bundle's map outside the RAM budget,
+                # read from disk at each use (the page cache's help ignored) and then computed as
+                # on the CPU.
+                result.append(dataclasses.replace(result[-1], device=DISK, ram_bytes=0,
+                                                  seconds_per_use=seconds + fp.stored_bytes / hw.disk_bandwidth))
     return tuple(result)
 
 

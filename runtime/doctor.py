@@ -120,3 +120,40 @@ def _cpu_only_torch() -> bool:
     import torch
 
     return torch.version.cuda is None or "+cpu" in torch.__version__
+
+
+def disk_read_bandwidth(folder: str, nbytes: int = 256 * 1024 * 1024, chunk: int = 4 * 1024 * 1024) -> float:
+    """The read bandwidth (bytes/s) of the disk under ``folder``: a file of ``nbytes`` written
+    there, synced, dropped from the page cache (``posix_fadvise(DONTNEED)``, which drops clean
+    pages) and read back in ``chunk``-byte reads, as the disk tier reads an expert; the file is
+    removed. On a RAM-backed file system (tmpfs) the pages cannot be dropped: that measures
+    memory."""
+    import tempfile
+    import time
+
+    from ktc.errors import KtcError
+
+    if not os.path.isdir(folder):
+        raise KtcError("no such folder", path=folder)
+    block = os.urandom(chunk)  # incompressible, in case the file system compresses
+    try:
+        fd, path = tempfile.mkstemp(prefix=".ktc-disk-", dir=folder)
+    except OSError as exc:
+        raise KtcError(f"cannot write a test file there: {exc.strerror}", path=folder) from None
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for _ in range(max(nbytes // chunk, 1)):
+                f.write(block)
+            os.fsync(f.fileno())
+        with open(path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            buffer = bytearray(chunk)
+            started = time.perf_counter()
+            read = 0
+            while (n := f.readinto(buffer)) > 0:
+                read += n
+            seconds = time.perf_counter() - started
+    finally:
+        os.unlink(path)
+    return read / seconds if seconds > 0 else 0.0
+

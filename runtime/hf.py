@@ -261,6 +261,7 @@ class KtcModel:
     fast: Any = None  # runtime.fast_decode.FastDecode where it computes the decode steps
     prefetcher: Any = None  # runtime.prefetch.Prefetcher (``prefetch=True``)
     offload: Any = None  # runtime.offload.PrefillOffload (``prefill_offload=True``)
+    pinning: Any = None  # a disk-tier plan: (method, bytes, why the fallback) of the RAM experts' pinning
 
     def __enter__(self) -> KtcModel:
         return self
@@ -464,7 +465,9 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     It watches the forwards that go through the experts (``ExpertSet.observers``): every
     forward on a device; on the CPU, prefill and the decode steps of layers outside ktc's one
     compiled call (whose routing happens inside that call, unseen: the block schemes and
-    K-quants on a VNNI CPU). ``prefill_offload``: on a device, a forward of 32 tokens or more
+    K-quants on a VNNI CPU); always on where the plan keeps experts on disk, whose RAM experts
+    are then pinned (``KtcModel.pinning``: ``mlock`` where the OS allows, else
+    ``MADV_WILLNEED``). ``prefill_offload``: on a device, a forward of 32 tokens or more
     copies the CPU experts it uses to the device where the cost model says the copy is faster
     (``offload.PrefillOffload``, with the plan's PCIe and CPU bandwidths), within the VRAM the
     plan and the cache slots leave free; the offload's counters are ``KtcModel.offload``.
@@ -477,6 +480,19 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     except BaseException:
         bundle.close()
         raise
+    disk = _disk_tier(bundle)
+    if disk:  # the RAM experts pinned, the disk experts paged in a layer ahead
+        from .prefetch import expert_ranges, pin
+
+        placement = bundle.manifest["plan"]["placement"]
+        ram_ranges = [r for layer, row in placement.items()
+                      for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
+        try:
+            km.pinning = pin(bundle, ram_ranges)
+        except BaseException:
+            km.close()
+            raise
+        prefetch = True
     if prefetch:
         from .prefetch import Prefetcher
 
@@ -566,6 +582,12 @@ def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
                        path=bundle.path,
                        hint=f"use fewer --cache-slots (one slot per layer takes up to {format_bytes(per_layer)}), "
                             "or plan with a larger --vram")
+
+
+def _disk_tier(bundle: Bundle) -> int:
+    """How many experts the bundle's plan leaves on disk."""
+    placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
+    return sum(p.startswith("disk:") for row in placement.values() for p in row)
 
 
 def _free_vram(bundle: Bundle) -> tuple[int, int]:

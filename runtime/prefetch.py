@@ -65,6 +65,32 @@ def page_in(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> int:
     return asked
 
 
+def pin(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> tuple[str, int, str]:
+    """Keep the pages of ``ranges`` in memory: ``mlock`` where the OS allows it (it reads them in
+    and keeps them from eviction until the map goes), else ``madvise(MADV_WILLNEED)``, which
+    reads them in but lets the page cache evict them again under pressure (an unprivileged
+    process may lock only ``RLIMIT_MEMLOCK`` bytes, often 8 MiB). Returns (the method, the
+    bytes, why the fallback where it was taken)."""
+    view = bundle.file_view()
+    base = view.ctypes.data
+    libc = _libc()
+    spans = []
+    for start, nbytes in ranges:
+        first, length = _pages(start, nbytes)
+        length = min(length, view.shape[0] - first)
+        if length > 0:
+            spans.append((first, length))
+    total = sum(length for _, length in spans)
+    for i, (first, length) in enumerate(spans):
+        if libc.mlock(ctypes.c_void_p(base + first), ctypes.c_size_t(length)) != 0:
+            reason = os.strerror(ctypes.get_errno())
+            for done, done_length in spans[:i]:
+                libc.munlock(ctypes.c_void_p(base + done), ctypes.c_size_t(done_length))
+            page_in(bundle, spans)
+            return "willneed", total, f"mlock refused ({reason}; RLIMIT_MEMLOCK or no CAP_IPC_LOCK)"
+    return "mlock", total, ""
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)

@@ -55,3 +55,24 @@ def test_doctor_calibrate_writes_what_the_cpu_cost_model_reads(tmp_path, demo_mo
     from ktc.api import plan
 
     assert plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0).hardware.cpu_scheme_bandwidth
+
+
+def test_doctor_disk_measures_the_disk_tier_rate_and_plan_uses_it(tmp_path, demo_model, monkeypatch):
+    """ktc doctor --disk DIR writes the disk's read bandwidth into the profile; ktc plan with it
+    and a short --ram keeps the least used experts on disk and says so."""
+    import ktc.runtime.doctor as doctor
+
+    measured = []
+    real = doctor.disk_read_bandwidth
+    monkeypatch.setattr(doctor, "disk_read_bandwidth",
+                        lambda folder: measured.append(folder) or real(folder, nbytes=8 * 1024 * 1024))
+    profile = tmp_path / "hw.json"
+    result = CliRunner().invoke(main, ["doctor", "--disk", str(tmp_path), "--write-profile", str(profile)])
+    assert result.exit_code == 0, result.output
+    assert measured == [str(tmp_path)] and "GB/s read under" in result.output
+    written = json.loads(profile.read_text())
+    assert written["disk_bandwidth"] > 0
+    result = CliRunner().invoke(main, ["plan", demo_model, "--hardware", str(profile), "--vram", "16MiB",
+                                       "--ram", "3MiB", "--reserve", "0"])
+    assert result.exit_code == 0, result.output
+    assert "disk tier:" in result.output and "disk int8 x" in result.output

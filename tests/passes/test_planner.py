@@ -275,3 +275,28 @@ def test_a_calibrated_profile_prices_cpu_experts_at_their_schemes_kernel_rates(d
     for before, after in zip(plain, calibrated):
         factor = 4 if before.device == "cpu" else 1  # GPU experts keep the GPU bandwidth
         assert after.seconds_per_use == pytest.approx(factor * before.seconds_per_use)
+
+
+def test_a_disk_tier_keeps_the_least_used_experts_on_disk_where_ram_is_short(demo_model):
+    """With the disk's read bandwidth known, CPU experts that do not fit --ram stay on disk (no
+    RAM, their bytes read from disk when used) instead of the plan being refused; the verifier
+    agrees, the RAM budget holds, and the disk takes the least used experts."""
+    ir = load_model(demo_model)
+    profile = zipf_profile(ir, seed=3)
+    tight = dict(vram="16MiB", ram="3MiB", reserve=0, profile=profile)
+    with pytest.raises(BudgetError):
+        plan(ir, **tight)
+    made = plan(ir, **tight, disk_bandwidth="2GB/s")
+    assert made.hardware.disk_bandwidth == 2e9
+    verify_plan(ir, made)
+    devices = np.array([[p.device.value for p in row] for row in made.placement.experts])
+    assert (devices == "disk").sum() > 0 and (devices == "cpu").sum() > 0
+    assert made.memory.ram_total <= made.memory.ram_budget
+    usage = made.usage
+    assert usage[devices == "disk"].mean() < usage[devices == "cpu"].mean() < usage[devices == "gpu"].mean()
+    assert any(p.startswith("disk:") for row in made.to_json()["placement"].values() for p in row)
+    roomy = plan(ir, vram="16MiB", ram="1GiB", reserve=0, profile=profile, disk_bandwidth="2GB/s")
+    assert not any(p.device is Device.DISK for row in roomy.placement.experts for p in row)  # disk only when short
+    text = HardwareProfile(vram_bytes=1, ram_bytes=1, disk_bandwidth=2e9).to_json()
+    assert HardwareProfile.from_json(text).disk_bandwidth == 2e9
+    assert "disk_bandwidth" not in HardwareProfile(vram_bytes=1, ram_bytes=1).to_json()  # older files stay as they were

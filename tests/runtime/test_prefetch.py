@@ -3,6 +3,7 @@ from the page cache (``posix_fadvise(DONTNEED)``), read back by ``mincore``."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import time
@@ -99,3 +100,50 @@ def test_prefetch_pages_in_the_next_layers_guessed_experts_before_it_runs(bundle
         assert layers[0].observers == []
         for experts in layers:
             experts.close()
+
+
+def test_a_disk_tier_bundle_pins_its_ram_experts_and_prefetches_the_rest(demo_model, tmp_path):
+    """A plan with experts on disk compiles (through a plan file, as ktc plan -o writes it) and
+    runs: the CPU experts in RAM pinned (mlock where the OS allows, else MADV_WILLNEED) and
+    resident, the pre-gating prefetcher on, the text the same as with every expert in RAM."""
+    from ktc.api import plan
+    from ktc.runtime.generate import Sampling, generate
+    from ktc.runtime.hf import from_bundle
+
+    tight = plan(demo_model, vram="16MiB", ram="3MiB", reserve=0, disk_bandwidth="2GB/s")
+    data = tight.to_json()
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    on_disk = str(tmp_path / "disk.ktb")
+    compile_bundle(demo_model, on_disk, plan_path=str(tmp_path / "plan.json"))
+    for layer, row in data["placement"].items():  # the same placement with the disk experts in RAM
+        data["placement"][layer] = [p.replace("disk:", "cpu:") for p in row]
+    data["hardware"]["ram_bytes"] = 2**30
+    (tmp_path / "ram.json").write_text(json.dumps(data))
+    in_ram = str(tmp_path / "ram.ktb")
+    compile_bundle(demo_model, in_ram, plan_path=str(tmp_path / "ram.json"))
+    greedy = Sampling(temperature=0)
+    with from_bundle(in_ram) as km:
+        assert km.pinning is None and km.prefetcher is None
+        want = generate(km, list(range(5, 25)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+    with from_bundle(on_disk) as km:
+        method, pinned, why = km.pinning
+        assert method in ("mlock", "willneed") and (method == "mlock") == (why == "")
+        placement = km.bundle.manifest["plan"]["placement"]
+        in_memory = [r for layer, row in placement.items()
+                     for r in expert_ranges(km.bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
+        assert pinned >= sum(n for _, n in in_memory) > 0
+        assert resident_share(km.bundle, in_memory) == 1.0
+        assert km.prefetcher is not None
+        got = generate(km, list(range(5, 25)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+        assert km.prefetcher.asked > 0
+    assert got.generated_tokens == want.generated_tokens
+
+
+def test_the_disk_read_bandwidth_is_measured_where_asked(tmp_path):
+    from ktc.errors import KtcError
+    from ktc.runtime.doctor import disk_read_bandwidth
+
+    assert disk_read_bandwidth(str(tmp_path), nbytes=8 * 1024 * 1024) > 0
+    assert list(tmp_path.iterdir()) == []  # the test file is gone
+    with pytest.raises(KtcError, match="no such folder"):
+        disk_read_bandwidth(str(tmp_path / "missing"))
