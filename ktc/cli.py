@@ -669,9 +669,8 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
                    "expert frequencies [default: uniform].")
 @click.option("--prefetch", is_flag=True,
               help="Pre-gating one MoE layer ahead: the experts the next layer's router picks for this layer's "
-                   "input are paged in from the bundle (madvise WILLNEED) and copied into its cache slots. It acts "
-                   "on every forward on a device; on the CPU on prefill, and on decode steps only where the "
-                   "experts are outside ktc's one compiled call (int8).")
+                   "input are paged in from the bundle (madvise WILLNEED) and copied into its cache slots. On ktc's "
+                   "compiled CPU decode steps the guess is made between layers, from a layer's output.")
 @click.option("--prefill-offload", is_flag=True,
               help="On a device: a prompt chunk of 32 tokens or more copies the CPU experts it uses to the device "
                    "where the copy beats the CPU's work (the plan's PCIe bandwidth against the CPU's time a token, "

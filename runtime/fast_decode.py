@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,11 @@ class FastDecode:
         self.steps = 0
         self._every: tuple[list[Any], Any] | None = None  # (the MoE arguments it was built from, the list)
         self._mixed_types = False  # the layers' arguments did not go into one typed list
+        # Called after a layer whose routing ran inside its compiled call, with (the next layer's
+        # index, this layer's output through the next layer's post-attention norm, [1, hidden]):
+        # the pre-gating prefetch's guess at the next layer's experts. With hooks the layers run
+        # one call each instead of the whole stack in one.
+        self.hooks: list[Callable[[int, np.ndarray], None]] = []
         cos, _ = self._rotary(0)
         if any(cos.shape[0] != layer.head_dim for layer in self.layers):  # a partial rotary embedding
             raise _Unsupported("rotary embedding")
@@ -198,13 +204,21 @@ class FastDecode:
         cos, sin = self._rotary(position)
         seconds, clock = self.seconds, time.perf_counter
         at = clock()
-        every = self._every_layer()
+        every = self._every_layer() if not self.hooks else None
         if every is not None:  # the whole stack in one compiled call
             x = self._layers_step(every, x, cos, sin, position)
             at = clock()
         else:
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 x = self._layer_step(layer, x, cos, sin)
+                # after a layer whose routing ran inside its compiled call (the others' experts
+                # call their observers, which guess too)
+                if self.hooks and i < last and _moe_one_call(layer) is not None:
+                    post = self.layers[i + 1].post_norm
+                    guess_input = _rms_norm(x, post.weight, post.eps)[None, :]
+                    for hook in self.hooks:
+                        hook(i + 1, guess_input)
                 now = clock()
                 seconds[i] += now - at
                 at = now

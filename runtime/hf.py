@@ -462,10 +462,10 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     an ``ActivationProfile`` of the model (the slots' policy's prior; uniform without one).
     ``prefetch``: pre-gating one MoE layer ahead (``prefetch.Prefetcher``): the experts the next
     layer's router picks for this layer's input are paged in, and copied into its cache slots.
-    It watches the forwards that go through the experts (``ExpertSet.observers``): every
-    forward on a device; on the CPU, prefill and the decode steps of layers outside ktc's one
-    compiled call (whose routing happens inside that call, unseen: the block schemes and
-    K-quants on a VNNI CPU); always on where the plan keeps experts on disk, whose RAM experts
+    It watches the forwards that go through the experts (``ExpertSet.observers``), and ktc's
+    compiled CPU decode steps, which route inside one call a layer, between layers
+    (``FastDecode.hooks``: the next layer's guess from this layer's output, a layer's attention
+    ahead rather than a layer); always on where the plan keeps experts on disk, whose RAM experts
     are then pinned (``KtcModel.pinning``: ``mlock`` where the OS allows, else
     ``MADV_WILLNEED``). ``prefill_offload``: on a device, a forward of 32 tokens or more
     copies the CPU experts it uses to the device where the cost model says the copy is faster
@@ -500,6 +500,8 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
             routers = [tensor_float32(bundle, f"layers.{e.layer}.router") for e in km.experts]
             top_k = int(bundle.manifest["model"]["moe_layers"][0]["top_k"])
             km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False)
+            if km.fast is not None:  # its steps route inside compiled calls: guessed between layers
+                km.fast.hooks.append(km.prefetcher.guess)
         except BaseException:
             km.close()
             raise

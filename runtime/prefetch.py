@@ -134,23 +134,38 @@ class Prefetcher:
         self.keep_guesses = keep_guesses
         self.asked = 0
         self.guesses: list[tuple[int, np.ndarray]] = []  # (the layer guessed for, its experts)
+        self.top_k = top_k
+        self._next = {layers[i].layer: layers[i + 1].layer for i in range(len(layers) - 1)}
+        self._by_layer = {experts.layer: (experts, router) for experts, router in zip(layers, routers)}
         self._installed = []
         for i in range(len(layers) - 1):
-            observe = self._observer(layers[i + 1], routers[i + 1], top_k)
+            observe = self._observer(layers[i].layer)
             layers[i].observers.append(observe)
             self._installed.append((layers[i], observe))
 
-    def _observer(self, nxt: Any, router: np.ndarray, top_k: int):  # type: ignore[no-untyped-def]
+    def _observer(self, layer: int):  # type: ignore[no-untyped-def]
         def observe(hidden: np.ndarray, idx: np.ndarray) -> None:
-            guess = np.unique(pregate(hidden, router, top_k))
-            if self.keep_guesses:
-                self.guesses.append((nxt.layer, guess))
-            if self.page:
-                self.asked += page_in(self.bundle, expert_ranges(self.bundle, nxt.layer, guess))
-            cache = getattr(nxt, "cache", None)
-            if cache is not None:
-                cache.prefetch(guess)
+            self.guess(self._next[layer], hidden)
         return observe
+
+    def guess(self, layer: int, hidden: np.ndarray) -> None:
+        """Guess the experts of MoE layer ``layer`` (a decoder layer index; nothing where it is
+        not a MoE layer) for the hidden states ``hidden`` [tokens, hidden] that will reach it,
+        page them in and start their copies into its cache slots. ``ExpertSet`` forwards call it
+        through their observers; ktc's compiled decode steps between layers
+        (``FastDecode.hooks``)."""
+        found = self._by_layer.get(layer)
+        if found is None:
+            return
+        nxt, router = found
+        guess = np.unique(pregate(hidden, router, self.top_k))
+        if self.keep_guesses:
+            self.guesses.append((layer, guess))
+        if self.page:
+            self.asked += page_in(self.bundle, expert_ranges(self.bundle, layer, guess))
+        cache = getattr(nxt, "cache", None)
+        if cache is not None:
+            cache.prefetch(guess)
 
     def close(self) -> None:
         for experts, observe in self._installed:

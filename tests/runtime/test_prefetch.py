@@ -147,3 +147,32 @@ def test_the_disk_read_bandwidth_is_measured_where_asked(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the test file is gone
     with pytest.raises(KtcError, match="no such folder"):
         disk_read_bandwidth(str(tmp_path / "missing"))
+
+
+def test_ktcs_compiled_decode_steps_guess_between_layers(demo_model, tmp_path):
+    """Where ktc's CPU decode steps route inside one compiled call a layer (q8_0 experts on a
+    VNNI CPU), the prefetcher guesses between layers (``FastDecode.hooks``): the decode steps
+    page experts in too, and the text is the one without prefetch."""
+    from ktc.runtime import vnni
+    from ktc.runtime.generate import Sampling, generate
+    from ktc.runtime.hf import from_bundle
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("the one-call decode step needs AVX-512 VNNI")
+    path = str(tmp_path / "q8.ktb")
+    compile_bundle(demo_model, path, cpu_scheme="q8_0")
+    greedy = Sampling(temperature=0)
+    with from_bundle(path) as km:
+        want = generate(km, list(range(5, 15)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+    with from_bundle(path, prefetch=True) as km:
+        assert km.fast is not None and km.fast.hooks == [km.prefetcher.guess]
+        km.prefetcher.keep_guesses = True
+        got = generate(km, list(range(5, 15)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+        layers = [e.layer for e in km.experts]
+        # the prompt's forward guesses each layer but the first once (the experts' observers),
+        # then each of the 5 decode steps (the first token came from the prompt's logits) again,
+        # between layers
+        assert km.fast.steps == 5
+        per_layer = {layer: sum(1 for g, _ in km.prefetcher.guesses if g == layer) for layer in layers}
+        assert per_layer == {layer: 0 if layer == layers[0] else 6 for layer in layers}
+    assert got.generated_tokens == want.generated_tokens
