@@ -737,6 +737,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         decode_steps = "ktc" if model.fast is not None else "transformers"
         cached = _cache_counters(model.experts) if cache_slots else None
         paged = model.prefetcher.asked if model.prefetcher is not None else None
+        guessed = model.prefetcher.accuracy if model.prefetcher is not None else None
         offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
         pinning = None
         if model.pinning is not None:
@@ -758,7 +759,8 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
            "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached,
-           "prefetch_paged_bytes": paged, "prefill_offload": offloaded, "disk_tier": pinning}
+           "prefetch_paged_bytes": paged, "prefetch_accuracy": guessed, "prefill_offload": offloaded,
+           "disk_tier": pinning}
     if as_json:
         _print_json("run", out)
         return
@@ -795,7 +797,8 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
             click.echo(f"pre-gating: {cached['prefetched']} of the copies started a layer ahead; "
                        f"{100 * share:.1f}% of {cached['guessed']} guessed experts were used", err=True)
     if paged is not None:
-        click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead", err=True)
+        named = "" if guessed is None else f"; the guesses named {100 * guessed:.1f}% of the experts then used"
+        click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead{named}", err=True)
     if pinning is not None:
         click.echo(f"disk tier: the RAM experts ({format_bytes(pinning['pinned_bytes'])}) pinned by "
                    f"{'mlock' if pinning['method'] == 'mlock' else 'MADV_WILLNEED: ' + pinning['fallback']}; "

@@ -122,7 +122,9 @@ class Prefetcher:
     (``routers[i + 1]``, float32 [experts, hidden]) picks for its tokens, and where the next
     layer has device cache slots (``ExpertSet.cache``), starts copying them there
     (``DeviceSlots.prefetch``). ``asked`` counts the bytes asked for, ``guesses`` the experts a
-    layer at a time (``keep_guesses``)."""
+    layer at a time (``keep_guesses``). ``accuracy`` scores the guesses: of the experts a layer
+    used after a guess for it (its ``counts`` moved, until the next guess for it), the share the
+    guess named (``used`` and ``named`` hold the guesses already followed by another)."""
 
     def __init__(self, bundle: Bundle, layers: list[Any], routers: list[np.ndarray], top_k: int, *,
                  page: bool = True, keep_guesses: bool = True) -> None:
@@ -134,6 +136,8 @@ class Prefetcher:
         self.keep_guesses = keep_guesses
         self.asked = 0
         self.guesses: list[tuple[int, np.ndarray]] = []  # (the layer guessed for, its experts)
+        self.used = self.named = 0
+        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (its guess, its counts then)
         self.top_k = top_k
         self._next = {layers[i].layer: layers[i + 1].layer for i in range(len(layers) - 1)}
         self._by_layer = {experts.layer: (experts, router) for experts, router in zip(layers, routers)}
@@ -159,6 +163,8 @@ class Prefetcher:
             return
         nxt, router = found
         guess = np.unique(pregate(hidden, router, self.top_k))
+        self._settle(layer)
+        self._open[layer] = (guess, nxt.counts.copy())
         if self.keep_guesses:
             self.guesses.append((layer, guess))
         if self.page:
@@ -166,6 +172,29 @@ class Prefetcher:
         cache = getattr(nxt, "cache", None)
         if cache is not None:
             cache.prefetch(guess)
+
+    def _score(self, layer: int) -> tuple[int, int]:
+        """(experts used, of them named) since the open guess for ``layer``."""
+        opened = self._open.get(layer)
+        if opened is None:
+            return 0, 0
+        guess, before = opened
+        chosen = np.nonzero(self._by_layer[layer][0].counts != before)[0]
+        return len(chosen), len(np.intersect1d(chosen, guess))
+
+    def _settle(self, layer: int) -> None:
+        used, named = self._score(layer)
+        self.used += used
+        self.named += named
+        self._open.pop(layer, None)
+
+    @property
+    def accuracy(self) -> float | None:
+        """The share of the experts the layers used that the guesses named, the open guesses
+        included (None before any use)."""
+        scores = [self._score(layer) for layer in self._open]
+        used = self.used + sum(u for u, _ in scores)
+        return (self.named + sum(n for _, n in scores)) / used if used else None
 
     def close(self) -> None:
         for experts, observe in self._installed:

@@ -96,6 +96,11 @@ def test_prefetch_pages_in_the_next_layers_guessed_experts_before_it_runs(bundle
         np.testing.assert_array_equal(prefetcher.guesses[0][1], guess)
         assert prefetcher.asked >= sum(n for _, n in ranges)
         assert wait_resident(bundle, ranges) == 1.0
+        # scored against what layer 1 then uses: one of its two experts was guessed
+        assert prefetcher.accuracy is None  # layer 1 has not run
+        outside = [e for e in range(8) if e not in guess]
+        layers[1].forward(hidden[:1], np.array([[guess[0], outside[0]]]), weights[:1])
+        assert prefetcher.accuracy == 0.5
         prefetcher.close()
         assert layers[0].observers == []
         for experts in layers:
