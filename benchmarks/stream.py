@@ -15,8 +15,8 @@ The time model, per layer and token: the device's experts at ``gpu_bandwidth``, 
 the CPU; an upload goes over PCIe at ``pcie_bandwidth`` one after another, lands when done (uses
 before that are misses, run on the CPU), and while one is under way the CPU's experts read at
 ``cpu_bandwidth - pcie_bandwidth`` (the copies read the same host memory). Bandwidths are the
-hardware profile's defaults unless given. This replays the policy; it does not run the runtime,
-which does not have the cache yet.
+hardware profile's defaults unless given. This replays the policy; it does not run the runtime
+(``ktc run --cache-slots``, which runs the same policy, needs a GPU to be measured).
 
 With ``--trace FILE`` (``ktc profile BUNDLE --text FILE -o p.json --trace FILE``) a recorded
 model's routing is replayed too, its first quarter (at most ``--profile-tokens``) as the profile.
