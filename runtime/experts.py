@@ -139,6 +139,10 @@ class ExpertSet:
         self._device_weights: dict[str, Any] = {}
         self._device_index: dict[int, tuple[str, int]] = {}
         self._compute_dtype = compute_dtype
+        if device is not None and compute_dtype is None:
+            import torch
+
+            self._compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if gpu:
             self._load_device(bundle, prefix, gpu, device)
         self.cache: DeviceSlots | None = None
@@ -146,10 +150,6 @@ class ExpertSet:
             self.cache = self._make_cache(bundle, cache_slots, cache_prior)
         self.offload = offload if device is not None and self.cpu else None
         self._offloaded: dict[int, tuple[Any, int]] = {}  # this forward's copied CPU experts: (stack, index)
-        if self.offload is not None and self._compute_dtype is None:
-            import torch
-
-            self._compute_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
         # Set by the model around a forward whose last rows alone are read past this layer (the
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
@@ -167,8 +167,6 @@ class ExpertSet:
     def _load_device(self, bundle: Bundle, prefix: str, experts: list[int], device: Any) -> None:
         """Upload the device experts' bytes, stacked per scheme, at their scheme (see
         ``device.py``): the device holds exactly the bytes the plan counted for them."""
-        import torch
-
         parts: dict[str, tuple[list, list, list, list, list]] = {}
         for e in experts:
             name = f"{prefix}experts.{e}."
@@ -183,22 +181,16 @@ class ExpertSet:
         self._device_weights = {scheme: upload(scheme, *lists[1:], device) for scheme, lists in parts.items()}
         self._device_index = {e: (scheme, i) for scheme, lists in parts.items() for i, e in enumerate(lists[0])}
         self.device_bytes = sum(stack.nbytes for stack in self._device_weights.values())
-        if self._compute_dtype is None:
-            self._compute_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
     def _make_cache(self, bundle: Bundle, slots: int, prior: np.ndarray | None) -> DeviceSlots:
         """Device slots for the layer's CPU experts of its most common CPU scheme (one stack
         holds one scheme; where a layer's CPU experts mix schemes, the others stay on the CPU)."""
-        import torch
-
         schemes = [ex.scheme for ex in self.cpu.values()]
         scheme = max(sorted(set(schemes)), key=schemes.count)
         missing = [part.name for part in expert_schemes(scheme) if part.name not in DEVICE_DECODERS]
         if missing:
             raise KtcError(f"layer {self.layer}: no device decoder for {', '.join(missing)}, so its CPU experts "
                            "cannot take cache slots", hint="run without --cache-slots")
-        if self._compute_dtype is None:
-            self._compute_dtype = torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         candidates = [e for e, ex in self.cpu.items() if ex.scheme == scheme]
         return DeviceSlots(bundle, self.layer, self.num_experts, candidates, scheme, slots, self.device,
                            resident=self.gpu_experts, prior=prior)

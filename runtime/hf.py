@@ -480,32 +480,33 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     except BaseException:
         bundle.close()
         raise
-    disk = _disk_tier(bundle)
-    if disk:  # the RAM experts pinned, the disk experts paged in a layer ahead
-        from .prefetch import expert_ranges, pin
-
-        placement = bundle.manifest["plan"]["placement"]
-        ram_ranges = [r for layer, row in placement.items()
-                      for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
-        try:
-            km.pinning = pin(bundle, ram_ranges)
-        except BaseException:
-            km.close()
-            raise
-        prefetch = True
-    if prefetch:
-        from .prefetch import Prefetcher
-
-        try:
-            routers = [tensor_float32(bundle, f"layers.{e.layer}.router") for e in km.experts]
-            top_k = int(bundle.manifest["model"]["moe_layers"][0]["top_k"])
-            km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False)
-            if km.fast is not None:  # its steps route inside compiled calls: guessed between layers
-                km.fast.hooks.append(km.prefetcher.guess)
-        except BaseException:
-            km.close()
-            raise
+    try:
+        _stream(km, prefetch)
+    except BaseException:
+        km.close()
+        raise
     return km
+
+
+def _stream(km: KtcModel, prefetch: bool) -> None:
+    """A disk-tier plan's pinning (its RAM experts) and the pre-gating prefetcher (``prefetch``,
+    or a plan with experts on disk)."""
+    from .prefetch import Prefetcher, expert_ranges, pin
+
+    bundle = km.bundle
+    placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
+    if any(p.startswith("disk:") for row in placement.values() for p in row):
+        in_ram = [r for layer, row in placement.items()
+                  for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
+        km.pinning = pin(bundle, in_ram)
+        prefetch = True
+    if not prefetch:
+        return
+    routers = [tensor_float32(bundle, f"layers.{e.layer}.router") for e in km.experts]
+    top_k = int(bundle.manifest["model"]["moe_layers"][0]["top_k"])
+    km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False)
+    if km.fast is not None:  # its steps route inside compiled calls: guessed between layers
+        km.fast.hooks.append(km.prefetcher.guess)
 
 
 def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any,
@@ -584,12 +585,6 @@ def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
                        path=bundle.path,
                        hint=f"use fewer --cache-slots (one slot per layer takes up to {format_bytes(per_layer)}), "
                             "or plan with a larger --vram")
-
-
-def _disk_tier(bundle: Bundle) -> int:
-    """How many experts the bundle's plan leaves on disk."""
-    placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
-    return sum(p.startswith("disk:") for row in placement.values() for p in row)
 
 
 def _free_vram(bundle: Bundle) -> tuple[int, int]:
