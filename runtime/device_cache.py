@@ -37,9 +37,7 @@ class DeviceSlots:
         import torch
 
         self.layer = layer
-        self.scheme = scheme
         self.device = torch.device(device)
-        self.candidates = frozenset(candidates)
         prefix = f"layers.{layer}.experts."
         self._names = {e: f"{prefix}{e}." for e in candidates}
         first = self._names[candidates[0]]

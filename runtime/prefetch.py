@@ -51,18 +51,25 @@ def _pages(start: int, nbytes: int) -> tuple[int, int]:
     return first, (start + nbytes - first + PAGE - 1) // PAGE * PAGE
 
 
-def page_in(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> int:
-    """Ask for the pages of ``ranges`` of the bundle's map to be read (returns at once); the
-    bytes asked for."""
-    size = bundle.file_view().shape[0]
-    asked = 0
+def _spans(size: int, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(first byte, bytes) of the whole pages that hold ``ranges``, within a map of ``size``
+    bytes (empty ones left out)."""
+    spans = []
     for start, nbytes in ranges:
         first, length = _pages(start, nbytes)
         length = min(length, size - first)
         if length > 0:
-            bundle.advise(mmap.MADV_WILLNEED, first, length)
-            asked += length
-    return asked
+            spans.append((first, length))
+    return spans
+
+
+def page_in(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> int:
+    """Ask for the pages of ``ranges`` of the bundle's map to be read (returns at once); the
+    bytes asked for."""
+    spans = _spans(bundle.file_view().shape[0], ranges)
+    for first, length in spans:
+        bundle.advise(mmap.MADV_WILLNEED, first, length)
+    return sum(length for _, length in spans)
 
 
 def pin(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> tuple[str, int, str]:
@@ -74,12 +81,7 @@ def pin(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> tuple[str, int, st
     view = bundle.file_view()
     base = view.ctypes.data
     libc = _libc()
-    spans = []
-    for start, nbytes in ranges:
-        first, length = _pages(start, nbytes)
-        length = min(length, view.shape[0] - first)
-        if length > 0:
-            spans.append((first, length))
+    spans = _spans(view.shape[0], ranges)
     total = sum(length for _, length in spans)
     for i, (first, length) in enumerate(spans):
         if libc.mlock(ctypes.c_void_p(base + first), ctypes.c_size_t(length)) != 0:
@@ -102,11 +104,7 @@ def resident_share(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> float:
     base = view.ctypes.data
     libc = _libc()
     resident = total = 0
-    for start, nbytes in ranges:
-        first, length = _pages(start, nbytes)
-        length = min(length, view.shape[0] - first)
-        if length <= 0:
-            continue
+    for first, length in _spans(view.shape[0], ranges):
         flags = (ctypes.c_ubyte * ((length + PAGE - 1) // PAGE))()
         if libc.mincore(ctypes.c_void_p(base + first), ctypes.c_size_t(length), flags) != 0:
             raise KtcError(f"mincore failed: {os.strerror(ctypes.get_errno())}", path=bundle.path)
