@@ -82,33 +82,16 @@ def static_plan(profile: np.ndarray, scale: Scale, budget: float) -> list[tuple[
 def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profile: np.ndarray, hw,
            cached: bool) -> tuple[float, float, int]:
     """(tokens/s, hit rate, bytes uploaded) of the trace under the plan, with the cache or not."""
-    from ktc.runtime.expert_cache import LayerCache
+    from ktc.runtime.expert_cache import LayerCache, replay_trace
 
-    caches = [LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li], initial=plan[li])
-              for li in range(scale.layers)]
-    residents = [set(p) for p in plan]
-    upload = scale.expert_bytes / hw.pcie_bandwidth
-    clock, pcie_free, hits, uses, moved = 0.0, 0.0, 0, 0, 0
-    for token in routes:
-        for li, experts in enumerate(token):
-            if cached:
-                cache = caches[li]
-                on_device, on_cpu = cache.step(experts, clock)
-                for e, _ in cache.started:
-                    pcie_free = max(pcie_free, clock) + upload
-                    cache.uploaded(e, pcie_free)
-                    moved += scale.expert_bytes
-            else:
-                resident = residents[li]
-                on_device = [e for e in experts.tolist() if e in resident]
-                on_cpu = [e for e in experts.tolist() if e not in resident]
-            hits += len(on_device)
-            uses += len(experts)
-            cpu_bandwidth = hw.cpu_bandwidth - (hw.pcie_bandwidth if pcie_free > clock else 0.0)
-            seconds = max(len(on_device) * scale.expert_bytes / hw.gpu_bandwidth,
-                          len(on_cpu) * scale.expert_bytes / cpu_bandwidth)
-            clock += seconds + (hw.sync_seconds if on_cpu else 0.0)
-    return len(routes) / clock, hits / uses, moved
+    caches = ([LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li], initial=plan[li])
+               for li in range(scale.layers)] if cached else None)
+    shape = (scale.layers, scale.experts)
+    result = replay_trace(routes, caches, [frozenset(p) for p in plan],
+                          np.full(shape, scale.expert_bytes / hw.gpu_bandwidth),
+                          np.full(shape, scale.expert_bytes / hw.cpu_bandwidth), np.full(scale.layers, hw.sync_seconds),
+                          scale.expert_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth)
+    return len(routes) / result.seconds, result.hits / result.uses, result.uploaded * scale.expert_bytes
 
 
 def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str,

@@ -188,3 +188,46 @@ class LayerCache:
         """The upload of ``expert`` is done at time ``at``: later uses hit."""
         if expert in self.pool:
             self.pool[expert] = at
+
+
+@dataclass
+class Replay:
+    """What ``replay_trace`` found: seconds in the experts, uses on the device, all uses, uploads."""
+
+    seconds: float
+    hits: int
+    uses: int
+    uploaded: int  # experts
+
+
+def replay_trace(routes: np.ndarray, caches: list[LayerCache] | None, resident: list[frozenset[int]],
+                 device_seconds: np.ndarray, cpu_seconds: np.ndarray, sync_seconds: np.ndarray,
+                 upload_seconds: float, cpu_bandwidth: float, pcie_bandwidth: float) -> Replay:
+    """A routing trace ([tokens, layers, k] experts) through ``caches`` (one a layer; None: the
+    static ``resident`` sets alone), timed as the planner does: per layer and token the experts
+    on the device (resident or a slot that hit) at ``device_seconds[layer, expert]``, the others
+    at ``cpu_seconds``, the slower of the two sides, plus ``sync_seconds[layer]`` where the CPU
+    has any. Uploads cross PCIe one after another (``upload_seconds`` each), land when done,
+    and while one is under way the CPU's experts read at ``cpu_bandwidth - pcie_bandwidth`` (the
+    copies read the same host memory; at least a tenth of it). The planner's split between
+    residents and slots (``ktc.streaming``) and ``benchmarks/stream.py`` replay through this."""
+    slowed = cpu_bandwidth / max(cpu_bandwidth - pcie_bandwidth, 0.1 * cpu_bandwidth)
+    clock, link_free, hits, uses, uploaded = 0.0, 0.0, 0, 0, 0
+    device_rows, cpu_rows, syncs = device_seconds.tolist(), cpu_seconds.tolist(), np.asarray(sync_seconds).tolist()
+    for token in routes:
+        for li, experts in enumerate(token):
+            if caches is not None:
+                cache = caches[li]
+                on_device, on_cpu = cache.step(experts, clock)
+                for e, _ in cache.started:
+                    link_free = max(link_free, clock) + upload_seconds
+                    cache.uploaded(e, link_free)
+                    uploaded += 1
+            else:
+                on_device = [e for e in experts.tolist() if e in resident[li]]
+                on_cpu = [e for e in experts.tolist() if e not in resident[li]]
+            hits += len(on_device)
+            uses += len(experts)
+            cpu = sum(cpu_rows[li][e] for e in on_cpu) * (slowed if link_free > clock else 1.0)
+            clock += max(sum(device_rows[li][e] for e in on_device), cpu) + (syncs[li] if on_cpu else 0.0)
+    return Replay(clock, hits, uses, uploaded)
