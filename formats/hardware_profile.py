@@ -19,6 +19,9 @@ Defaults and where they come from (docs/planner.md repeats them):
   vocabulary), for the CPU decode cost model
   (``passes/decode_cost.py``). Without them every scheme reads at ``cpu_bandwidth`` and fixed
   costs are left out.
+- ``cpu_prefill_ops``: none by default; ``ktc doctor --calibrate`` measures the multiply-adds a
+  second (each two ops) of ktc's batched CPU expert products, which price the prefill offload
+  (``ktc.streaming``). Without it the offload starts at llama.cpp's 32 tokens.
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ class HardwareProfile:
     sync_seconds: float = 50e-6
     # the read bandwidth of the disk the bundle is on (``ktc doctor``); 0: unknown, no disk tier
     disk_bandwidth: float = 0.0
+    # ops a second (a multiply-add is two) of the batched CPU expert products at prefill sizes
+    # (``ktc doctor --calibrate``); 0: unknown
+    cpu_prefill_ops: float = 0.0
     source: str = "defaults"
     # {"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
     # {scheme: bytes}, the same three of "matrix", and "matrix_row_seconds": {scheme: s}},
@@ -124,7 +130,7 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if not math.isfinite(getattr(self, name)) or not getattr(self, name) > 0:
                 raise ConfigError(f"hardware profile: {name} must be a positive, finite number")
-        for name in ("sync_seconds", "disk_bandwidth", *_CPU_FIXED):
+        for name in ("sync_seconds", "disk_bandwidth", "cpu_prefill_ops", *_CPU_FIXED):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"hardware profile: {name} must be a finite number, at least 0")
         for path, rates in (self.cpu_scheme_bandwidth or {}).items():
@@ -145,8 +151,9 @@ class HardwareProfile:
         if self.cpu_scheme_bandwidth is None:  # not calibrated: the file says nothing of it
             for name in ("cpu_scheme_bandwidth", *_CPU_FIXED):
                 del data[name]
-        if not self.disk_bandwidth:  # not measured: the file says nothing of it
-            del data["disk_bandwidth"]
+        for name in ("disk_bandwidth", "cpu_prefill_ops"):
+            if not data[name]:  # not measured: the file says nothing of it
+                del data[name]
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
 
     @classmethod
@@ -169,7 +176,7 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if name in fields:
                 values[name] = fields.number(name, positive=True)
-        for name in ("sync_seconds", "disk_bandwidth", *_CPU_FIXED):
+        for name in ("sync_seconds", "disk_bandwidth", "cpu_prefill_ops", *_CPU_FIXED):
             if name in fields:
                 values[name] = fields.number(name, minimum=0)
         if "cpu_scheme_bandwidth" in fields:

@@ -138,8 +138,12 @@ def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, 
     only; ``bundles``: the probe models, made by ``probe_bundles`` already)."""
     from ktc.runtime.calibrate import scheme_bandwidths
 
+    from ktc.runtime.calibrate import prefill_ops
+
     rates = scheme_bandwidths(schemes, rounds=rounds, progress=progress)
-    measured = replace(base, cpu_scheme_bandwidth=rates)
+    if progress:
+        progress("the batched products of a prompt's tokens")
+    measured = replace(base, cpu_scheme_bandwidth=rates, cpu_prefill_ops=prefill_ops(rounds=rounds))
     per_layer, per_token, per_word = layer_costs(measured, rounds=max(rounds, 5), bundles=bundles, progress=progress)
     measured = replace(measured, cpu_layer_seconds=per_layer, cpu_token_seconds=per_token, cpu_vocab_seconds=per_word,
                        source=f"{base.source}, calibrated")

@@ -227,6 +227,29 @@ def _fused(name: str) -> bool:
     return (vnni.HAVE_VNNI and name in vnni.FUSED) or name == "int8"
 
 
+class _Call:
+    """A probe of ``_median_seconds``: one call of ``fn``."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.run = fn
+
+
+def prefill_ops(scheme: str = "q8_0", *, tokens: int = 64, rows_: int = 2048, cols: int = 2048,
+                rounds: int = 5, calls: int = 4) -> float:
+    """Ops a second (a multiply-add counts two) of ktc's batched CPU product (``lanes.matmul``,
+    what a prompt's experts run through) of ``tokens`` tokens and a ``rows_`` x ``cols`` matrix
+    of ``scheme``, the median over rounds; 0.0 where this CPU has no batched kernel for it (no
+    VNNI: the products then decode to bf16 for torch, whose rate the planner does not model)."""
+    from . import lanes
+
+    if not lanes.fits(scheme, cols):
+        return 0.0
+    raw = scheme_rows(scheme, rows_, cols)
+    x = np.random.default_rng(0).standard_normal((tokens, cols), dtype=np.float32)
+    seconds = _median_seconds({"prefill": _Call(lambda: lanes.matmul(x, raw, scheme))}, rounds, calls)["prefill"]
+    return 2.0 * tokens * rows_ * cols / seconds
+
+
 def device_bandwidths(device: Any, *, nbytes: int = 512 * 1024 * 1024, rounds: int = 5) -> dict[str, float]:
     """``{"gpu_bandwidth": bytes/s, "pcie_bandwidth": bytes/s}`` on a torch ``device``: a bf16
     matrix of ``nbytes`` times one vector there (a decode step's read of device weights), and

@@ -40,3 +40,14 @@ def test_device_rates_on_torchs_cpu_device():
 def test_device_rates_on_cuda():
     got = calibrate.device_bandwidths("cuda", nbytes=256 << 20, rounds=3)
     assert got["gpu_bandwidth"] > got["pcie_bandwidth"] > 1e9
+
+
+def test_prefill_rate_is_the_batched_products_or_unknown(monkeypatch):
+    """The prefill offload's CPU rate: ops a second of the batched kernel where this CPU has
+    it, and 0 (unknown: the planner then keeps llama.cpp's threshold) where it does not."""
+    from ktc.runtime import lanes
+
+    ops = calibrate.prefill_ops(tokens=16, rows_=64, cols=256, rounds=1, calls=1)
+    assert ops > 0 if lanes.fits("q8_0", 256) else ops == 0.0
+    monkeypatch.setattr(lanes, "fits", lambda scheme, cols: False)
+    assert calibrate.prefill_ops(tokens=16, rows_=64, cols=256, rounds=1, calls=1) == 0.0
