@@ -50,7 +50,8 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
          time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
          sync_us: float | None = None, disk_bandwidth: str | float | None = None, source_types: bool = False,
-         calibration_text: str | os.PathLike[str] | None = None, calibration_tokens: int = 1024):
+         calibration_text: str | os.PathLike[str] | None = None, calibration_tokens: int = 1024,
+         trace: str | os.PathLike[str] | None = None):
     """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
 
     ``vram``/``ram`` take sizes like "24GiB"; ``hardware`` a profile JSON (flags override it).
@@ -59,6 +60,9 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
     None: the source's own expert type where it is a block scheme (a GGUF's Q4_K, say: passed
     through), else bf16 on the GPU and int8 on the CPU (``default_expert_schemes``); with
     ``source_types`` the source's own types even where they are floats (what llama.cpp loads).
+    The plan's ``streaming`` (``ktc.streaming``) holds the device cache's slots, the prefill
+    offload's threshold and the disk tier; ``trace`` (a ``ktc profile --trace`` file) lets the
+    planner trade residents for cache slots where the recorded routing says they gain.
 
     >>> p = ktc.plan("./Qwen3-30B-A3B", vram="24GiB", ram="64GiB", max_tokens=32768)
     >>> p.predicted_ms_per_token, p.placement.gpu_experts_per_layer()
@@ -93,7 +97,13 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
             model, ir, os.fspath(calibration_text), options.gpu_schemes + options.cpu_schemes,
             calibration_tokens).items()))
     workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
-    return plan_placement(ir, hw, workload, activation, options)
+    from ktc.streaming import plan_streaming
+
+    static = plan_placement(ir, hw, workload, activation, options)
+    chosen, streaming = plan_streaming(
+        ir, static, None if trace is None else os.fspath(trace),
+        replan=lambda vram: plan_placement(ir, hw, workload, activation, dataclasses.replace(options, cache_vram=vram)))
+    return dataclasses.replace(chosen, streaming=streaming)
 
 
 def activation_errors(model: object, ir: ModelIR, text_path: str, schemes: tuple[str, ...],

@@ -274,6 +274,10 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--profile", "profile", type=click.Path(dir_okay=False),
                      help="Activation profile: ktc JSON or a KTransformers/SGLang expert "
                           "distribution .pt. Default: uniform routing."),
+        click.option("--trace", type=click.Path(dir_okay=False),
+                     help="A routing trace (ktc profile --trace FILE): the planner replays it through the device "
+                          "expert cache's policy and trades residents for cache slots (0, 1, 2, 4 or 8 a layer) "
+                          "where that predicts a faster decode; ktc run keeps the slots the plan chose."),
         click.option("--gpu-schemes",
                      help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4. "
                           "[default: the source's own block type (a GGUF's Q4_K...), passed "
@@ -321,7 +325,7 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
                      sync_us=kw["sync_us"], disk_bandwidth=kw.get("disk_bandwidth"), source_types=source_types,
-                     calibration_text=kw.get("calibration_text"))
+                     calibration_text=kw.get("calibration_text"), trace=kw.get("trace"))
 
 
 @main.command()
@@ -449,6 +453,9 @@ def _given_flags(*names: str) -> list[str]:
                    "a quantized one runs through ktc's kernels on the CPU. Routers and norms stay f32. "
                    "auto keeps a quantized source's own block types (a Q4_K_M GGUF's Q4_K/Q6_K, byte "
                    "for byte) and stores float matrices in bf16. [default: the plan's, else auto]")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="With a budget, as in ktc plan: a routing trace (ktc profile --trace) from which the planner "
+                   "chooses device cache slots; the bundle records them and ktc run keeps them.")
 @click.option("--disk-bandwidth",
               help="With a budget, as in ktc plan: the disk's read bandwidth (e.g. 3GB/s), which lets the least "
                    "used CPU experts stay on disk where they do not fit --ram.")
@@ -475,7 +482,7 @@ def _given_flags(*names: str) -> list[str]:
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
                     profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str | None,
-                    disk_bandwidth: str | None, jobs: int,
+                    trace: str | None, disk_bandwidth: str | None, jobs: int,
                     compress: bool, report_error: bool, calibration_text: str | None, allow_nonfinite: bool,
                     hash_sources: bool, check: bool, stop_after: str | None, dump_after: str | None,
                     as_json: bool) -> None:
@@ -500,7 +507,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     if plan_path and (vram or hardware):
         raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
     given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens", "cpu_scheme", "gpu_scheme",
-                         "disk_bandwidth")
+                         "disk_bandwidth", "trace")
     if plan_path and given:
         raise KtcError(f"{', '.join(given)}: the plan file fixes the placement, the schemes and the workload",
                        hint=f"give {given[0].replace('-scheme', '-schemes')} to ktc plan when making the plan")
@@ -513,7 +520,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     if vram or hardware:
         plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,
                        "max_tokens": max_tokens, "batch": batch, "profile": profile,
-                       "calibration_text": calibration_text, "disk_bandwidth": disk_bandwidth}
+                       "calibration_text": calibration_text, "disk_bandwidth": disk_bandwidth, "trace": trace}
     started = time.perf_counter()
     result = compile_bundle(source, output, plan_path=plan_path, plan_kwargs=plan_kwargs,
                             cpu_scheme=cpu_scheme, gpu_scheme=gpu_scheme, dense_scheme=dense_scheme,
@@ -660,10 +667,11 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
 @click.option("--hardware", type=click.Path(exists=True, dir_okay=False),
               help="A hardware profile (ktc doctor --calibrate --write-profile FILE): on the CPU, print the "
                    "decode time per token the CPU cost model predicts for this bundle beside the measured.")
-@click.option("--cache-slots", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--cache-slots", type=click.IntRange(min=0),
               help="On a device: this many more device slots per MoE layer for CPU experts, filled on demand "
                    "(a miss runs on the CPU and its expert is copied in for the next use); refused where they "
-                   "do not fit the VRAM the plan leaves free.")
+                   "do not fit the VRAM the plan leaves free [default: the plan's, see ktc plan --trace; "
+                   "0 turns them off].")
 @click.option("--cache-profile", type=click.Path(exists=True, dir_okay=False),
               help="An activation profile (ktc profile -o FILE): the slots' replacement policy starts from its "
                    "expert frequencies [default: uniform].")
@@ -671,16 +679,17 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, as_json: bo
               help="Pre-gating one MoE layer ahead: the experts the next layer's router picks for this layer's "
                    "input are paged in from the bundle (madvise WILLNEED) and copied into its cache slots. On ktc's "
                    "compiled CPU decode steps the guess is made between layers, from a layer's output.")
-@click.option("--prefill-offload", is_flag=True,
-              help="On a device: a prompt chunk of 32 tokens or more copies the CPU experts it uses to the device "
-                   "where the copy beats the CPU's work (the plan's PCIe bandwidth against the CPU's time a token, "
-                   "measured on the first chunk), within the VRAM the plan leaves free, and frees them after.")
+@click.option("--prefill-offload/--no-prefill-offload", default=None,
+              help="On a device: a prompt chunk of the plan's threshold of tokens or more (32 where it has none) "
+                   "copies the CPU experts it uses to the device where the copy beats the CPU's work (the plan's "
+                   "PCIe bandwidth against the CPU's time a token, measured on the first chunk), within the VRAM "
+                   "the plan leaves free, and frees them after [default: on a device, as the plan says].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
-        ignore_eos: bool, hardware: str | None, cache_slots: int, cache_profile: str | None, prefetch: bool,
-        prefill_offload: bool, as_json: bool) -> None:
+        ignore_eos: bool, hardware: str | None, cache_slots: int | None, cache_profile: str | None,
+        prefetch: bool, prefill_offload: bool | None, as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -735,7 +744,8 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         device_bytes, plan_bytes = model.device_total, model.plan_device_total
         used_threads = model.threads
         decode_steps = "ktc" if model.fast is not None else "transformers"
-        cached = _cache_counters(model.experts) if cache_slots else None
+        slots = max((e.cache.policy.slots for e in model.experts if e.cache is not None), default=0)
+        cached = _cache_counters(model.experts) if slots else None
         paged = model.prefetcher.asked if model.prefetcher is not None else None
         guessed = model.prefetcher.accuracy if model.prefetcher is not None else None
         offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
@@ -788,7 +798,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         memory += f"; device {format_bytes(shown)}" + (f" of the plan's {format_bytes(plan_bytes)}" if plan_bytes else "")
     click.echo(memory, err=True)
     if cached is not None:
-        click.echo(f"expert cache: {cache_slots} slots a layer ({format_bytes(cached['device_bytes'])}); "
+        click.echo(f"expert cache: {slots} slots a layer ({format_bytes(cached['device_bytes'])}); "
                    f"{cached['hits']} hits, {cached['misses']} misses ({cached['late']} while their copy was on its "
                    f"way), hit rate {100 * cached['hit_rate']:.1f}% of {cached['uses']} uses; {cached['uploads']} "
                    f"copies ({format_bytes(cached['bytes_uploaded'])}), {cached['evictions']} evictions", err=True)
@@ -931,7 +941,7 @@ def perplexity(bundle: str, text_file: str, ctx: int, batch: int | None, chunks:
               help="Tokens a sequence at most (each from an empty KV cache).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
               help="Also write the routing token by token (NumPy .npy, int64 [tokens, MoE layers, top k]), "
-                   "for benchmarks/stream.py --trace.")
+                   "for ktc plan --trace and benchmarks/stream.py --trace.")
 @_forward_options
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @_handle_errors
@@ -991,7 +1001,7 @@ def profile(bundle: str, text_file: str | None, prompts_file: str | None, output
                    f"(median {100 * statistics.median(pregating):.1f}%)")
     click.echo(f"  use it: ktc plan MODEL --profile {output}")
     if trace_file is not None:
-        click.echo(f"  the routing token by token: {trace_file} (benchmarks/stream.py --trace {trace_file})")
+        click.echo(f"  the routing token by token: {trace_file} (ktc plan MODEL --trace {trace_file} plans device cache slots from it)")
 
 
 def _cpu_prediction(bundle: Any, hardware: str | None, context: int) -> dict[str, Any] | None:
@@ -1099,6 +1109,10 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, disk_folde
         click.echo(f"{'fixed':<14}{hw['cpu_layer_seconds'] * 1e6:.0f} us a layer, "
                    f"{hw['cpu_token_seconds'] * 1e6:.0f} us a token and {hw['cpu_vocab_seconds'] * 1e11:.1f} us more "
                    "a token for each 100k words of the vocabulary, beside their bytes")
+        prefill = hw.get("cpu_prefill_ops", 0.0)
+        click.echo(f"{'prefill':<14}" + (f"{prefill / 1e9:.0f} GOP/s through the batched expert products (the prefill "
+                                         "offload's threshold)" if prefill else
+                                         "no batched kernel for q8_0 here: the prefill offload keeps 32 tokens"))
     for warning in report["warnings"]:
         click.echo(f"warning: {warning}")
     if write_profile:

@@ -309,7 +309,7 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
         run_files = collect_run_files(ckpt.format, ckpt.path, dict(ckpt.raw_config), ckpt.config)
         folder = ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(os.path.abspath(ckpt.path))
         beside = [os.path.join(folder, name) for name in ("config.json", *(n for n, _ in run_files.files))]
-        extra = [plan_path, *((plan_kwargs or {}).get(k) for k in ("hardware", "profile"))]
+        extra = [plan_path, *((plan_kwargs or {}).get(k) for k in ("hardware", "profile", "trace"))]
         refuse_overwriting_inputs(out, [*ckpt.files, *(beside if ckpt.format != "gguf" else ()),
                                         *(p for p in extra if p)])
         layout = LayOut(tuple(RunFile(name, data) for name, data in run_files.files))

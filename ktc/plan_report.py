@@ -79,6 +79,7 @@ def render_plan_text(plan: Plan) -> str:
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
                  f"experts per step); solved in {plan.solve.seconds:.2f} s, {status}")
+    lines += _streaming_lines(plan)
     single = plan.single_scheme
     width = max([len(b.schemes) for b in plan.baselines] + [len(single.schemes) if single else 0]) + 1
     lines.append("baselines on the same budget and model, each at its best one scheme per device:")
@@ -94,6 +95,38 @@ def render_plan_text(plan: Plan) -> str:
         lines.append(f"  {'ktc':<12} {'one scheme per device':<26} {single.schemes:<{width}} {ms:<18} "
                      f"mixing schemes: {_speedup(plan, single.predicted_ms_per_step)}")
     return "\n".join(lines)
+
+
+def _streaming_lines(plan: Plan) -> list[str]:
+    """The streaming plan (``ktc.streaming``): the cache slots and what they were chosen on,
+    and the prefill offload's threshold and predicted gain."""
+    st = plan.streaming
+    if st is None or st.slot_scheme is None:
+        return []
+    lines = []
+    if st.splits:
+        static, chosen = st.static, st.chosen
+        tried = ", ".join(f"{s.slots}: {s.ms_per_token:.3f}" for s in st.splits)
+        lines.append(f"device cache: {st.evidence}; predicted ms/token by slots a layer: {tried}")
+        if st.cache_slots and chosen is not None and static is not None:
+            lines.append(f"  chosen: {st.cache_slots} slots a layer at {st.slot_scheme} "
+                         f"({format_bytes(plan.options.cache_vram)}), {static.gpu_experts - chosen.gpu_experts} "
+                         f"residents fewer; {chosen.ms_per_token:.3f} ms/token, {100 * chosen.hit_rate:.1f}% of "
+                         f"expert uses on the device, against the static plan's {static.ms_per_token:.3f} "
+                         f"({100 * static.hit_rate:.1f}%): {static.ms_per_token / chosen.ms_per_token:.2f}x")
+        else:
+            lines.append("  chosen: no slots (none predicts a faster decode than the static plan on this trace)")
+    else:
+        lines.append(f"device cache: no slots ({st.evidence})")
+    free = plan.hardware.vram_bytes - plan.memory.vram_total
+    line = (f"prefill offload: from {st.prefill_min_tokens} tokens a forward, {st.prefill_basis}; its copies get "
+            f"the {format_bytes(max(free, 0))} the plan leaves free")
+    if st.prefill_static_tokens_per_s and st.prefill_offload_tokens_per_s:
+        line += (f"; a {plan.workload.prefill_chunk}-token chunk's MoE experts {st.prefill_static_tokens_per_s:.0f} "
+                 f"tokens/s on the CPU alone, {st.prefill_offload_tokens_per_s:.0f} with the offload "
+                 f"({st.prefill_offload_tokens_per_s / st.prefill_static_tokens_per_s:.2f}x)")
+    lines.append(line)
+    return lines
 
 
 def _runs(layers: tuple[int, ...], values: tuple[int, ...]) -> str:

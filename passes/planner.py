@@ -82,6 +82,9 @@ class PlannerOptions:
     # text (``passes/activation_error.py``): the quality term weighs these instead of the
     # schemes' nominal errors
     activation_errors: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # VRAM held for the device expert cache's slots (``ktc.streaming`` chooses it): counted
+    # among the fixed VRAM, so the residents are solved under what the slots leave
+    cache_vram: int = 0
 
     def __post_init__(self) -> None:
         if not self.gpu_schemes or not self.cpu_schemes:
@@ -92,6 +95,8 @@ class PlannerOptions:
             object.__setattr__(self, "dense_scheme", dense_scheme_name(self.dense_scheme))
         except KeyError as exc:
             raise ConfigError(str(exc.args[0])) from None
+        if self.cache_vram < 0:
+            raise ConfigError("the cache slots' VRAM must be at least 0")
         if len(set(self.gpu_schemes)) != len(self.gpu_schemes) or len(set(self.cpu_schemes)) != len(self.cpu_schemes):
             raise ConfigError("a scheme is listed twice for one device")
         for device, names in (("gpu", self.gpu_schemes), ("cpu", self.cpu_schemes)):
@@ -194,6 +199,9 @@ class Plan:
     # ktc's own placement at one scheme per device, when the lists allow more than one: the
     # baselines against it show what placement gains, it against the plan what mixing adds.
     single_scheme: BaselineResult | None = None
+    # the streaming plan beside the placement (``ktc.streaming.StreamingPlan``: cache slots, the
+    # prefill offload's threshold, the disk tier), where the planner was asked for one
+    streaming: Any = None
 
     @property
     def predicted_ms_per_step(self) -> float:
@@ -239,6 +247,8 @@ class Plan:
             "single_scheme": None if self.single_scheme is None else self.single_scheme.to_json(),
             "solve_seconds": self.solve.seconds,
             "solver": asdict(self.solve),
+            **({} if self.streaming is None else
+               {"streaming": {**self.streaming.to_json(), "cache_vram_bytes": self.options.cache_vram}}),
         }
 
 
@@ -490,6 +500,8 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
     vram["kv_cache"] = kv_per_token * workload.max_tokens
     vram["workspace"] = workspace_bytes(ir, workload)
     vram["reserve"] = hw.reserve_bytes
+    if opts.cache_vram:
+        vram["cache_slots"] = opts.cache_vram
     options = _options(ir, hw, opts)
     usage = usage_probability(profile, cfg.top_k, workload.batch)
     allowed = np.ones((len(layers), cfg.num_experts, len(options)), dtype=bool)

@@ -449,8 +449,8 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
-                tokenizer: Any = None, cache_slots: int = 0, cache_prior: Any = None,
-                prefetch: bool = False, prefill_offload: bool = False) -> KtcModel:
+                tokenizer: Any = None, cache_slots: int | None = None, cache_prior: Any = None,
+                prefetch: bool = False, prefill_offload: bool | None = None) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
@@ -467,14 +467,21 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     (``FastDecode.hooks``: the next layer's guess from this layer's output, a layer's attention
     ahead rather than a layer); always on where the plan keeps experts on disk, whose RAM experts
     are then pinned (``KtcModel.pinning``: ``mlock`` where the OS allows, else
-    ``MADV_WILLNEED``). ``prefill_offload``: on a device, a forward of 32 tokens or more
-    copies the CPU experts it uses to the device where the cost model says the copy is faster
+    ``MADV_WILLNEED``). ``prefill_offload``: on a device, a forward of the plan's threshold of
+    tokens or more (32 where it has none) copies the CPU experts it uses to the device where the cost model says the copy is faster
     (``offload.PrefillOffload``, with the plan's PCIe and CPU bandwidths), within the VRAM the
-    plan and the cache slots leave free; the offload's counters are ``KtcModel.offload``.
+    plan and the cache slots leave free; the offload's counters are ``KtcModel.offload``. Left
+    None, both follow the plan's ``streaming`` record (``ktc.streaming``: its cache slots, and the offload from its
+    threshold) on a device, and are off without one.
     """
     transformers = require_transformers()
     dev = check_device(device)
     bundle = open_bundle(path)
+    streaming = (bundle.manifest.get("plan") or {}).get("streaming") or {}
+    if cache_slots is None:
+        cache_slots = int(streaming.get("cache_slots") or 0) if dev is not None else 0
+    if prefill_offload is None:
+        prefill_offload = dev is not None and streaming.get("prefill_min_tokens") is not None
     try:
         km = _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior, prefill_offload)
     except BaseException:
@@ -558,7 +565,8 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
         vram = (bundle.manifest.get("plan", {}).get("memory") or {}).get("vram") or {}
         if vram:
             plan_bytes = {"non_expert": sum(v for k, v in vram.items()
-                                            if k not in ("gpu_experts", "kv_cache", "workspace", "reserve")),
+                                            if k not in ("gpu_experts", "kv_cache", "workspace", "reserve",
+                                                         "cache_slots")),
                           "experts": int(vram.get("gpu_experts", 0)), "kv_cache": int(vram.get("kv_cache", 0))}
     km = KtcModel(model, tokenizer, bundle, device, dtype, max_tokens, int(workload.get("prefill_chunk") or 512),
                   device_bytes, plan_bytes, experts, cache, used, offload=offload)
@@ -588,12 +596,13 @@ def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
 
 
 def _free_vram(bundle: Bundle) -> tuple[int, int]:
-    """(the plan's VRAM budget, what it leaves free of it: the budget less everything the plan
-    counted on the device)."""
+    """(the plan's VRAM budget, what it leaves free of it for cache slots and the prefill
+    offload: the budget less everything the plan counted on the device but the slots it held
+    for the cache)."""
     plan = bundle.manifest.get("plan") or {}
     budget = int((plan.get("hardware") or {}).get("vram_bytes") or 0)
     vram = (plan.get("memory") or {}).get("vram") or {}
-    return budget, budget - sum(int(v) for v in vram.values())
+    return budget, budget - sum(int(v) for k, v in vram.items() if k != "cache_slots")
 
 
 def _prefill_offload(bundle: Bundle) -> Any:

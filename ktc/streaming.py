@@ -1,0 +1,240 @@
+"""The streaming plan: device cache slots beside the resident experts, the prefill offload's
+threshold, and the disk tier, chosen with the placement under the same budgets.
+
+The static solve (``passes/planner.py``) places each expert for good. Slots for the device
+expert cache (``runtime/device_cache.py``) take VRAM the residents would otherwise hold, so
+they pay only where routing moves: a profile's frequencies say nothing of that (under them the
+slots would end up holding the experts a static plan places anyway, and pay the uploads on top).
+A recorded routing trace (``ktc profile --trace``) does, so with one the planner tries each
+split of the experts' VRAM — 0, 1, 2, 4 and 8 slots a MoE layer, the residents solved again
+under what the slots leave — and replays the trace through the cache's own policy
+(``runtime.expert_cache``) under the plan's cost model: per layer and token the device's experts
+(residents and slots that hit) at their device time, the others at their CPU time, the slower of
+the two, a sync where the CPU has any; an upload crosses PCIe one after another and slows the
+CPU's experts while under way (the copies read the same host memory). The split with the fewest
+predicted milliseconds a token wins; no slots where none gains. Without a trace the plan keeps
+no slots and says how to get them.
+
+The prefill offload (``runtime/offload.py``) copies a forward's CPU experts to the device where
+the copy beats the CPU: a CPU expert of ``b`` bytes used by ``n`` tokens costs ``b / cpu + n *
+t`` (``t``: seconds a token through it, its multiply-adds over ``cpu_prefill_ops``), a copy
+``b / pcie``. The fewest tokens a forward needs, on average over the experts, for a copy to pay
+is the threshold the runtime then follows; without a measured ``cpu_prefill_ops``
+(``ktc doctor --calibrate``) it is llama.cpp's 32. The prediction for a prompt chunk of the
+workload's ``prefill_chunk`` tokens compares the MoE layers' experts with and without the
+offload (attention and the device's own products left out).
+
+The disk tier is the solve's own (``disk:`` placements); the plan counts it here, and the
+runtime pins the RAM experts and prefetches the disk ones a layer ahead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ktc.errors import BudgetError, ConfigError, FormatError
+from ktc.ir import Device
+
+CANDIDATE_SLOTS = (1, 2, 4, 8)  # slots a MoE layer the split tries beside none
+REPLAY_TOKENS = 1024  # at most this many of a trace's tokens are replayed
+DEFAULT_PREFILL_MIN_TOKENS = 32  # llama.cpp's, where the CPU's prefill rate is not measured
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """One split of the experts' VRAM between residents and slots, replayed."""
+
+    slots: int  # a MoE layer
+    gpu_experts: int  # residents
+    ms_per_token: float  # predicted decode: the plan's constant part plus the replayed experts
+    hit_rate: float  # expert uses on the device (residents and slot hits)
+    uploaded_per_token: float  # bytes
+
+
+@dataclass(frozen=True)
+class StreamingPlan:
+    cache_slots: int  # device slots a MoE layer the runtime keeps (0: none)
+    slot_scheme: str | None  # the CPU experts' most common scheme: what a slot holds
+    slot_bytes: int  # one slot
+    evidence: str  # what the choice of slots rests on
+    splits: tuple[SplitResult, ...]  # the static plan's first (0 slots), then each split tried
+    prefill_min_tokens: int | None  # a forward's fewest tokens for the offload (None: no CPU experts)
+    prefill_basis: str
+    prefill_static_tokens_per_s: float | None  # the MoE layers' experts, a prompt chunk
+    prefill_offload_tokens_per_s: float | None
+    disk_experts: int
+
+    @property
+    def chosen(self) -> SplitResult | None:
+        return next((s for s in self.splits if s.slots == self.cache_slots), None)
+
+    @property
+    def static(self) -> SplitResult | None:
+        return self.splits[0] if self.splits else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cache_slots": self.cache_slots, "slot_scheme": self.slot_scheme, "slot_bytes": self.slot_bytes,
+                "cache_vram_bytes": 0,  # filled by the plan (every layer's slots)
+                "evidence": self.evidence, "splits": [dataclasses.asdict(s) for s in self.splits],
+                "prefill_min_tokens": self.prefill_min_tokens, "prefill_basis": self.prefill_basis,
+                "prefill_static_tokens_per_s": self.prefill_static_tokens_per_s,
+                "prefill_offload_tokens_per_s": self.prefill_offload_tokens_per_s,
+                "disk_experts": self.disk_experts}
+
+
+def load_trace(path: str, moe_layers: int, num_experts: int) -> np.ndarray:
+    """A routing trace written by ``ktc profile --trace`` ([tokens, MoE layers, k] expert
+    numbers), checked against the model."""
+    try:
+        routes = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"cannot read the routing trace ({exc})", path=path) from None
+    if routes.ndim != 3 or not np.issubdtype(routes.dtype, np.integer) or routes.shape[0] < 2:
+        raise FormatError(f"not a routing trace: an integer array [tokens, MoE layers, k] was expected, "
+                          f"this one is {routes.dtype} {list(routes.shape)}", path=path,
+                          hint="write one with ktc profile BUNDLE --text FILE -o p.json --trace routes.npy")
+    if routes.shape[1] != moe_layers or routes.min() < 0 or routes.max() >= num_experts:
+        raise ConfigError(f"the routing trace has {routes.shape[1]} MoE layers and experts up to "
+                          f"{int(routes.max())}; this model has {moe_layers} MoE layers of {num_experts} experts",
+                          path=path, hint="record the trace with a bundle of this model")
+    return routes
+
+
+def _slot_scheme(placement: Any) -> str | None:
+    """The CPU experts' most common scheme (the runtime's slots hold that one)."""
+    counts: dict[str, int] = {}
+    for row in placement.experts:
+        for p in row:
+            if p.device is Device.CPU:
+                counts[p.scheme] = counts.get(p.scheme, 0) + 1
+    return max(counts, key=lambda s: (counts[s], s)) if counts else None
+
+
+def _seconds(ctx: Any, placement: Any) -> tuple[np.ndarray, np.ndarray]:
+    """([layers, experts] seconds a use of each expert takes where the plan keeps it, whether
+    that is on the device)."""
+    index = {(o.device, o.scheme): o for o in ctx.problem.options}
+    seconds = np.array([[index[(p.device.value, p.scheme)].seconds_per_use for p in row]
+                        for row in placement.experts])
+    on_gpu = np.array([[p.device is Device.GPU for p in row] for row in placement.experts])
+    return seconds, on_gpu
+
+
+def replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int, slot_scheme: str | None,
+           slot_bytes: int) -> SplitResult:
+    """The trace under ``plan``'s placement with ``slots`` cache slots a layer (see the module's
+    docstring for the time model)."""
+    from ktc.runtime.expert_cache import LayerCache, replay_trace
+
+    hw = plan.hardware
+    seconds, on_gpu = _seconds(ctx, plan.placement)
+    caches = None
+    if slots:
+        usage = ctx.problem.usage
+        caches = []
+        for li, row in enumerate(plan.placement.experts):
+            resident = tuple(int(e) for e in np.flatnonzero(on_gpu[li]))
+            eligible = tuple(e for e, p in enumerate(row) if p.device is Device.CPU and p.scheme == slot_scheme)
+            caches.append(LayerCache(len(row), slots, slot_bytes, resident=resident, prior=usage[li],
+                                     eligible=eligible))
+    device_seconds = np.where(on_gpu, seconds, slot_bytes / hw.gpu_bandwidth)
+    cpu_seconds = np.where(on_gpu, 0.0, seconds)
+    result = replay_trace(routes, caches, [frozenset(np.flatnonzero(g).tolist()) for g in on_gpu],
+                          device_seconds, cpu_seconds, ctx.problem.sync_seconds,
+                          slot_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth)
+    tokens = len(routes)
+    return SplitResult(slots, int(on_gpu.sum()), plan.constant_ms + 1e3 * result.seconds / tokens,
+                       result.hits / max(result.uses, 1), result.uploaded * slot_bytes / tokens)
+
+
+def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int) -> tuple[int, str, float | None, float | None]:
+    """(a forward's fewest tokens for the offload, what it rests on, the MoE layers' experts'
+    prefill tokens/s over a chunk without and with the offload: None unmeasured)."""
+    from ktc.formats.schemes import expert_footprint
+    from ktc.runtime.offload import PrefillOffload
+
+    hw, model = plan.hardware, plan.model
+    stored = {}  # scheme -> an expert's bytes
+    for row in plan.placement.experts:
+        for p in row:
+            if p.scheme not in stored:
+                stored[p.scheme] = expert_footprint(shape, p.scheme).data_bytes
+    ops = hw.cpu_prefill_ops
+    if not ops > 0:
+        return (DEFAULT_PREFILL_MIN_TOKENS, "llama.cpp's threshold (the CPU's prefill rate is not measured: "
+                "ktc doctor --calibrate)", None, None)
+    per_token = 6.0 * model.hidden_size * model.expert_intermediate_size / ops  # gate, up, down
+    extra = stored[slot_scheme] * (1.0 / hw.pcie_bandwidth - 1.0 / hw.cpu_bandwidth)
+    per_expert = max(math.ceil(extra / per_token), 1) if extra > 0 else 1
+    # each of a forward's tokens uses k of the layer's experts: per_expert tokens each on average
+    min_tokens = max(math.ceil(per_expert * model.num_experts / model.top_k), 1)
+    chunk = plan.workload.prefill_chunk
+    share = plan.profile.selection_probability(model.top_k)  # a token's use of each expert
+    offload = PrefillOffload(hw.pcie_bandwidth, hw.cpu_bandwidth, free_vram, min_tokens=1)
+    static = offloaded = 0.0
+    for li, row in enumerate(plan.placement.experts):
+        work = []
+        for e, p in enumerate(row):
+            if p.device is not Device.GPU:
+                # (a disk expert's read counted at the RAM's bandwidth, as the runtime's offload does)
+                offload.seconds_per_token[p.scheme] = per_token
+                work.append((e, p.scheme, chunk * float(share[li, e]), stored[p.scheme]))
+        cpu = sum(offload.cpu_seconds(s, n, b) or 0.0 for _, s, n, b in work)
+        static += cpu
+        chosen = set(offload.choose(work, chunk)) if work else set()
+        left = sum(offload.cpu_seconds(s, n, b) or 0.0 for e, s, n, b in work if e not in chosen)
+        copying = sum(b for e, _, _, b in work if e in chosen) / hw.pcie_bandwidth
+        offloaded += max(left, copying)
+    basis = (f"a copy pays from {per_expert} token{'s' * (per_expert > 1)} an expert (the CPU's measured "
+             f"{ops / 1e9:.0f} GOP/s)")
+    return min_tokens, basis, chunk / static if static > 0 else None, chunk / offloaded if offloaded > 0 else None
+
+
+def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tuple[Any, StreamingPlan]:
+    """(the plan to keep — ``plan``, or the one solved under a split that gains — and its
+    streaming plan). ``replan(cache_vram)``: the plan solved again with that many bytes of VRAM
+    held for slots (``BudgetError`` where it does not fit)."""
+    from ktc.formats.schemes import expert_footprint
+    from ktc.passes.planner import build_context, expert_shape
+
+    slot_scheme = _slot_scheme(plan.placement)
+    disk = sum(p.device is Device.DISK for row in plan.placement.experts for p in row)
+    if slot_scheme is None:
+        return plan, StreamingPlan(0, None, 0, "every expert is on the device", (), None,
+                                   "no CPU experts", None, None, disk)
+    slot_bytes = expert_footprint(expert_shape(ir), slot_scheme).data_bytes  # what a slot holds
+    layers = len(plan.placement.layers)
+    chosen, splits = plan, []
+    if trace is None:
+        evidence = "no routing trace (ktc plan --trace FILE, from ktc profile --trace, plans cache slots)"
+    elif plan.hardware.vram_bytes <= 0:
+        evidence = "no VRAM budget"
+    elif plan.workload.batch != 1:
+        evidence = "a routing trace replays one sequence: cache slots are planned for --batch 1"
+    else:
+        routes = load_trace(trace, layers, plan.model.num_experts)[:REPLAY_TOKENS]
+        ctx = build_context(ir, plan.hardware, plan.workload, plan.profile, plan.options)
+        splits.append(replay(routes, plan, ctx, 0, slot_scheme, slot_bytes))
+        best = splits[0]
+        for slots in CANDIDATE_SLOTS:
+            if slots > plan.model.num_experts - plan.model.top_k:
+                break
+            try:
+                candidate = replan(slots * layers * slot_bytes)
+            except BudgetError:
+                break
+            result = replay(routes, candidate, ctx, slots, slot_scheme, slot_bytes)
+            splits.append(result)
+            if result.ms_per_token < best.ms_per_token:
+                best, chosen = result, candidate
+        evidence = f"the routing trace {trace} ({len(routes)} tokens replayed)"
+    free = plan.hardware.vram_bytes - chosen.memory.vram_total
+    min_tokens, basis, static, offloaded = _prefill(chosen, expert_shape(ir), slot_scheme, max(free, 0))
+    slots = 0 if chosen is plan else best.slots
+    return chosen, StreamingPlan(slots, slot_scheme, slot_bytes, evidence, tuple(splits), min_tokens, basis,
+                                 static, offloaded, disk)
