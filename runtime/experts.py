@@ -299,13 +299,20 @@ class ExpertSet:
         cached = frozenset() if self.cache is None else self.cache.step(np.unique(idx_np))
         cpu_work, dev_work = self._split(idx_np, weights_np, cached)
         try:
-            if self.offload is not None and cpu_work:
-                cpu_work, dev_work = self._offload(cpu_work, dev_work, idx_np.shape[0])
+            chosen = self._offload_choice(cpu_work, idx_np.shape[0]) if self.offload is not None and cpu_work else []
+            if chosen:
+                moved = [w for w in cpu_work if w[0] in chosen]
+                cpu_work = [w for w in cpu_work if w[0] not in chosen]
+                # the copies run beside the CPU's experts, as the offload's cost model has them
+                return self._compute(hidden, cpu_work, dev_work + moved, lambda: self._upload(chosen))
             return self._compute(hidden, cpu_work, dev_work)
         finally:
             self._offloaded = {}  # the copies are freed with the forward
 
-    def _compute(self, hidden: Any, cpu_work: Work, dev_work: Work) -> Any:
+    def _compute(self, hidden: Any, cpu_work: Work, dev_work: Work,
+                 before_device: Callable[[], None] | None = None) -> Any:
+        """The forward's CPU work on the worker thread beside its device work; ``before_device``
+        runs on this thread once the CPU work has started (the prefill offload's copies)."""
         import torch
 
         host = None
@@ -315,33 +322,40 @@ class ExpertSet:
             out = torch.from_numpy(self._accumulate(host.shape, self._run_cpu_timed(host, cpu_work)))
             return out.to(hidden.device, hidden.dtype)
         future = self._pool.submit(self._run_cpu_timed, host, cpu_work) if cpu_work else None
+        try:
+            if before_device is not None:
+                before_device()
+        except BaseException:
+            if future is not None:
+                future.result()  # never leave the worker running past a failed copy
+            raise
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         self._run_device(hidden.detach().to(self.device), dev_work, out)
         if future is not None:
             out += torch.from_numpy(self._accumulate(host.shape, future.result())).to(out.device)
         return out.to(hidden.dtype)
 
-    def _offload(self, cpu_work: Work, dev_work: Work, tokens: int) -> tuple[Work, Work]:
-        """Move the CPU experts the offload's cost model chooses to the device for this forward:
-        their bytes copied, stacked per scheme (``device.upload``), into ``_offloaded``."""
-        offload = self.offload
+    def _offload_choice(self, cpu_work: Work, tokens: int) -> list[int]:
+        """The CPU experts of this forward the offload's cost model moves to the device (those
+        whose schemes the device decodes)."""
         work = [(e, self.cpu[e].scheme, len(t), self._cpu_bytes(e)) for e, t, _ in cpu_work
                 if all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
-        chosen = set(offload.choose(work, tokens)) if offload is not None else set()
-        if not chosen:
-            return cpu_work, dev_work
+        return sorted(self.offload.choose(work, tokens)) if self.offload is not None else []
+
+    def _upload(self, experts: list[int]) -> None:
+        """Copy ``experts`` (CPU experts) to the device for this forward, stacked per scheme
+        (``device.upload``), into ``_offloaded``."""
         by_scheme: dict[str, list[int]] = {}
-        for e in sorted(chosen):
+        for e in experts:
             by_scheme.setdefault(self.cpu[e].scheme, []).append(e)
-        for scheme, experts in by_scheme.items():
-            parts = [self.cpu[e] for e in experts]
+        for scheme, chosen in by_scheme.items():
+            parts = [self.cpu[e] for e in chosen]
             biases = parts[0].gate_up_bias is not None
             stack = upload(scheme, [p.gate_up.view(np.uint8).reshape(p.gate_up.shape[0], -1) for p in parts],
                            [p.down.view(np.uint8).reshape(p.down.shape[0], -1) for p in parts],
                            [p.gate_up_bias for p in parts] if biases else [],
                            [p.down_bias for p in parts] if biases else [], self.device)
-            self._offloaded.update({e: (stack, i) for i, e in enumerate(experts)})
-        return ([w for w in cpu_work if w[0] not in chosen], dev_work + [w for w in cpu_work if w[0] in chosen])
+            self._offloaded.update({e: (stack, i) for i, e in enumerate(chosen)})
 
     def _cpu_bytes(self, expert: int) -> int:
         ex = self.cpu[expert]

@@ -313,6 +313,45 @@ def test_prefill_offload_copies_what_the_cost_model_chooses_and_frees_it(cached_
         on_cpu.close()
 
 
+def test_prefill_offload_copies_while_the_cpu_computes(cached_bundle):
+    """The offload's copies are made while the worker thread runs the forward's other CPU
+    experts (the cost model has the two side by side): the CPU work waits for a copy to start
+    and would time out if the copies came after it."""
+    from ktc.runtime.offload import PrefillOffload
+
+    rng = np.random.default_rng(6)
+    with open_bundle(cached_bundle) as bundle:
+        expert_bytes = 3 * mf.HIDDEN * 32 * 2
+        offload = PrefillOffload(pcie_bandwidth=1e15, cpu_bandwidth=1e12, budget_bytes=2 * expert_bytes + 1)
+        offload.seconds_per_token["bf16"] = 1.0  # measured as slow: copies pay
+        experts = ExpertSet(bundle, 1, device="cpu", offload=offload)
+        on_cpu = ExpertSet(bundle, 1)
+        copying = threading.Event()
+        seen = []
+        real_upload, real_run = experts_module.upload, experts._run_cpu_timed
+
+        def upload(*args, **kwargs):  # type: ignore[no-untyped-def]
+            copying.set()
+            return real_upload(*args, **kwargs)
+
+        def run(*args):  # type: ignore[no-untyped-def]
+            seen.append(copying.wait(timeout=5.0))
+            return real_run(*args)
+
+        experts_module.upload = upload
+        experts._run_cpu_timed = run
+        try:
+            hidden, idx, weights = _prefill(rng, 40)
+            got = experts.forward(hidden, idx, weights)
+        finally:
+            experts_module.upload = real_upload
+        want = on_cpu.forward(hidden, idx, weights)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert seen == [True] and offload.counters.experts == 2
+        experts.close()
+        on_cpu.close()
+
+
 def test_a_whole_model_with_prefill_offload_generates_the_static_plans_tokens(cached_bundle):
     ids = [3 + i % 30 for i in range(70)]
     with from_bundle(cached_bundle, device="cpu") as static:
