@@ -1214,9 +1214,14 @@ def _plan_json(result: Any) -> dict[str, Any]:
 def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_compile: Callable[..., Any],
                say: Callable[..., None], as_json: bool) -> dict[str, Any]:
     """The demo's run, profile, replan and perplexity steps on the trained model."""
+    import numpy as np
+
     from ktc.demo import demo_corpus
+    from ktc.api import plan as make_plan
     from ktc.passes.planner import placement_ms_per_token
+    from ktc.plan_report import streaming_lines
     from ktc.runtime.perplexity import measure
+    from ktc.summary import format_bytes
     from ktc.runtime.profile import record
 
     prompt = "A compiler for such models"
@@ -1229,10 +1234,13 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
     held_out = os.path.join(folder, "held-out.txt")
     _write_text(held_out, text)
     profile_path = os.path.join(folder, "demo-profile.json")
-    recorded, figures = record(bundle_path, text=text, ctx=256, source=profile_path)
+    trace_path = os.path.join(folder, "demo-routes.npy")
+    recorded, figures = record(bundle_path, text=text, ctx=256, source=profile_path, trace=True)
     recorded.save(profile_path)
+    _write_output(trace_path, lambda f: np.save(f, figures.pop("trace")))
+    figures["trace"] = trace_path
     shares = figures["top_expert_share"]
-    say(f"\n$ ktc profile {bundle_path} --text {held_out} -o {profile_path} --ctx 256")
+    say(f"\n$ ktc profile {bundle_path} --text {held_out} -o {profile_path} --ctx 256 --trace {trace_path}")
     say(f"the routing of {figures['tokens']} held-out tokens: the most chosen expert of a layer takes "
         f"{100 * min(shares):.0f}-{100 * max(shares):.0f}% of its choices ({100 / figures['num_experts']:.1f}% if "
         "routing were uniform)")
@@ -1242,6 +1250,13 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
     after = profiled.predicted_ms_per_token
     say(f"under the measured routing: the uniform plan's placement {before:.4f} ms/token, the profile's "
         f"{after:.4f} ms/token ({before / after:.2f}x predicted)")
+    # the trace replayed: what device cache slots would add on a GPU (ktc run keeps the slots a
+    # bundle compiled from this plan records; this CPU-only demo runs without them)
+    streamed = make_plan(ir, vram=uniform.hardware.vram_bytes, ram="1GiB", reserve=0, max_tokens=4096,
+                         profile=profile_path, trace=trace_path)
+    say(f"\n$ ktc plan {folder} --vram {format_bytes(uniform.hardware.vram_bytes).replace(' ', '')} --ram 1GiB "
+        f"--reserve 0 --profile {profile_path} --trace {trace_path}")
+    say("\n".join(streaming_lines(streamed)[:2]))
     scored = measure(profiled_path, text, ctx=128, reference=folder)
     ref = scored["reference"]
     say(f"\n$ ktc perplexity {profiled_path} --text {held_out} --ctx 128 --reference {folder}")
@@ -1249,6 +1264,7 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
         f"{ref['perplexity']:.3f}); KLD mean {ref['kld_mean']:.5f}, 99% {ref['kld_p99']:.5f}; same top token "
         f"{100 * ref['top1_agreement']:.1f}% ({scored['tokens']} tokens scored)")
     return {"run": generated, "profile": figures, "profiled_plan": _plan_json(profiled),
+            "streaming_plan": _plan_json(streamed)["streaming"],
             "uniform_placement_ms_per_token_measured_routing": before, "perplexity": scored}
 
 

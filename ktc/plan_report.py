@@ -79,7 +79,7 @@ def render_plan_text(plan: Plan) -> str:
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
                  f"experts per step); solved in {plan.solve.seconds:.2f} s, {status}")
-    lines += _streaming_lines(plan)
+    lines += streaming_lines(plan)
     single = plan.single_scheme
     width = max([len(b.schemes) for b in plan.baselines] + [len(single.schemes) if single else 0]) + 1
     lines.append("baselines on the same budget and model, each at its best one scheme per device:")
@@ -97,7 +97,7 @@ def render_plan_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _streaming_lines(plan: Plan) -> list[str]:
+def streaming_lines(plan: Plan) -> list[str]:
     """The streaming plan (``ktc.streaming``): the cache slots and what they were chosen on,
     and the prefill offload's threshold and predicted gain."""
     st = plan.streaming

@@ -106,3 +106,7 @@ def test_demo_runs_the_loop(demo, tmp_path, monkeypatch):
     assert max(out["profile"]["top_expert_share"]) > 1.5 / DEMO_CONFIG["num_experts"]  # skewed routing
     assert out["profiled_plan"]["predicted_ms_per_token"] <= out["uniform_placement_ms_per_token_measured_routing"]
     assert 0 < out["perplexity"]["reference"]["kld_mean"] and out["perplexity"]["windows"] > 1
+    streaming = out["streaming_plan"]  # the recorded trace replayed: the split chosen is the fastest
+    assert os.path.exists(out["profile"]["trace"]) and streaming["splits"]
+    assert min(s["ms_per_token"] for s in streaming["splits"]) == next(
+        s["ms_per_token"] for s in streaming["splits"] if s["slots"] == streaming["cache_slots"])
