@@ -749,6 +749,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         paged = model.prefetcher.asked if model.prefetcher is not None else None
         guessed = model.prefetcher.accuracy if model.prefetcher is not None else None
         offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
+        model_min_tokens = model.offload.min_tokens if model.offload is not None else 0
         pinning = None
         if model.pinning is not None:
             pinning = {"method": model.pinning[0], "pinned_bytes": model.pinning[1], "fallback": model.pinning[2]}
@@ -814,9 +815,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                    f"{'mlock' if pinning['method'] == 'mlock' else 'MADV_WILLNEED: ' + pinning['fallback']}; "
                    "the disk experts paged in a layer ahead by pre-gating", err=True)
     if offloaded is not None:
-        click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of 32 tokens "
-                   f"or more copied {offloaded['experts']} experts ({format_bytes(offloaded['bytes_uploaded'])})",
-                   err=True)
+        click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of "
+                   f"{model_min_tokens} tokens or more ran {offloaded['experts']} experts on the device, "
+                   f"{offloaded['ahead_used']} of them copied a layer ahead ({offloaded['ahead']} started so); "
+                   f"{format_bytes(offloaded['bytes_uploaded'])} copied", err=True)
 
 
 def _cache_counters(experts: list[Any]) -> dict[str, Any]:

@@ -150,6 +150,9 @@ class ExpertSet:
             self.cache = self._make_cache(bundle, cache_slots, cache_prior)
         self.offload = offload if device is not None and self.cpu else None
         self._offloaded: dict[int, tuple[Any, int]] = {}  # this forward's copied CPU experts: (stack, index)
+        # copies started a layer ahead (``prepare_offload``) on this layer's worker thread: the
+        # future of {expert: (stack, index)}
+        self._prepared: Any = None
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
         # Set by the model around a forward whose last rows alone are read past this layer (the
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
@@ -300,14 +303,22 @@ class ExpertSet:
         cpu_work, dev_work = self._split(idx_np, weights_np, cached)
         try:
             chosen = self._offload_choice(cpu_work, idx_np.shape[0]) if self.offload is not None and cpu_work else []
+            prepared = self._take_prepared()
             if chosen:
+                ready = {e: prepared[e] for e in chosen if e in prepared}
+                self._offloaded.update(ready)
+                if ready and self.offload is not None:  # copied a layer ahead, not again
+                    self.offload.counters.ahead_used += len(ready)
+                    self.offload.counters.bytes_uploaded -= sum(self._cpu_bytes(e) for e in ready)
+                copy = [e for e in chosen if e not in ready]
                 moved = [w for w in cpu_work if w[0] in chosen]
                 cpu_work = [w for w in cpu_work if w[0] not in chosen]
                 # the copies run beside the CPU's experts, as the offload's cost model has them
-                return self._compute(hidden, cpu_work, dev_work + moved, lambda: self._upload(chosen))
+                return self._compute(hidden, cpu_work, dev_work + moved,
+                                     (lambda: self._upload(copy)) if copy else None)
             return self._compute(hidden, cpu_work, dev_work)
         finally:
-            self._offloaded = {}  # the copies are freed with the forward
+            self._offloaded = {}  # the copies are freed with the forward (and the unused prepared ones)
 
     def _compute(self, hidden: Any, cpu_work: Work, dev_work: Work,
                  before_device: Callable[[], None] | None = None) -> Any:
@@ -342,9 +353,38 @@ class ExpertSet:
                 if all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
         return sorted(self.offload.choose(work, tokens)) if self.offload is not None else []
 
+    def prepare_offload(self, guess: np.ndarray) -> None:
+        """Start copying to the device, on this layer's worker thread (idle while the layer
+        before runs), the CPU experts the offload would choose for a forward routed as
+        ``guess`` [tokens, k] (pre-gating, a layer ahead: ``prefetch.Prefetcher``); the forward
+        takes those it then chooses without copying them again, and frees the rest. Nothing for
+        forwards below the offload's threshold."""
+        offload = self.offload
+        if offload is None or self._pool is None or guess.shape[0] < offload.min_tokens:
+            return
+        self._take_prepared()  # a guess not followed by a forward: dropped
+        counts = np.bincount(guess.ravel(), minlength=self.num_experts)[: self.num_experts]
+        pooled = frozenset() if self.cache is None else frozenset(self.cache.slot_of)
+        work = [(e, self.cpu[e].scheme, int(counts[e]), self._cpu_bytes(e)) for e in sorted(self.cpu)
+                if counts[e] and e not in pooled
+                and all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
+        chosen = sorted(offload.choose(work, guess.shape[0], ahead=True))
+        if chosen:
+            self._prepared = self._pool.submit(self._stacks, chosen)
+
+    def _take_prepared(self) -> dict[int, tuple[Any, int]]:
+        """The copies ``prepare_offload`` started (waited for), no longer held by this layer."""
+        future, self._prepared = self._prepared, None
+        return {} if future is None else future.result()
+
     def _upload(self, experts: list[int]) -> None:
-        """Copy ``experts`` (CPU experts) to the device for this forward, stacked per scheme
-        (``device.upload``), into ``_offloaded``."""
+        """Copy ``experts`` (CPU experts) to the device for this forward into ``_offloaded``."""
+        self._offloaded.update(self._stacks(experts))
+
+    def _stacks(self, experts: list[int]) -> dict[int, tuple[Any, int]]:
+        """``experts`` (CPU experts) copied to the device, stacked per scheme (``device.upload``):
+        {expert: (stack, index)}."""
+        out: dict[int, tuple[Any, int]] = {}
         by_scheme: dict[str, list[int]] = {}
         for e in experts:
             by_scheme.setdefault(self.cpu[e].scheme, []).append(e)
@@ -355,7 +395,8 @@ class ExpertSet:
                            [p.down.view(np.uint8).reshape(p.down.shape[0], -1) for p in parts],
                            [p.gate_up_bias for p in parts] if biases else [],
                            [p.down_bias for p in parts] if biases else [], self.device)
-            self._offloaded.update({e: (stack, i) for i, e in enumerate(chosen)})
+            out.update({e: (stack, i) for i, e in enumerate(chosen)})
+        return out
 
     def _cpu_bytes(self, expert: int) -> int:
         ex = self.cpu[expert]
@@ -470,6 +511,7 @@ class ExpertSet:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._prepared = None
         if self.cache is not None:
             self.cache.close()
             self.cache = None

@@ -497,9 +497,12 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
 
 def _stream(km: KtcModel, prefetch: bool) -> None:
     """A disk-tier plan's pinning (its RAM experts) and the pre-gating prefetcher (``prefetch``,
-    or a plan with experts on disk)."""
+    a plan with experts on disk, or the prefill offload, whose copies it starts a layer ahead)."""
     from .prefetch import Prefetcher, expert_ranges, pin
 
+    if km.offload is not None:
+        km.offload.lookahead = True
+        prefetch = True
     bundle = km.bundle
     placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
     if any(p.startswith("disk:") for row in placement.values() for p in row):

@@ -27,6 +27,8 @@ class OffloadCounters:
     experts: int = 0  # experts copied (one per forward that copied it)
     bytes_uploaded: int = 0
     measured: int = 0  # CPU forwards that updated the estimate
+    ahead: int = 0  # experts copied a layer ahead (pre-gating's guess: ``ExpertSet.prepare_offload``)
+    ahead_used: int = 0  # of those, the ones their layer's forward then chose
 
 
 class PrefillOffload:
@@ -47,6 +49,7 @@ class PrefillOffload:
         self.min_tokens = min_tokens
         self.smoothing = smoothing
         self.seconds_per_token: dict[str, float] = {}  # scheme -> CPU seconds a token through one expert
+        self.lookahead = False  # copies are also made a layer ahead (set by the model that makes them)
         self.counters = OffloadCounters()
 
     def cpu_seconds(self, scheme: str, tokens: int, nbytes: int) -> float | None:
@@ -55,12 +58,15 @@ class PrefillOffload:
         per_token = self.seconds_per_token.get(scheme)
         return None if per_token is None else nbytes / self.cpu_bandwidth + tokens * per_token
 
-    def choose(self, work: list[tuple[int, str, int, int]], tokens: int) -> list[int]:
+    def choose(self, work: list[tuple[int, str, int, int]], tokens: int, *, ahead: bool = False) -> list[int]:
         """Of ``work`` (expert, scheme, its tokens, its bytes) in a forward of ``tokens`` tokens,
-        the experts to copy to the device."""
+        the experts to copy to the device; ``ahead``: for the next layer's guessed forward (counted
+        apart). Where copies are made a layer ahead (``lookahead``), two layers' copies coexist:
+        each forward's then take half the budget."""
         if tokens < self.min_tokens or not work:
             return []
-        self.counters.forwards += 1
+        if not ahead:
+            self.counters.forwards += 1
         costs = []
         for e, scheme, n, nbytes in work:
             cpu = self.cpu_seconds(scheme, n, nbytes)
@@ -69,9 +75,10 @@ class PrefillOffload:
             costs.append((e, cpu, nbytes))
         cpu_left = sum(c for _, c, _ in costs)
         copying, used, chosen = 0.0, 0, []
+        budget = self.budget_bytes // 2 if self.lookahead else self.budget_bytes
         for e, cpu, nbytes in sorted(costs, key=lambda c: -c[1] / max(c[2], 1)):
             copy = nbytes / self.pcie_bandwidth
-            if used + nbytes > self.budget_bytes:
+            if used + nbytes > budget:
                 continue
             if max(cpu_left - cpu, copying + copy) < max(cpu_left, copying):
                 cpu_left -= cpu
@@ -79,9 +86,12 @@ class PrefillOffload:
                 used += nbytes
                 chosen.append(e)
         if chosen:
-            self.counters.offloaded += 1
-            self.counters.experts += len(chosen)
             self.counters.bytes_uploaded += used
+            if ahead:
+                self.counters.ahead += len(chosen)
+            else:
+                self.counters.offloaded += 1
+                self.counters.experts += len(chosen)
         return chosen
 
     def observe(self, scheme: str, token_uses: int, nbytes: int, seconds: float) -> None:

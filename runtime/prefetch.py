@@ -119,7 +119,9 @@ class Prefetcher:
     layer's forward, before its experts run, pages in the experts the next layer's router
     (``routers[i + 1]``, float32 [experts, hidden]) picks for its tokens, and where the next
     layer has device cache slots (``ExpertSet.cache``), starts copying them there
-    (``DeviceSlots.prefetch``). ``asked`` counts the bytes asked for, ``guesses`` the experts a
+    (``DeviceSlots.prefetch``); where it has the prefill offload, starts the copies it would
+    choose for a forward so routed (``ExpertSet.prepare_offload``: the offload's copies double
+    buffered across layers). ``asked`` counts the bytes asked for, ``guesses`` the experts a
     layer at a time (``keep_guesses``). ``accuracy`` scores the guesses: of the experts a layer
     used after a guess for it (its ``counts`` moved, until the next guess for it), the share the
     guess named (``used`` and ``named`` hold the guesses already followed by another)."""
@@ -160,7 +162,8 @@ class Prefetcher:
         if found is None:
             return
         nxt, router = found
-        guess = np.unique(pregate(hidden, router, self.top_k))
+        per_token = pregate(hidden, router, self.top_k)
+        guess = np.unique(per_token)
         self._settle(layer)
         self._open[layer] = (guess, nxt.counts.copy())
         if self.keep_guesses:
@@ -170,6 +173,8 @@ class Prefetcher:
         cache = getattr(nxt, "cache", None)
         if cache is not None:
             cache.prefetch(guess)
+        if getattr(nxt, "offload", None) is not None:  # a prefill forward: its copies a layer ahead
+            nxt.prepare_offload(per_token)
 
     def _score(self, layer: int) -> tuple[int, int]:
         """(experts used, of them named) since the open guess for ``layer``."""

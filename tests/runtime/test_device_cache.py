@@ -141,7 +141,7 @@ def test_greedy_generation_with_a_cache_is_the_static_plans(cached_bundle):
     """A whole model with two cache slots per layer generates the static plan's greedy tokens,
     with the same logits up to f32 rounding (a cached expert runs in torch, not the CPU kernels)."""
     ids = list(range(3, 15))
-    with from_bundle(cached_bundle, device="cpu") as static:
+    with from_bundle(cached_bundle, device="cpu", cache_slots=0, prefill_offload=False) as static:
         want = generate(static, ids, max_new_tokens=12, sampling=Sampling(temperature=0), stop_at_eos=False)
         with torch.inference_mode():
             want_logits = static.model(input_ids=torch.tensor([ids + want.generated_tokens])).logits
@@ -354,12 +354,21 @@ def test_prefill_offload_copies_while_the_cpu_computes(cached_bundle):
 
 def test_a_whole_model_with_prefill_offload_generates_the_static_plans_tokens(cached_bundle):
     ids = [3 + i % 30 for i in range(70)]
-    with from_bundle(cached_bundle, device="cpu") as static:
+    with from_bundle(cached_bundle, device="cpu", cache_slots=0, prefill_offload=False) as static:
         want = generate(static, ids, max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
     with from_bundle(cached_bundle, device="cpu", prefill_offload=True) as km:
         assert km.offload is not None and km.offload.budget_bytes > 0
         km.offload.seconds_per_token["bf16"] = 1.0  # as if measured on a very slow CPU: every expert goes
         got = generate(km, ids, max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
         # the prompt's one forward a layer, but the last, which computes its last row alone
-        assert km.offload.counters.offloaded == len(km.experts) - 1
+        counters = km.offload.counters
+        assert counters.offloaded == len(km.experts) - 1
+        # double buffered: each layer after the first had copies started while the layer before
+        # ran (pre-gating's guess), its forward took the ones it chose without copying them again,
+        # and the two layers' copies together kept within the budget (half each)
+        assert km.offload.lookahead and counters.ahead > 0 and 0 < counters.ahead_used <= counters.ahead
+        expert_bytes = 3 * mf.HIDDEN * 32 * 2
+        assert counters.bytes_uploaded == (counters.experts + counters.ahead - counters.ahead_used) * expert_bytes
+        assert counters.experts <= (len(km.experts) - 1) * (km.offload.budget_bytes // 2 // expert_bytes)
+        assert all(e._prepared is None for e in km.experts)  # nothing held past a forward
     assert got.generated_tokens == want.generated_tokens
