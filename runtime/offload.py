@@ -62,7 +62,7 @@ class PrefillOffload:
         """Of ``work`` (expert, scheme, its tokens, its bytes) in a forward of ``tokens`` tokens,
         the experts to copy to the device; ``ahead``: for the next layer's guessed forward (counted
         apart). Where copies are made a layer ahead (``lookahead``), two layers' copies coexist:
-        each forward's then take half the budget."""
+        a forward's own then take half the budget, those made ahead a quarter."""
         if tokens < self.min_tokens or not work:
             return []
         if not ahead:
@@ -75,7 +75,9 @@ class PrefillOffload:
             costs.append((e, cpu, nbytes))
         cpu_left = sum(c for _, c, _ in costs)
         copying, used, chosen = 0.0, 0, []
-        budget = self.budget_bytes // 2 if self.lookahead else self.budget_bytes
+        # with copies a layer ahead, a forward holds its own copies (a half), the ones made ahead
+        # for it (a quarter) and the next layer's made ahead meanwhile (a quarter)
+        budget = self.budget_bytes // (4 if ahead else 2) if self.lookahead else self.budget_bytes
         for e, cpu, nbytes in sorted(costs, key=lambda c: -c[1] / max(c[2], 1)):
             copy = nbytes / self.pcie_bandwidth
             if used + nbytes > budget:

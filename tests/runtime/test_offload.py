@@ -39,6 +39,20 @@ def test_copies_balance_the_link_against_the_cpu():
     assert slow.choose(work, 512) == [0, 1]
 
 
+def test_copies_made_a_layer_ahead_share_the_budget():
+    """With copies a layer ahead, a forward's own take at most half the budget and those made
+    ahead a quarter (a forward holds both beside the next layer's made ahead); they are counted
+    apart."""
+    offload = PrefillOffload(pcie_bandwidth=25e9, cpu_bandwidth=50e9, budget_bytes=240 * MB)
+    offload.seconds_per_token["q4_0"] = 1e-4
+    offload.lookahead = True
+    work = [(e, "q4_0", 300, 50 * MB) for e in range(8)]
+    assert offload.choose(work, 512) == [0, 1]  # 100 MB of 120
+    assert offload.choose(work, 512, ahead=True) == [0]  # 50 MB of 60
+    counters = offload.counters
+    assert (counters.forwards, counters.experts, counters.ahead, counters.bytes_uploaded) == (1, 2, 1, 150 * MB)
+
+
 def test_bad_settings_are_refused():
     for kwargs in (dict(pcie_bandwidth=0, cpu_bandwidth=1, budget_bytes=0),
                    dict(pcie_bandwidth=1, cpu_bandwidth=1, budget_bytes=-1),
