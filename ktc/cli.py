@@ -1258,7 +1258,7 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
                          profile=profile_path, trace=trace_path)
     say(f"\n$ ktc plan {folder} --vram {format_bytes(uniform.hardware.vram_bytes).replace(' ', '')} --ram 1GiB "
         f"--reserve 0 --profile {profile_path} --trace {trace_path}")
-    say("\n".join(streaming_lines(streamed)[:2]))
+    say("\n".join(streaming_lines(streamed)[:-1]))  # the device cache's lines
     scored = measure(profiled_path, text, ctx=128, reference=folder)
     ref = scored["reference"]
     say(f"\n$ ktc perplexity {profiled_path} --text {held_out} --ctx 128 --reference {folder}")

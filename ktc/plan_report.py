@@ -114,6 +114,10 @@ def streaming_lines(plan: Plan) -> list[str]:
                          f"residents fewer; {chosen.ms_per_token:.3f} ms/token, {100 * chosen.hit_rate:.1f}% of "
                          f"expert uses on the device, against the static plan's {static.ms_per_token:.3f} "
                          f"({100 * static.hit_rate:.1f}%): {static.ms_per_token / chosen.ms_per_token:.2f}x")
+            if st.slot_scheme not in plan.options.gpu_schemes:
+                lines.append(f"  (the slots hold the CPU experts' {st.slot_scheme}, which the residents may not use: "
+                             "part of the gain can be its smaller bytes; plan with --gpu-schemes "
+                             f"{','.join(plan.options.gpu_schemes)},{st.slot_scheme} to let the residents take it too)")
         else:
             lines.append("  chosen: no slots (none predicts a faster decode than the static plan on this trace)")
     else:

@@ -3,6 +3,7 @@ replay, the prefill offload's threshold, what the bundle records and what the ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -93,6 +94,13 @@ def test_a_trace_trades_residents_for_slots_only_where_its_replay_gains(source, 
     assert vram["cache_slots"] == made.options.cache_vram == st.cache_slots * mf.LAYERS * slot_bytes
     assert made.memory.vram_total <= budget
     assert sum(made.placement.gpu_experts_per_layer()) == st.chosen.gpu_experts < splits[0].gpu_experts
+    from ktc.plan_report import render_plan_text
+
+    text = render_plan_text(made)
+    assert f"chosen: {st.cache_slots} slots a layer at bf16" in text and "may not use" not in text
+    # slots of a scheme the residents could not take: the text says part of the gain may be that
+    other = dataclasses.replace(made, options=dataclasses.replace(made.options, gpu_schemes=("int8",)))
+    assert "which the residents may not use" in render_plan_text(other)
     data = made.to_json()["streaming"]
     assert data["cache_slots"] == st.cache_slots and data["cache_vram_bytes"] == vram["cache_slots"]
     # routing that stays put: one expert pair, always the same
