@@ -176,6 +176,7 @@ def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int) -> tuple[i
     chunk = plan.workload.prefill_chunk
     share = plan.profile.selection_probability(model.top_k)  # a token's use of each expert
     offload = PrefillOffload(hw.pcie_bandwidth, hw.cpu_bandwidth, free_vram, min_tokens=1)
+    offload.lookahead = True  # as the runtime runs it: a forward's own copies take half the VRAM
     static = offloaded = 0.0
     for li, row in enumerate(plan.placement.experts):
         work = []
