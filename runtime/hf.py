@@ -609,16 +609,20 @@ def _free_vram(bundle: Bundle) -> tuple[int, int]:
 
 
 def _prefill_offload(bundle: Bundle) -> Any:
-    """The prefill offload of a model from ``bundle``, with its plan's bandwidths (the hardware
-    profile's defaults where it was not planned); its budget is set once the slots are known."""
+    """The prefill offload of a model from ``bundle``, with its plan's bandwidths and threshold
+    (the hardware profile's defaults and llama.cpp's 32 where it was not planned); its budget is
+    set once the slots are known."""
     from ktc.formats.hardware_profile import HardwareProfile
 
-    from .offload import PrefillOffload
+    from .offload import LLAMA_CPP_MIN_TOKENS, PrefillOffload
 
-    hardware = (bundle.manifest.get("plan") or {}).get("hardware") or {}
+    plan = bundle.manifest.get("plan") or {}
+    hardware = plan.get("hardware") or {}
     defaults = HardwareProfile(vram_bytes=0, ram_bytes=0)
+    # the plan's threshold (``ktc.streaming``) where it made one, else llama.cpp's
+    min_tokens = int((plan.get("streaming") or {}).get("prefill_min_tokens") or LLAMA_CPP_MIN_TOKENS)
     return PrefillOffload(float(hardware.get("pcie_bandwidth") or defaults.pcie_bandwidth),
-                          float(hardware.get("cpu_bandwidth") or defaults.cpu_bandwidth), 0)
+                          float(hardware.get("cpu_bandwidth") or defaults.cpu_bandwidth), 0, min_tokens=min_tokens)
 
 
 class _Loader:

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from ktc.errors import ConfigError
 
 
+# llama.cpp's threshold for the same copies: the fewest tokens a forward needs where nothing
+# better is known (``ktc.streaming`` plans one from the CPU's measured prefill rate)
+LLAMA_CPP_MIN_TOKENS = 32
+
+
 @dataclass
 class OffloadCounters:
     forwards: int = 0  # forwards of at least ``min_tokens`` tokens with CPU experts
@@ -39,7 +44,7 @@ class PrefillOffload:
     tokens a forward must have for any copy (llama.cpp's 32), ``smoothing`` the weight of each
     new measurement of the CPU's seconds per token."""
 
-    def __init__(self, pcie_bandwidth: float, cpu_bandwidth: float, budget_bytes: int, *, min_tokens: int = 32,
+    def __init__(self, pcie_bandwidth: float, cpu_bandwidth: float, budget_bytes: int, *, min_tokens: int = LLAMA_CPP_MIN_TOKENS,
                  smoothing: float = 0.3) -> None:
         if not (pcie_bandwidth > 0 and cpu_bandwidth > 0) or budget_bytes < 0 or min_tokens < 1:
             raise ConfigError("prefill offload needs positive bandwidths, a budget >= 0 and min_tokens >= 1")

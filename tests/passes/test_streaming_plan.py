@@ -142,13 +142,16 @@ def test_the_bundle_records_the_streaming_plan_and_the_runtime_follows_it(source
 
     np.save(tmp_path / "routes.npy", _drifting(400, 50))
     out = str(tmp_path / "m.ktb")
+    # a measured CPU prefill rate: the plan's own offload threshold, not llama.cpp's
+    profile = HardwareProfile(vram_bytes=_budget(source, 10), ram_bytes=2**34, reserve_bytes=0, cpu_prefill_ops=2e9)
+    (tmp_path / "hw.json").write_text(json.dumps(profile.to_json()))
     compile_bundle(source, out, cpu_scheme="bf16",
-                   plan_kwargs={"vram": _budget(source, 10), "reserve": 0, "trace": str(tmp_path / "routes.npy"),
+                   plan_kwargs={"hardware": str(tmp_path / "hw.json"), "trace": str(tmp_path / "routes.npy"),
                                 **SLOW_CPU})
     with open_bundle(out) as bundle:
         recorded = bundle.manifest["plan"]["streaming"]
     slots = recorded["cache_slots"]
-    assert slots > 0 and recorded["prefill_min_tokens"] == DEFAULT_PREFILL_MIN_TOKENS
+    assert slots > 0 and recorded["prefill_min_tokens"] != DEFAULT_PREFILL_MIN_TOKENS
     with from_bundle(out, device="cpu") as km:  # a device: the plan's slots, within its budget
         assert {e.cache.policy.slots for e in km.experts} == {slots}
         assert km.offload is not None and km.offload.min_tokens == recorded["prefill_min_tokens"]
