@@ -349,9 +349,14 @@ class ExpertSet:
     def _offload_choice(self, cpu_work: Work, tokens: int) -> list[int]:
         """The CPU experts of this forward the offload's cost model moves to the device (those
         whose schemes the device decodes)."""
-        work = [(e, self.cpu[e].scheme, len(t), self._cpu_bytes(e)) for e, t, _ in cpu_work
-                if all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
+        work = self._offload_work((e, len(t)) for e, t, _ in cpu_work)
         return sorted(self.offload.choose(work, tokens)) if self.offload is not None else []
+
+    def _offload_work(self, uses: Any) -> list[tuple[int, str, int, int]]:
+        """The offload's view of (CPU expert, its tokens) pairs: (expert, scheme, tokens, bytes)
+        for those whose schemes the device decodes."""
+        return [(e, self.cpu[e].scheme, n, self._cpu_bytes(e)) for e, n in uses
+                if all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
 
     def prepare_offload(self, guess: np.ndarray) -> None:
         """Start copying to the device, on this layer's worker thread (idle while the layer
@@ -365,9 +370,7 @@ class ExpertSet:
         self._take_prepared()  # a guess not followed by a forward: dropped
         counts = np.bincount(guess.ravel(), minlength=self.num_experts)[: self.num_experts]
         pooled = frozenset() if self.cache is None else frozenset(self.cache.slot_of)
-        work = [(e, self.cpu[e].scheme, int(counts[e]), self._cpu_bytes(e)) for e in sorted(self.cpu)
-                if counts[e] and e not in pooled
-                and all(part.name in DEVICE_DECODERS for part in expert_schemes(self.cpu[e].scheme))]
+        work = self._offload_work((e, int(counts[e])) for e in sorted(self.cpu) if counts[e] and e not in pooled)
         chosen = sorted(offload.choose(work, guess.shape[0], ahead=True))
         if chosen:
             self._prepared = self._pool.submit(self._stacks, chosen)
