@@ -39,10 +39,10 @@ import numpy as np
 
 from ktc.errors import BudgetError, ConfigError, FormatError
 from ktc.ir import Device
+from ktc.runtime.offload import LLAMA_CPP_MIN_TOKENS as DEFAULT_PREFILL_MIN_TOKENS  # where unmeasured
 
 CANDIDATE_SLOTS = (1, 2, 4, 8)  # slots a MoE layer the split tries beside none
 REPLAY_TOKENS = 1024  # at most this many of a trace's tokens are replayed
-DEFAULT_PREFILL_MIN_TOKENS = 32  # llama.cpp's, where the CPU's prefill rate is not measured
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -227,13 +228,6 @@ def _fused(name: str) -> bool:
     return (vnni.HAVE_VNNI and name in vnni.FUSED) or name == "int8"
 
 
-class _Call:
-    """A probe of ``_median_seconds``: one call of ``fn``."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.run = fn
-
-
 def prefill_ops(scheme: str = "q8_0", *, tokens: int = 64, rows_: int = 2048, cols: int = 2048,
                 rounds: int = 5, calls: int = 4) -> float:
     """Ops a second (a multiply-add counts two) of ktc's batched CPU product (``lanes.matmul``,
@@ -246,7 +240,8 @@ def prefill_ops(scheme: str = "q8_0", *, tokens: int = 64, rows_: int = 2048, co
         return 0.0
     raw = scheme_rows(scheme, rows_, cols)
     x = np.random.default_rng(0).standard_normal((tokens, cols), dtype=np.float32)
-    seconds = _median_seconds({"prefill": _Call(lambda: lanes.matmul(x, raw, scheme))}, rounds, calls)["prefill"]
+    probe = SimpleNamespace(run=lambda: lanes.matmul(x, raw, scheme))  # what ``_median_seconds`` calls
+    seconds = _median_seconds({"prefill": probe}, rounds, calls)["prefill"]
     return 2.0 * tokens * rows_ * cols / seconds
 
 
