@@ -107,6 +107,39 @@ def test_quantized_activations_match_their_definition(group, row):
         assert not np.array_equal(xq.reshape(-1, row)[:, within], codes.reshape(-1, row)[:, within])
 
 
+@pytest.mark.parametrize("cols", [16, 48, 80, 2048, 40])
+def test_bf16_rows_match_float64(cols):
+    """bf16 rows (a router's) times float32 values: 16 lanes a step over four accumulators, the
+    steps past the last whole four, and rows of a length not a multiple of 16 (the plain loop)."""
+    from ktc.formats.float_bits import f32_to_bf16_bits
+    from ktc.runtime.kernels import _matvec_bf16
+
+    rng = np.random.default_rng(cols)
+    w = f32_to_bf16_bits(rng.standard_normal((7, cols)).astype(np.float32))
+    x = rng.standard_normal(cols).astype(np.float32)
+    out = np.empty(7, np.float32)
+    _matvec_bf16(w, x, out)
+    want = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("clamped", [False, True])
+def test_activation_matches_its_definition(clamped):
+    """SiLU(gate) * up, or gpt-oss's clamped SwiGLU, with and without biases, against numpy."""
+    rng = np.random.default_rng(int(clamped))
+    k, inter = 3, 96
+    h = (rng.standard_normal((k, 2 * inter)) * 6).astype(np.float32)
+    for bias in (None, rng.standard_normal((k, 2 * inter)).astype(np.float32)):
+        got = vnni.activate(h, inter, clamped, np.float32(7.0), np.float32(1.702),
+                            np.zeros((1, 1), np.float32) if bias is None else bias, bias is not None)
+        v = h.astype(np.float64) + (0 if bias is None else bias)
+        gate, up = v[:, :inter], v[:, inter:]
+        if clamped:
+            gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0) + 1
+        want = gate / (1 + np.exp(-(1.702 if clamped else 1.0) * gate)) * up
+        np.testing.assert_allclose(got, want.reshape(-1), rtol=2e-6, atol=1e-6)
+
+
 def reference_expert(w_gate, w_up, w_down, x, activation="silu", b_gate_up=None, b_down=None,
                      limit=7.0, alpha=1.702):
     gate, up = w_gate @ x.T, w_up @ x.T
