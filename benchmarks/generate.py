@@ -28,6 +28,7 @@ Every figure printed is the median over rounds; ratios are medians of per-round 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -242,6 +243,7 @@ class Case:
 
 def run_ktc(case: Case, clock: KernelClock, prompt: list[int], new: int, threads: int | None) -> dict:
     from ktc.formats.bundle import open_bundle
+    from ktc.runtime import vnni
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
 
@@ -260,14 +262,51 @@ def run_ktc(case: Case, clock: KernelClock, prompt: list[int], new: int, threads
         # 14 tok/s in a run, 54-71 warm)
         int(km.bundle.file_view()[::4096].sum())
         marks: list[tuple[float, float]] = []
-        result = generate(km, prompt, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False,
-                          on_token=lambda _: marks.append((clock.seconds, clock.attention_rest)))
+        parts: list[dict[str, float]] = []
+
+        def on_token(_: int) -> None:
+            marks.append((clock.seconds, clock.attention_rest))
+            parts.append(vnni.stamp_parts(vnni.STAMPS, per_cycle))
+            vnni.STAMPS[:] = 0
+
+        per_cycle = _seconds_per_cycle()
+        vnni.STAMPS = np.zeros(9, dtype=np.int64)
+        try:
+            result = generate(km, prompt, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False,
+                              on_token=on_token)
+        finally:
+            vnni.STAMPS = None
     # kernel and attention time of the decode steps (after the first token, which the prefill gave)
     kernel = clock.seconds - marks[0][0]
     attention = clock.attention_rest - marks[0][1]
+    decode_parts = [p for p in parts[1:] if "block" in p]
     return {"prefill": result.prefill_tokens_per_s, "decode": result.decode_tokens_per_s,
             "bytes_per_token": per_token, "framework": 1 - kernel / result.decode_seconds,
-            "framework_module": 1 - (kernel + attention) / result.decode_seconds}
+            "framework_module": 1 - (kernel + attention) / result.decode_seconds,
+            "moe_parts": ({name: median([p[name] for p in decode_parts]) for name in decode_parts[0]}
+                          if decode_parts else {})}
+
+
+@functools.lru_cache(maxsize=1)
+def _seconds_per_cycle() -> float:
+    from ktc.runtime import vnni
+
+    return vnni.seconds_per_cycle()
+
+
+def moe_parts_line(rows: list[dict[str, float]]) -> str:
+    """The MoE block's parts in a model's decode step (``run_ktc``'s ``moe_parts``, one layer's
+    stamps a token: the last MoE layer's), medians over rounds, and what is beside its kernels
+    as a share of the block."""
+    rows = [r for r in rows if r]
+    if not rows:
+        return "MoE block's parts: not stamped (its experts do not run as one compiled call)"
+    got = {name: median([r[name] for r in rows]) for name in rows[0]}
+    beside = median([1 - r["kernels"] / r["block"] for r in rows])
+    return (f"MoE block {1e6 * got['block']:.0f} us: kernels {1e6 * got['kernels']:.0f}; beside them routing "
+            f"{1e6 * got['routing']:.0f}, activations' quantization {1e6 * got['quantize']:.0f}, activation "
+            f"{1e6 * got['activation']:.0f}, combination {1e6 * got['combine']:.0f} us: {100 * beside:.1f}% of the "
+            "block (target under 5%; no worker-thread hand-off: every expert on the CPU)")
 
 
 def _cpu_flags() -> str:

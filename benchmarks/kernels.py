@@ -124,10 +124,7 @@ class StepClock:
         self.per_cycle = 0.0
         if vnni.HAVE_VNNI:
             vnni.STAMPS = np.zeros(9, dtype=np.int64)
-            vnni.cycles()  # compiled or loaded outside the calibration
-            started, first = time.perf_counter(), vnni.cycles()
-            time.sleep(0.2)
-            self.per_cycle = (time.perf_counter() - started) / (vnni.cycles() - first)
+            self.per_cycle = vnni.seconds_per_cycle()
 
     def _wrap(self, fn, part):  # type: ignore[no-untyped-def]
         def timed_call(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -144,12 +141,9 @@ class StepClock:
         if stamps is not None:
             stamps[:] = 0
         total = timed(lambda: layer.forward(h))
-        if stamps is not None and stamps[0]:
-            s = (stamps - stamps[0]) * self.per_cycle
-            self.seconds |= {"quantize": s[1] + s[4] - s[3], "kernels": s[2] - s[1] + s[5] - s[4],
-                             "activation": s[3] - s[2], "combine": s[6] - s[5]}
-            if stamps[7]:  # the layer's own one-call path: its routing inside it
-                self.seconds["routing"] = s[8] - s[7]
+        if stamps is not None:  # the layer's own one-call path: its routing inside it
+            self.seconds |= {part: value for part, value in self.vnni.stamp_parts(stamps, self.per_cycle).items()
+                             if part != "block"}
         parts = {part: self.seconds.get(part, 0.0) for part in ("routing", "quantize", "kernels", "activation",
                                                                 "combine")}
         return parts | {"total": total, "rest": total - sum(parts.values())}

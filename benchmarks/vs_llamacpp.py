@@ -11,7 +11,11 @@ Interleaved rounds, each measuring the read bandwidth first, then every case: ``
 generation lengths), which of the two goes first swapped every round. Printed per case: medians
 of decode tokens/s for both, the median of the per-round ratios (and each round's), and each as a
 fraction of its round's bandwidth; then the prompt's prefill tokens/s for both and their ratio
-(``--prompt 512`` for llama-bench's usual prefill figure). No best-of-N figures.
+(``--prompt 512`` for llama-bench's usual prefill figure). No best-of-N figures. Under each
+decode line, ktc's MoE block inside the model's decode step, timed from the cycle counter's
+stamps in its compiled call (``vnni.STAMPS``; the last MoE layer's, every token): the kernels,
+and beside them the routing, the activations' quantization, the activation function and the
+combination, as a share of the block, medians over tokens, then over rounds.
 
 With ``--busy``, as many rounds again run beside one competing busy process (a Python loop): ktc
 with its default thread count (which leaves the core that process takes alone), llama.cpp with
@@ -109,6 +113,7 @@ def main() -> int:
               f"llama.cpp {parts['llama'][0]:6.1f} tok/s ({parts['llama'][1] * 100:3.0f}%, "
               f"{parts['llama'][2] / 1e6:.0f} MB/token): ktc/llama.cpp {ratio:.2f}x "
               f"(rounds {' '.join(f'{x:.2f}' for x in ratios)})")
+        print(f"{'':<20}{gen.moe_parts_line([r['ktc']['moe_parts'] for r in case.rows])}")
     print(f"\nworst case ktc/llama.cpp decode: {worst:.2f}x (target at least 1.0x: {'met' if worst >= 1 else 'NOT met'}; "
           "goal 1.15x)")
     print(f"\nprefill of the {args.prompt}-token prompt, medians over {args.rounds} rounds:")

@@ -62,7 +62,17 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         sums16 |= code == _Q2_K or code == _Q3_K
         blocks |= code < KQUANT
     xq, quads, dx, sums = vnni._quantized_both(x, n, cols, in_order, in_quads)
-    lanes = vnni._lanes(dx, sums) if blocks else np.zeros((n, 0), np.float32)
+    if blocks:  # only the parts the kinds present read (``vnni.lanes_into``): 8 x 768 values' whole
+        # lanes are 48 KB, which inside a decode step were written to lines in no cache
+        parts = np.zeros(4, np.bool_)
+        for code in kinds:
+            if code < KQUANT:
+                parts[max(code - 1, 0)] = True
+        lanes = np.empty((n, 64 * (cols // 32)), np.float32)
+        for v in range(n):
+            vnni.lanes_into(dx[v], sums[v], lanes[v], parts)
+    else:
+        lanes = np.zeros((n, 0), np.float32)
     isum16 = np.empty((n, cols // 16), np.float32)
     dsum16 = np.empty((n, cols // 16), np.float32)
     if sums16:

@@ -545,23 +545,37 @@ def _lanes(dx, xsum):  # pragma: no cover - compiled
     shuffles and products took a third of a 4-bit row's instructions, which bound the kernels
     at about 32 GB/s on two cores."""
     n, blocks = dx.shape
-    span = blocks * 8
-    out = np.zeros((n, 8 * span), np.float32)
+    out = np.zeros((n, 64 * blocks), np.float32)
     for v in range(n):
-        for part in range(4):  # int8/q8_0, q4_0, mxfp4, iq4_nl
-            per_step = 2 if part == 0 else 4
-            per_block = 16 // per_step
-            offset = np.float32(_CODE_OFFSET[part + 1] / per_block)
-            base = 2 * part * span
-            # block b's lanes: per_block of them in its step's 16 (a block at a time: a lane at a
-            # time, with two integer divisions each, this took 10 us for a layer's 8 x 768 values)
-            for b in range(blocks // per_step * per_step):
-                at = base + (b // per_step) * 16 + (b % per_step) * per_block
-                scale, term = dx[v, b], -offset * xsum[v, b]
-                for t in range(per_block):
-                    out[v, at + t] = scale
-                    out[v, at + span + t] = term
+        lanes_into(dx[v], xsum[v], out[v], _ALL_PARTS)
     return out
+
+
+_ALL_PARTS = np.ones(4, dtype=np.bool_)
+
+
+@njit(cache=True, nogil=True)
+def lanes_into(dx, xsum, out, parts):  # pragma: no cover - compiled
+    """``_lanes`` of one vector (dx, xsum [blocks]) into out [64 * blocks], the parts ``parts``
+    says (int8 and q8_0, q4_0, mxfp4, iq4_nl) only: a kind's rows read their own part's lanes
+    and no others."""
+    blocks = dx.shape[0]
+    span = blocks * 8
+    for part in range(4):  # int8/q8_0, q4_0, mxfp4, iq4_nl
+        if not parts[part]:
+            continue
+        per_step = 2 if part == 0 else 4
+        per_block = 16 // per_step
+        offset = np.float32(_CODE_OFFSET[part + 1] / per_block)
+        base = 2 * part * span
+        # block b's lanes: per_block of them in its step's 16 (a block at a time: a lane at a
+        # time, with two integer divisions each, this took 10 us for a layer's 8 x 768 values)
+        for b in range(blocks // per_step * per_step):
+            at = base + (b // per_step) * 16 + (b % per_step) * per_block
+            scale, term = dx[b], -offset * xsum[b]
+            for t in range(per_block):
+                out[at + t] = scale
+                out[at + span + t] = term
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -782,6 +796,31 @@ STAMPS: np.ndarray | None = None
 _NO_STAMPS = np.zeros(0, dtype=np.int64)
 
 
+def seconds_per_cycle() -> float:
+    """Seconds a cycle of ``cycles``' counter, measured over 0.2 s (for reading STAMPS)."""
+    import time
+
+    cycles()  # compiled or loaded outside the measurement
+    started, first = time.perf_counter(), cycles()
+    time.sleep(0.2)
+    return (time.perf_counter() - started) / (cycles() - first)
+
+
+def stamp_parts(stamps: np.ndarray, per_cycle: float) -> dict[str, float]:
+    """Seconds of the parts of the last one-token expert call that filled ``stamps`` (STAMPS):
+    the activations' quantization (x's and the activation's), the two kernels, the activation
+    function and the combination; with the MoE layer's stamps (7 and 8), its routing and the
+    whole block from the routing's start to the combination's end. Empty when nothing stamped."""
+    if stamps.shape[0] < 7 or not stamps[0]:
+        return {}
+    s = (stamps - stamps[0]) * per_cycle
+    parts = {"quantize": s[1] + s[4] - s[3], "kernels": s[2] - s[1] + s[5] - s[4], "activation": s[3] - s[2],
+             "combine": s[6] - s[5]}
+    if stamps.shape[0] == 9 and stamps[7]:
+        parts |= {"routing": s[8] - s[7], "block": s[6] - s[7]}
+    return parts
+
+
 def stamps() -> np.ndarray:
     """``STAMPS``, or an empty array (no stamps) when it is not set."""
     return _NO_STAMPS if STAMPS is None else STAMPS
@@ -809,61 +848,41 @@ def activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias):  # pragma: 
     """The k experts' gate/up outputs h [k, 2 * inter] (plus their biases) through the activation:
     SiLU(gate) * up, or gpt-oss's clamped SwiGLU; [k * inter], one expert after another.
 
-    Numba's default error model checks every float division for a zero divisor, which keeps
-    LLVM from vectorizing the loop: the layer's SiLU took 24-28 us for 8 x 768 values here, 12
-    of them in the division (1 + exp(-g) is never zero). The bias test sits outside the loops for
-    the same reason."""
+    exp(-slope * gate) = 2^n * 2^f, n = round(y / ln 2), |f| <= 1/2: 2^f by Cephes' exp2f
+    polynomial (relative error about 2e-7), 2^n made from its bits, y clamped to +-126 (float32's
+    range), in one loop LLVM vectorizes (Numba vectorizes np.exp only through Intel's SVML
+    library: a value at a time a layer's SiLU took 20-40 us). Numba's default error model checks
+    every float division for a zero divisor, which keeps LLVM from vectorizing; here numpy's
+    (1 + exp(-g) is never zero). No scratch vectors: inside a decode step, whose weights stream
+    through the caches, five of the output's length were written to lines in no cache, each read
+    from memory first (37 us for a Qwen3-30B-A3B-shaped layer's 8 x 768 values; 9 us when called
+    twice)."""
     k = h.shape[0]
-    gate = np.empty(k * inter, np.float32)
-    up = np.empty(k * inter, np.float32)
+    a = np.empty(k * inter, np.float32)
     one = np.float32(1.0)
+    log2e = np.float32(-1.4426950408889634) * (alpha if clamped else one)
     for e in range(k):
-        base = e * inter
-        if has_gu_bias:
-            for j in range(inter):
-                gate[base + j] = h[e, j] + gu_bias[e, j]
-                up[base + j] = h[e, inter + j] + gu_bias[e, inter + j]
-        else:
-            for j in range(inter):
-                gate[base + j] = h[e, j]
-                up[base + j] = h[e, inter + j]
-    if clamped:  # gpt-oss's clamped SwiGLU
-        for j in range(k * inter):
-            gate[j] = min(gate[j], limit)
-            up[j] = min(max(up[j], -limit), limit) + one
-    a = _exp_neg(gate, alpha if clamped else one)
-    for j in range(k * inter):
-        a[j] = gate[j] / (one + a[j]) * up[j]
+        for j in range(inter):
+            g = h[e, j]
+            u = h[e, inter + j]
+            if has_gu_bias:
+                g += gu_bias[e, j]
+                u += gu_bias[e, inter + j]
+            if clamped:  # gpt-oss's clamped SwiGLU
+                g = min(g, limit)
+                u = min(max(u, -limit), limit) + one
+            y = min(max(g * log2e, np.float32(-126.0)), np.float32(126.0))
+            whole = np.floor(y + np.float32(0.5))
+            f = y - whole
+            p = np.float32(1.535336188319500e-4)
+            p = p * f + np.float32(1.339887440266574e-3)
+            p = p * f + np.float32(9.618437357674640e-3)
+            p = p * f + np.float32(5.550332471162809e-2)
+            p = p * f + np.float32(2.402264791363012e-1)
+            p = p * f + np.float32(6.931472028550421e-1)
+            power = np.int32((np.int32(whole) + np.int32(127)) << np.int32(23)).view(np.float32)
+            a[e * inter + j] = g / (one + power * (p * f + one)) * u
     return a
-
-
-@njit(cache=True, nogil=True, fastmath=True)
-def _exp_neg(v, slope):  # pragma: no cover - compiled
-    # exp(-slope * v) of a vector, in loops LLVM makes 16 lanes wide: Numba vectorizes np.exp
-    # only through Intel's SVML library, and one value at a time a layer's SiLU took 20-40 us.
-    # exp(y) = 2^n * 2^f, n = round(y / ln 2), |f| <= 1/2; 2^f by Cephes' exp2f polynomial
-    # (relative error about 2e-7); 2^n made from its bits. y is clamped to +-87 (float32's range).
-    n = v.shape[0]
-    frac = np.empty(n, np.float32)
-    power = np.empty(n, np.int32)
-    log2e = np.float32(-1.4426950408889634) * slope
-    for j in range(n):
-        y = min(max(v[j] * log2e, np.float32(-126.0)), np.float32(126.0))
-        whole = np.floor(y + np.float32(0.5))
-        frac[j] = y - whole
-        power[j] = (np.int32(whole) + np.int32(127)) << np.int32(23)
-    scale = power.view(np.float32)
-    out = np.empty(n, np.float32)
-    for j in range(n):
-        f = frac[j]
-        p = np.float32(1.535336188319500e-4)
-        p = p * f + np.float32(1.339887440266574e-3)
-        p = p * f + np.float32(9.618437357674640e-3)
-        p = p * f + np.float32(5.550332471162809e-2)
-        p = p * f + np.float32(2.402264791363012e-1)
-        p = p * f + np.float32(6.931472028550421e-1)
-        out[j] = scale[j] * (p * f + np.float32(1.0))
-    return out
 
 
 _NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks
