@@ -46,10 +46,9 @@ def _matvec_f32(w, x, out):  # pragma: no cover - compiled
 def _matvec_bf16(w, x, out):  # pragma: no cover - compiled
     # w: uint16 bit patterns [rows, cols]; a bf16 is the top half of a float32.
     cols = x.shape[0]
-    if vnni._COMPILED and cols % 16 == 0 and w.flags.c_contiguous:  # 16 lanes a step (vnni.bf16_dot)
-        flat = w.reshape(-1)
-        for r in prange(w.shape[0]):
-            out[r] = vnni.bf16_dot(flat, r * cols, cols // 16, x)
+    if vnni._COMPILED and cols % 16 == 0 and w.strides[1] == 2 and x.strides[0] == 4:
+        for r in prange(w.shape[0]):  # 16 lanes a step (vnni.bf16_dot), each row's values back to back
+            out[r] = vnni.bf16_dot(w[r], 0, cols // 16, x)
         return
     for r in prange(w.shape[0]):
         widened = np.empty(cols, dtype=np.uint32)
