@@ -306,8 +306,8 @@ def moe_parts_line(rows: list[dict[str, float]]) -> str:
     return (f"MoE block {1e6 * got['block']:.0f} us: kernels {1e6 * got['kernels']:.0f}; beside them routing "
             f"{1e6 * got['routing']:.0f}, activations' quantization {1e6 * got['quantize']:.0f}, activation "
             f"{1e6 * got['activation']:.0f}, combination {1e6 * got['combine']:.0f} us (0: inside the down rows' "
-            f"region): {100 * beside:.1f}% of the "
-            "block (target under 5%; no worker-thread hand-off: every expert on the CPU)")
+            f"region): {100 * beside:.1f}% of the block (target under 5%; no worker-thread hand-off: every expert "
+            "on the CPU)")
 
 
 def _cpu_flags() -> str:

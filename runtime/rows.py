@@ -51,9 +51,9 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
     sums, lanes, isum16, dsum16, yk, dk, bsum), each [n, ...]: int8 values per 32 in order (int8,
     q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4, iq4_nl), their scales and dequantized
-    sums, the block kinds' per-lane terms (``vnni._lanes``), the int8 and dequantized sums per
-    16 (q3_k's offsets, q2_k's minimums), and the activations per 256 of q4_k, q5_k and q6_k
-    (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
+    sums, the block kinds' per-lane terms (``vnni.lanes_into``, the parts those present read),
+    the int8 and dequantized sums per 16 (q3_k's offsets, q2_k's minimums), and the activations
+    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
     empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
     for code in kinds:
@@ -124,10 +124,10 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
     decode layer's 1.5 ms here."""
     n_rows = out.shape[0]
     chunks = (n_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    y = np.empty(n_rows, np.float32)  # an expert's rows, each item writing and reading its own
     for c in prange(chunks):
         first = c * ROWS_PER_ITEM
         last = min(n_rows, first + ROWS_PER_ITEM)
-        y = np.empty(n_rows, np.float32)  # rows first..last used: lines of this item only
         for r in range(first, last):
             out[r] = 0.0
         for e in range(kinds.shape[0]):
