@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ktc.formats.quantize import dequantize, quantize
-from ktc.runtime import vnni
+from ktc.runtime import rows, vnni
 from ktc.runtime.kernels import expert_forward, expert_forward_batch, matvec
 
 SCHEMES = ["f32", "bf16", "f16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128"]
@@ -124,8 +124,9 @@ def test_bf16_rows_match_float64(cols):
 
 
 @pytest.mark.parametrize("clamped", [False, True])
-def test_activation_matches_its_definition(clamped):
-    """SiLU(gate) * up, or gpt-oss's clamped SwiGLU, with and without biases, against numpy."""
+def test_activation_with_and_without_biases(clamped):
+    """SiLU(gate) * up, or gpt-oss's clamped SwiGLU, with and without biases (SiLU without them
+    has a loop of its own), against numpy."""
     rng = np.random.default_rng(int(clamped))
     k, inter = 3, 96
     h = (rng.standard_normal((k, 2 * inter)) * 6).astype(np.float32)
@@ -493,6 +494,29 @@ def test_activation_matches_its_definition(clamped):
         gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit) + 1
     want = gate / (1 + np.exp(-(alpha if clamped else 1) * gate)) * up
     np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("threads,total", [(1, 5), (2, 1), (2, 7), (2, 96), (3, 10), (4, 3), (5, 64)])
+def test_work_items_taken_once_each(threads, total):
+    """``rows.work_item``: under any order of the threads' turns every item is taken exactly
+    once, a thread's own part in increasing order before it takes from another's, and each
+    thread gets -1 once none is left."""
+    rng = np.random.default_rng(threads * 100 + total)
+    for _ in range(20):
+        counters = rows.work_counters(threads)
+        taken = {t: [] for t in range(threads)}
+        running = list(range(threads))
+        while running:
+            t = running[rng.integers(len(running))]
+            item = rows.work_item(counters, t, threads, total)
+            if item < 0:
+                running.remove(t)
+            else:
+                taken[t].append(item)
+        assert sorted(i for items in taken.values() for i in items) == list(range(total))
+        for t, items in taken.items():
+            own = [i for i in items if t * total // threads <= i < (t + 1) * total // threads]
+            assert items[:len(own)] == own == sorted(own)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "q4_k", "q5_k", "q4_k+q6_k",
