@@ -82,40 +82,6 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum
 
 
-@njit(cache=True, nogil=True)
-def work_counters(threads):  # pragma: no cover - compiled
-    """The counters ``work_item`` claims items with, for a region of ``threads`` threads: one per
-    thread's part, each on a cache line of its own."""
-    return np.zeros(8 * threads, np.int64)
-
-
-_BACK = 1 << 32  # a part's counter: items taken from its front (low 32 bits) and its back
-
-
-@njit(cache=True, nogil=True, inline="always")
-def work_item(counters, t, threads, total):  # pragma: no cover - compiled
-    """The next of ``total`` work items for the thread of iteration t of ``prange(threads)``, or
-    -1 when none is left. The items are split into ``threads`` contiguous parts; a thread takes
-    its own part's from the front, then the other parts' from their back (one atomic counter a
-    part, front and back in one word, so the two never take the same item), and so reads its
-    weights in one forward stream until it helps another. Numba's prange gives each thread an
-    equal part and no more: at Qwen3-30B-A3B's shape the two threads of a decode step's gate/up
-    region finished a median 117 us apart (of 830), a faster thread's weights partly in the
-    caches or its requests served first. The one-token experts' call took 1-5% less this way
-    (per-pair medians of 200 calls interleaved with equal parts, cold weights: Qwen3-30B-A3B's
-    shape Q4_0 0.96-0.99, Q8_0 0.97, MXFP4 0.98, Q4_K_M 0.95; Mixtral-8x7B's Q4_0 0.98). Taken
-    from both ends of one part, the back thread's prefetches ran past each item into rows read
-    already (the down region 5% slower); handed out in turn, no faster than equal parts."""
-    for k in range(threads):
-        part = t + k if t + k < threads else t + k - threads
-        size = (part + 1) * total // threads - part * total // threads
-        both = vnni.fetch_add(counters, 8 * part, 1 if k == 0 else _BACK)
-        front, back = both & (_BACK - 1), both >> 32
-        if front + back < size:
-            return part * total // threads + front if k == 0 else (part + 1) * total // threads - 1 - back
-    return -1
-
-
 @njit(cache=True, nogil=True, inline="always")
 def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v, out):  # pragma: no cover - compiled
     """out[r] for rows first..last of the matrix of kind ``code`` at byte ``base`` of flat (f32: a
@@ -136,15 +102,15 @@ def rows_many(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, out): 
     """out[e, r] = row r of the matrix of kind kinds[e] (row_bytes[e] bytes a row) at byte
     offsets[e] of flat times vector e of ``act`` (or its one vector): the same matrix of every
     selected expert of a layer, whatever their kinds, in one parallel region, ``ROWS_PER_ITEM``
-    rows a work item over all of them (``work_item``), so both threads finish together."""
+    rows a work item over all of them (``vnni.work_item``), so both threads finish together."""
     k, n_rows = out.shape
     chunks = (n_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     shared = act[2].shape[0] == 1  # one vector for every expert (gate/up of one token)
-    threads = vnni.threads()
-    counters = work_counters(threads)
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:
-            item = work_item(counters, t, threads, k * chunks)
+            item = vnni.work_item(counters, t, threads, k * chunks)
             if item < 0:
                 break
             e = item // chunks
@@ -158,18 +124,18 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
                   out):  # pragma: no cover - compiled
     """out[r] = sum over e of weights[e] * (row r of expert e's matrix times its vector e of
     ``act``, plus bias[e, r]): the down matrices of a token's experts and their weighted sum in
-    one parallel region, a work item ``ROWS_PER_ITEM`` rows of every expert (``work_item``), so
-    each thread sums the rows it has just computed. Summed after the region instead, on one
-    thread, the experts' outputs came from both cores' caches and the sum took 8-9 us of a
-    Qwen3-30B-A3B-shaped decode layer's 1.5 ms here."""
+    one parallel region, a work item ``ROWS_PER_ITEM`` rows of every expert
+    (``vnni.work_item``), so each thread sums the rows it has just computed. Summed after the
+    region instead, on one thread, the experts' outputs came from both cores' caches and the sum
+    took 8-9 us of a Qwen3-30B-A3B-shaped decode layer's 1.5 ms here."""
     n_rows = out.shape[0]
     chunks = (n_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     y = np.empty(n_rows, np.float32)  # an expert's rows, each item writing and reading its own
-    threads = vnni.threads()
-    counters = work_counters(threads)
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:
-            c = work_item(counters, t, threads, chunks)
+            c = vnni.work_item(counters, t, threads, chunks)
             if c < 0:
                 break
             first = c * ROWS_PER_ITEM

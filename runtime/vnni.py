@@ -472,7 +472,7 @@ def _fetch_add(typingctx, counters, at, amount):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, inline="always")
 def fetch_add(counters, at, amount):  # pragma: no cover - compiled
     """counters[at] += amount (atomically where compiled), returning the value before: how the
-    threads of a parallel region take work items (``rows.work_item``)."""
+    threads of a parallel region take work items (``work_item``)."""
     if _COMPILED:
         return _fetch_add(counters, at, amount)
     taken = counters[at]
@@ -495,12 +495,46 @@ def _threads(typingctx):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, inline="always")
-def threads():  # pragma: no cover - compiled
+def thread_count():  # pragma: no cover - compiled
     """The parallel regions' threads (1 without JIT); called inside parallel functions only,
     whose loading starts the threading layer that provides it."""
     if _COMPILED:
         return _threads()
     return 1
+
+
+@njit(cache=True, nogil=True)
+def work_counters(threads):  # pragma: no cover - compiled
+    """The counters ``work_item`` claims items with, for a region of ``threads`` threads: one per
+    thread's part, each on a cache line of its own."""
+    return np.zeros(8 * threads, np.int64)
+
+
+_BACK = 1 << 32  # a part's counter: items taken from its front (low 32 bits) and its back
+
+
+@njit(cache=True, nogil=True, inline="always")
+def work_item(counters, t, threads, total):  # pragma: no cover - compiled
+    """The next of ``total`` work items for the thread of iteration t of ``prange(threads)``, or
+    -1 when none is left. The items are split into ``threads`` contiguous parts; a thread takes
+    its own part's from the front, then the other parts' from their back (one atomic counter a
+    part, front and back in one word, so the two never take the same item), and so reads its
+    weights in one forward stream until it helps another. Numba's prange gives each thread an
+    equal part and no more: at Qwen3-30B-A3B's shape the two threads of a decode step's gate/up
+    region finished a median 117 us apart (of 830), a faster thread's weights partly in the
+    caches or its requests served first. The one-token experts' call took 1-5% less this way
+    (per-pair medians of 200 calls interleaved with equal parts, cold weights: Qwen3-30B-A3B's
+    shape Q4_0 0.96-0.99, Q8_0 0.97, MXFP4 0.98, Q4_K_M 0.95; Mixtral-8x7B's Q4_0 0.98). Taken
+    from both ends of one part, the back thread's prefetches ran past each item into rows read
+    already (the down region 5% slower); handed out in turn, no faster than equal parts."""
+    for k in range(threads):
+        part = t + k if t + k < threads else t + k - threads
+        size = (part + 1) * total // threads - part * total // threads
+        both = fetch_add(counters, 8 * part, 1 if k == 0 else _BACK)
+        front, back = both & (_BACK - 1), both >> 32
+        if front + back < size:
+            return part * total // threads + front if k == 0 else (part + 1) * total // threads - 1 - back
+    return -1
 
 
 @njit(cache=True, nogil=True)

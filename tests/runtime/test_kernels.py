@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ktc.formats.quantize import dequantize, quantize
-from ktc.runtime import rows, vnni
+from ktc.runtime import vnni
 from ktc.runtime.kernels import expert_forward, expert_forward_batch, matvec
 
 SCHEMES = ["f32", "bf16", "f16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128"]
@@ -498,17 +498,17 @@ def test_activation_matches_its_definition(clamped):
 
 @pytest.mark.parametrize("threads,total", [(1, 5), (2, 1), (2, 7), (2, 96), (3, 10), (4, 3), (5, 64)])
 def test_work_items_taken_once_each(threads, total):
-    """``rows.work_item``: under any order of the threads' turns every item is taken exactly
+    """``vnni.work_item``: under any order of the threads' turns every item is taken exactly
     once, a thread's own part in increasing order before it takes from another's, and each
     thread gets -1 once none is left."""
     rng = np.random.default_rng(threads * 100 + total)
     for _ in range(20):
-        counters = rows.work_counters(threads)
+        counters = vnni.work_counters(threads)
         taken = {t: [] for t in range(threads)}
         running = list(range(threads))
         while running:
             t = running[rng.integers(len(running))]
-            item = rows.work_item(counters, t, threads, total)
+            item = vnni.work_item(counters, t, threads, total)
             if item < 0:
                 running.remove(t)
             else:
