@@ -310,7 +310,8 @@ def moe_parts_line(rows: list[dict[str, float]]) -> str:
             "on the CPU)")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags line (Linux), or "" where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -322,7 +323,7 @@ def run_llama(llama: str, gguf: str, prompt: int, new: int, threads: int) -> dic
     bench = os.path.join(llama, "build", "bin", "llama-bench")
     done = subprocess.run([bench, "-m", gguf, "-p", str(prompt), "-n", str(new), "-t", str(threads), "-r", "1",
                            "-o", "json"], capture_output=True, text=True)
-    if done.returncode in (-signal.SIGILL, -signal.SIGSEGV) and "amx" in _cpu_flags():
+    if done.returncode in (-signal.SIGILL, -signal.SIGSEGV) and "amx" in cpu_flags():
         # Seen on a virtual machine whose CPU reports AMX that the hypervisor does not run: a
         # native build of ggml takes its AMX matrix products, and the first prompt faults.
         raise SystemExit(f"llama-bench died ({signal.Signals(-done.returncode).name}) on a CPU that reports AMX: "

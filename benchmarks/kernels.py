@@ -285,6 +285,12 @@ def main() -> int:
               f"here (independent {', '.join(PEAK_INSTRUCTIONS.values())} on registers, {threads} threads, the "
               f"fastest of 9 runs): int8 "
               f"{peaks['int8'] / 1e9:.0f} GOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GOP/s (an op: a multiply or an add):")
+        from generate import cpu_flags  # benchmarks/generate.py, beside this file
+
+        if "amx_bf16" in cpu_flags():
+            print("   this CPU has AMX, which torch's bf16 products take (oneDNN's AMX kernels; ONEDNN_VERBOSE=1 "
+                  "names them), so they are not bound by the vdpbf16ps peak; ktc's batched kernels use "
+                  "AVX-512 VNNI, not AMX")
         for count in (64, 256) if not args.quick else (64,):
             xs = rng.standard_normal((count, hidden)).astype(np.float32)
             ops = 2 * count * 3 * hidden * inter
