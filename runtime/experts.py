@@ -492,6 +492,15 @@ class ExpertSet:
             y = self._fused_token(hidden[0], experts, np.array([w[0] for _, _, w in work], dtype=np.float32))
             return [(np.zeros(1, dtype=np.int64), y[None, :])]
         results = []
+        singles = [w for w in work if len(w[1]) == 1]
+        tables = self.one_call_tables() if len(singles) > 1 else None
+        if tables is not None:  # the experts of one token each in one compiled call (``rows.pairs_token``)
+            tokens = np.array([t[0] for _, t, _ in singles], dtype=np.int64)
+            out = rows.pairs_token(*tables[:-1], np.array([e for e, _, _ in singles], dtype=np.int64), tokens,
+                                   np.array([w[0] for _, _, w in singles], dtype=np.float32),
+                                   np.ascontiguousarray(hidden[tokens], dtype=np.float32), len(hidden))
+            results.append((np.arange(len(hidden)), out))
+            work = [w for w in work if len(w[1]) != 1]
         for e, tokens, weights in work:
             ex = self.cpu[e]
             kw = dict(activation=self.activation, gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,

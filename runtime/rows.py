@@ -190,6 +190,39 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
 
 
 @njit(cache=True, nogil=True)
+def pairs_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter, clamped,
+                limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, experts, tokens, weights, xs,
+                n):  # pragma: no cover - compiled
+    """Pairs of an expert and one token (``experts``, ``tokens``, their routing ``weights``; xs
+    [pairs, hidden]: each pair's token's hidden state; the tables the whole layer's, as for
+    ``chosen_experts_token``) in one compiled call: every pair's gate/up rows in one parallel
+    region, the activation and its quantization, every pair's down rows in another, then each
+    output weighted and added to its token's row of out [n, hidden]. For the experts a prompt
+    chunk gives one token each (at Qwen3-30B-A3B's shape most of them, for up to a few dozen
+    tokens), which otherwise run an expert a call."""
+    p, hidden = xs.shape
+    act = activations(xs.reshape(-1), p, hidden, gu_kinds[experts])
+    h = np.empty((p, 2 * inter), np.float32)
+    rows_many(file, f32, f16, e8m0, gu_kinds[experts], gu_offsets[experts], gu_rows[experts], hidden, act, h)
+    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias[experts] if has_gu_bias else gu_bias, has_gu_bias)
+    act_a = activations(a, p, inter, dn_kinds[experts])
+    y = np.empty((p, hidden), np.float32)
+    rows_many(file, f32, f16, e8m0, dn_kinds[experts], dn_offsets[experts], dn_rows[experts], inter, act_a, y)
+    out = np.zeros((n, hidden), np.float32)
+    for i in range(p):
+        w = weights[i]
+        row = out[tokens[i]]
+        if has_dn_bias:
+            bias = dn_bias[experts[i]]
+            for r in range(hidden):
+                row[r] += w * (y[i, r] + bias[r])
+        else:
+            for r in range(hidden):
+                row[r] += w * y[i, r]
+    return out
+
+
+@njit(cache=True, nogil=True)
 def chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter,
                          clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, idx, weights, x,
                          stamps):  # pragma: no cover - compiled

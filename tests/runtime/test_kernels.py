@@ -557,6 +557,54 @@ def test_experts_token_equals_experts_one_by_one(scheme, activation):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the pairs' one call needs AVX-512 VNNI")
+@pytest.mark.parametrize("scheme", ["q4_0", "q4_k+q6_k", ("q8_0", "q4_0", "mxfp4", "q4_k")])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_pairs_of_an_expert_and_a_token_equal_each_expert_s_forward(scheme, activation):
+    """Experts given one token each, in one compiled call (``rows.pairs_token``: a prompt chunk's
+    experts of one token), equal each expert's own forward of its token, weighted and added to
+    the token's row: a token may appear in several pairs, an expert in none."""
+    from ktc.formats.schemes import expert_schemes
+    from ktc.runtime import rows
+
+    rng = np.random.default_rng(12)
+    count = 4  # experts of the layer
+    names = [scheme] * count if isinstance(scheme, str) else list(scheme)
+    parts = [tuple(part.name for part in expert_schemes(name)) for name in names]
+    hidden, inter = 256, 256
+    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
+                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in parts]
+    file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
+    file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
+    sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    gu_kinds, gu_rows = rows.layout(tuple(p[0] for p in parts), hidden)
+    dn_kinds, dn_rows = rows.layout(tuple(p[1] for p in parts), inter)
+    f16, e8m0 = vnni._tables()
+    clamped = activation != "silu"
+    biases = ((rng.standard_normal((count, 2 * inter)).astype(np.float32),
+               rng.standard_normal((count, hidden)).astype(np.float32)) if clamped else (None, None))
+    none = np.zeros((1, 1), np.float32)
+    n = 3  # tokens
+    xs = rng.standard_normal((n, hidden)).astype(np.float32)
+    pair_experts = np.array([2, 0, 3, 1, 2], dtype=np.int64)
+    pair_tokens = np.array([0, 0, 2, 2, 2], dtype=np.int64)  # token 1 in none
+    weights = rng.uniform(0.1, 1, len(pair_experts)).astype(np.float32)
+    got = rows.pairs_token(file, file.view(np.float32), f16, e8m0, gu_kinds, starts, gu_rows, dn_kinds,
+                           starts + np.array([gu.nbytes for gu, _ in experts]), dn_rows, inter, clamped,
+                           np.float32(7.0), np.float32(1.702), biases[0] if clamped else none, clamped,
+                           biases[1] if clamped else none, clamped, pair_experts, pair_tokens, weights,
+                           xs[pair_tokens], n)
+    want = np.zeros((n, hidden), np.float32)
+    for e, t, w in zip(pair_experts, pair_tokens, weights):
+        gu, dn = experts[e]
+        want[t] += w * expert_forward(gu, dn, names[e], xs[t], activation=activation,
+                                      gate_up_bias=None if biases[0] is None else biases[0][e],
+                                      down_bias=None if biases[1] is None else biases[1][e])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not got[1].any()
+
+
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
 def test_int4_float_kernel_where_there_is_no_vnni():
     """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""
