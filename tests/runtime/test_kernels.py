@@ -558,8 +558,8 @@ def test_experts_token_equals_experts_one_by_one(scheme, activation):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the pairs' one call needs AVX-512 VNNI")
-@pytest.mark.parametrize("scheme", ["q4_0", "q4_k+q6_k", ("q8_0", "q4_0", "mxfp4", "q4_k")])
-@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+@pytest.mark.parametrize("scheme,activation", [("q4_0", "silu"), ("q4_k+q6_k", "silu"),
+                                               (("q8_0", "q4_0", "mxfp4", "q4_k"), "swiglu_clamped")])
 def test_pairs_of_an_expert_and_a_token_equal_each_expert_s_forward(scheme, activation):
     """Experts given one token each, in one compiled call (``rows.pairs_token``: a prompt chunk's
     experts of one token), equal each expert's own forward of its token, weighted and added to
