@@ -519,6 +519,19 @@ def test_work_items_taken_once_each(threads, total):
             assert items[:len(own)] == own == sorted(own)
 
 
+def _experts_file(rng, parts, hidden, inter):
+    """Random experts of (gate/up, down) schemes ``parts``, quantized, one after another in one
+    byte array (padded to whole float32 words): (the experts' matrices, the array, the gate/up
+    and down byte offsets)."""
+    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
+                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in parts]
+    file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
+    file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
+    sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return experts, file, starts, starts + np.array([gu.nbytes for gu, _ in experts])
+
+
 @pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "q4_k", "q5_k", "q4_k+q6_k",
                                     ("q4_0", "q4_k+q6_k", "q8_0")])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
@@ -537,13 +550,7 @@ def test_experts_token_equals_experts_one_by_one(scheme, activation):
     names = [scheme] * k if isinstance(scheme, str) else list(scheme)
     pairs = [tuple(part.name for part in expert_schemes(name)) for name in names]
     hidden, inter = 256, 256 if any(part.endswith("_k") for pair in pairs for part in pair) else 128
-    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
-                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in pairs]
-    file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
-    file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
-    sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    gate_up_offsets, down_offsets = starts, starts + np.array([gu.nbytes for gu, _ in experts])
+    experts, file, gate_up_offsets, down_offsets = _experts_file(rng, pairs, hidden, inter)
     x = rng.standard_normal(hidden).astype(np.float32)
     weights = rng.uniform(0.1, 1, k).astype(np.float32)
     biases = ((rng.standard_normal((k, 2 * inter)).astype(np.float32), rng.standard_normal((k, hidden)).astype(np.float32))
@@ -572,12 +579,7 @@ def test_pairs_of_an_expert_and_a_token_equal_each_expert_s_forward(scheme, acti
     names = [scheme] * count if isinstance(scheme, str) else list(scheme)
     parts = [tuple(part.name for part in expert_schemes(name)) for name in names]
     hidden, inter = 256, 256
-    experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
-                quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in parts]
-    file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
-    file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
-    sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    experts, file, starts, down_offsets = _experts_file(rng, parts, hidden, inter)
     gu_kinds, gu_rows = rows.layout(tuple(p[0] for p in parts), hidden)
     dn_kinds, dn_rows = rows.layout(tuple(p[1] for p in parts), inter)
     f16, e8m0 = vnni._tables()
@@ -591,7 +593,7 @@ def test_pairs_of_an_expert_and_a_token_equal_each_expert_s_forward(scheme, acti
     pair_tokens = np.array([0, 0, 2, 2, 2], dtype=np.int64)  # token 1 in none
     weights = rng.uniform(0.1, 1, len(pair_experts)).astype(np.float32)
     got = rows.pairs_token(file, file.view(np.float32), f16, e8m0, gu_kinds, starts, gu_rows, dn_kinds,
-                           starts + np.array([gu.nbytes for gu, _ in experts]), dn_rows, inter, clamped,
+                           down_offsets, dn_rows, inter, clamped,
                            np.float32(7.0), np.float32(1.702), biases[0] if clamped else none, clamped,
                            biases[1] if clamped else none, clamped, pair_experts, pair_tokens, weights,
                            xs[pair_tokens], n)
