@@ -402,7 +402,8 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
                 _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, f16)
             sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)
             mn[count * params:] = 0
-            ahead = (first + workers * CHUNK_ROWS) * row_bytes  # likely the worker's next chunk, prefetched by the tiles
+            # likely the worker's next chunk (taken in turn while both run at one speed), prefetched by the tiles
+            ahead = (first + workers * CHUNK_ROWS) * row_bytes
             if ahead >= flat.shape[0]:
                 ahead = 0
             g = 0

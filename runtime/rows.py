@@ -201,13 +201,14 @@ def pairs_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, d
     chunk gives one token each (at Qwen3-30B-A3B's shape most of them, for up to a few dozen
     tokens), which otherwise run an expert a call."""
     p, hidden = xs.shape
-    act = activations(xs.reshape(-1), p, hidden, gu_kinds[experts])
+    gk, dk = gu_kinds[experts], dn_kinds[experts]  # the pairs' kinds, each read twice below
+    act = activations(xs.reshape(-1), p, hidden, gk)
     h = np.empty((p, 2 * inter), np.float32)
-    rows_many(file, f32, f16, e8m0, gu_kinds[experts], gu_offsets[experts], gu_rows[experts], hidden, act, h)
+    rows_many(file, f32, f16, e8m0, gk, gu_offsets[experts], gu_rows[experts], hidden, act, h)
     a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias[experts] if has_gu_bias else gu_bias, has_gu_bias)
-    act_a = activations(a, p, inter, dn_kinds[experts])
+    act_a = activations(a, p, inter, dk)
     y = np.empty((p, hidden), np.float32)
-    rows_many(file, f32, f16, e8m0, dn_kinds[experts], dn_offsets[experts], dn_rows[experts], inter, act_a, y)
+    rows_many(file, f32, f16, e8m0, dk, dn_offsets[experts], dn_rows[experts], inter, act_a, y)
     out = np.zeros((n, hidden), np.float32)
     for i in range(p):
         w = weights[i]

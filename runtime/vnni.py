@@ -531,11 +531,11 @@ def work_item(counters, t, threads, total):  # pragma: no cover - compiled
     already (the down region 5% slower); handed out in turn, no faster than equal parts."""
     for k in range(threads):
         part = t + k if t + k < threads else t + k - threads
-        size = (part + 1) * total // threads - part * total // threads
+        start, end = part * total // threads, (part + 1) * total // threads
         both = fetch_add(counters, 8 * part, 1 if k == 0 else _BACK)
         front, back = both & (_BACK - 1), both >> 32
-        if front + back < size:
-            return part * total // threads + front if k == 0 else (part + 1) * total // threads - 1 - back
+        if front + back < end - start:
+            return start + front if k == 0 else end - 1 - back
     return -1
 
 
