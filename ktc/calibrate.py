@@ -64,7 +64,7 @@ def _decode_seconds(model: Any, tokens: int) -> tuple[float, float]:
         fast.steps = 0
         started = time.perf_counter()
         for _ in range(tokens):
-            token = sample(torch.from_numpy(fast.step(token)), greedy, None)
+            token = sample(fast.step(token), greedy, None)
         seconds = (time.perf_counter() - started) / tokens
     return seconds, seconds - float(fast.seconds.sum()) / fast.steps
 
