@@ -25,7 +25,7 @@ from ktc.formats.schemes import expert_scheme_name, expert_schemes
 from . import rows, vnni
 from .device import DEVICE_DECODERS, check_device, matmul, upload
 from .device_cache import DeviceSlots
-from .kernels import expert_forward, expert_forward_batch, experts_token
+from .kernels import LANES_MIN_TOKENS, expert_forward, expert_forward_batch, experts_token
 from .offload import PrefillOffload
 
 
@@ -501,6 +501,7 @@ class ExpertSet:
                                    np.ascontiguousarray(hidden[tokens], dtype=np.float32), len(hidden))
             results.append((np.arange(len(hidden)), out))
             work = [w for w in work if len(w[1]) != 1]
+        work = self._few_tokens(hidden, work, results)
         for e, tokens, weights in work:
             ex = self.cpu[e]
             kw = dict(activation=self.activation, gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
@@ -511,6 +512,47 @@ class ExpertSet:
                 y = expert_forward_batch(ex.gate_up, ex.down, ex.scheme, hidden[tokens], **kw)
             results.append((tokens, y * weights[:, None]))
         return results
+
+    def _few_tokens(self, hidden: np.ndarray, work: Work, results: list[tuple[np.ndarray, np.ndarray]]) -> Work:
+        """The experts of ``work`` with a few tokens each (2 up to the block kinds' vector path,
+        ``kernels.LANES_MIN_TOKENS``), all of one block kind, in one compiled call
+        (``vnni.experts_groups``), their outputs into ``results``; the rest of the work back. An
+        expert a call, a prompt chunk's experts of 2-11 tokens (at Qwen3-30B-A3B's shape most
+        of them, from about 16 tokens to a few hundred) each paid Python, two parallel regions'
+        starts and numpy's activation."""
+        tables = self.one_call_tables() if len(work) > 1 else None
+        if tables is None:
+            return work
+        gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows = tables[4:10]
+        few, rest = [], []
+        for item in work:
+            e = item[0]
+            kind, dn_kind = int(gu_kinds[e]), int(dn_kinds[e])
+            scheme = next(n for n, k in vnni.BLOCK_KINDS.items() if k == kind) if 1 <= kind < rows.KQUANT else None
+            small = scheme is not None and 2 <= len(item[1]) < LANES_MIN_TOKENS[scheme]
+            (few if small and 1 <= dn_kind < rows.KQUANT else rest).append(item)
+        if len(few) < 2:
+            return work
+        kinds = {(int(gu_kinds[e]), int(dn_kinds[e])) for e, _, _ in few}
+        gu_kind, dn_kind = next(iter(kinds))
+        names = {k: n for n, k in vnni.BLOCK_KINDS.items()}
+        if (len(kinds) > 1 or not vnni.batched_fits(names[gu_kind], self.hidden_size)
+                or not vnni.batched_fits(names[dn_kind], self.intermediate_size)):
+            return work
+        experts = np.array([e for e, _, _ in few], dtype=np.int64)
+        tokens = np.concatenate([t for _, t, _ in few]).astype(np.int64)
+        per_token = np.repeat(experts, [len(t) for _, t, _ in few])
+        groups = np.concatenate([[0], np.cumsum([len(t) for _, t, _ in few])]).astype(np.int64)
+        file, _, f16, e8m0 = tables[:4]
+        inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias = tables[10:18]
+        y = vnni.experts_groups(file, f16, e8m0, gu_kind, gu_offsets[experts], int(gu_rows[experts[0]]), dn_kind,
+                                dn_offsets[experts], int(dn_rows[experts[0]]), inter, clamped, limit, alpha,
+                                gu_bias[per_token] if has_gu_bias else gu_bias, has_gu_bias,
+                                dn_bias[per_token] if has_dn_bias else dn_bias, has_dn_bias, groups,
+                                np.ascontiguousarray(hidden[tokens], dtype=np.float32),
+                                np.concatenate([w for _, _, w in few]).astype(np.float32), tokens, len(hidden))
+        results.append((np.arange(len(hidden)), y))
+        return rest
 
     @property
     def _on_device(self) -> bool:

@@ -760,20 +760,111 @@ def _blocks_batched(raw, kind, f16, e8m0, xq, dx, xsum, cols, lanes, width, out)
                                        lanes[t, :width], acc)
 
 
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _blocks_batched_groups(flat, kind, offsets, row_bytes, f16, e8m0, xq, dx, xsum, cols, lanes, width, groups,
+                           out):  # pragma: no cover - compiled
+    # _blocks_batched for several matrices of one kind at once, each with its own tokens: group g
+    # is the matrix at byte offsets[g] of flat (row_bytes a row, out.shape[1] rows) times tokens
+    # groups[g]..groups[g + 1] of xq, dx, xsum and lanes, into those rows of out. Work items of
+    # BATCH_ROWS rows of a group (work_item), so the few tokens of many experts (a prompt chunk's
+    # experts of 2-11 tokens) share one parallel region.
+    rows = out.shape[1]
+    xstride = xq.shape[1]
+    lstride = lanes.shape[1]
+    steps = cols // (64 if kind < 2 else 128)
+    span = width // 8
+    lbase = 2 * (kind - 1) * span if kind >= 2 else 0
+    tile = TILE_ROWS[kind]
+    xf, lf, of = xq.reshape(-1), lanes.reshape(-1), out.reshape(-1)
+    chunks = (rows + BATCH_ROWS - 1) // BATCH_ROWS
+    total = (groups.shape[0] - 1) * chunks
+    threads = thread_count()
+    counters = work_counters(threads)
+    for th in prange(threads):
+        acc = np.zeros(16, np.float32)
+        while True:
+            item = work_item(counters, th, threads, total)
+            if item < 0:
+                break
+            g = item // chunks
+            first = (item - g * chunks) * BATCH_ROWS
+            last = min(rows, first + BATCH_ROWS)
+            base, t0, t1 = offsets[g], groups[g], groups[g + 1]
+            whole = t0 + (t1 - t0) // TILE_TOKENS * TILE_TOKENS
+            tiled = first + (last - first) // tile * tile
+            for t in range(t0, whole, TILE_TOKENS):
+                for r in range(first, tiled, tile):
+                    args = (flat, base + r * row_bytes, row_bytes, steps, xf, t * xstride, xstride, lf,
+                            lbase + t * lstride, span, lstride, e8m0, of, t * rows + r, rows)
+                    if kind == 1:
+                        _q8_0_tile(*args)
+                    elif kind == 2:
+                        _q4_0_tile(*args)
+                    elif kind == 3:
+                        _mxfp4_tile(*args)
+                    else:
+                        _iq4_nl_tile(*args)
+            for t in range(t0, t1):
+                for r in range(tiled if t < whole else first, last):
+                    out[t, r] = _block_row(kind, flat, f16, e8m0, base + r * row_bytes, cols // 32, xq[t, :cols],
+                                           dx[t], xsum[t], lanes[t, :width], acc)
+
+
 @njit(cache=True, nogil=True)
-def _batched_token_blocks(raw, kind, f16, e8m0, x, out):  # pragma: no cover - compiled
+def padded_activations(x, kind):  # pragma: no cover - compiled
+    """(xq, dx, sums, lanes, width) of the batched block kernels for tokens x [n, cols] and
+    matrices of BLOCK_KINDS ``kind``: each token's activations quantized per 32 in the kind's
+    layout and its lanes (width of them), each row one cache line further than a multiple of 4
+    KB from the last: a tile reads the same step of each of its tokens, which at strides of
+    whole pages would fall into one set of the L1 cache."""
     n, cols = x.shape
     xq, quads, dx, sums = _quantized_both(x.reshape(-1), n, cols, kind < 2, kind >= 2)
     lanes = _lanes(dx, sums)
-    # Each token's activations and lanes one cache line further than a multiple of 4 KB from
-    # the last: a tile reads the same step of each of its tokens, which at strides of whole
-    # pages would fall into one set of the L1 cache.
     padded_x = np.empty((n, cols + 64), np.int8)
     padded_x[:, :cols] = quads if kind >= 2 else xq
     width = lanes.shape[1]
     padded_lanes = np.empty((n, width + 16), np.float32)
     padded_lanes[:, :width] = lanes
-    _blocks_batched(raw, kind, f16, e8m0, padded_x, dx, sums, cols, padded_lanes, width, out)
+    return padded_x, dx, sums, padded_lanes, width
+
+
+@njit(cache=True, nogil=True)
+def _batched_token_blocks(raw, kind, f16, e8m0, x, out):  # pragma: no cover - compiled
+    xq, dx, sums, lanes, width = padded_activations(x, kind)
+    _blocks_batched(raw, kind, f16, e8m0, xq, dx, sums, x.shape[1], lanes, width, out)
+
+
+@njit(cache=True, nogil=True)
+def experts_groups(file, f16, e8m0, gu_kind, gu_offsets, gu_row_bytes, dn_kind, dn_offsets, dn_row_bytes, inter,
+                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, groups, xs, weights, tokens,
+                   n_tokens):  # pragma: no cover - compiled
+    """Several experts, each with a few tokens, in one compiled call: expert g's tokens are rows
+    groups[g]..groups[g + 1] of xs [tokens, hidden] (weights: their routing weights), its gate/up
+    of block kind gu_kind at byte gu_offsets[g] of file, its down of dn_kind at dn_offsets[g]
+    (gu_bias, dn_bias: a row each token, where present). Every expert's gate/up rows in one
+    parallel region (``_blocks_batched_groups``), the activation, every down in another; each
+    row weighted and added to row tokens[t] of the result [n_tokens, hidden]."""
+    n, hidden = xs.shape
+    xq, dx, sums, lanes, width = padded_activations(xs, gu_kind)
+    h = np.empty((n, 2 * inter), np.float32)
+    _blocks_batched_groups(file, gu_kind, gu_offsets, gu_row_bytes, f16, e8m0, xq, dx, sums, hidden, lanes, width,
+                           groups, h)
+    a = activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias).reshape(n, inter)
+    aq, adx, asums, alanes, awidth = padded_activations(a, dn_kind)
+    y = np.empty((n, hidden), np.float32)
+    _blocks_batched_groups(file, dn_kind, dn_offsets, dn_row_bytes, f16, e8m0, aq, adx, asums, inter, alanes, awidth,
+                           groups, y)
+    out = np.zeros((n_tokens, hidden), np.float32)
+    for t in range(n):
+        w = weights[t]
+        row = out[tokens[t]]
+        if has_dn_bias:
+            for r in range(hidden):
+                row[r] += w * (y[t, r] + dn_bias[t, r])
+        else:
+            for r in range(hidden):
+                row[r] += w * y[t, r]
+    return out
 
 
 def batched_fits(scheme: str, cols: int) -> bool:

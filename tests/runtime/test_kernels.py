@@ -607,6 +607,48 @@ def test_pairs_of_an_expert_and_a_token_equal_each_expert_s_forward(scheme, acti
     assert not got[1].any()
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the batched block kernels need AVX-512 VNNI")
+@pytest.mark.parametrize("scheme,activation", [("q4_0", "silu"), ("q8_0", "swiglu_clamped"), ("mxfp4", "silu")])
+def test_experts_of_a_few_tokens_in_one_call_equal_each_expert_s_forward(scheme, activation):
+    """Experts of a few tokens each (``vnni.experts_groups``: a prompt chunk's experts of 2-11
+    tokens) in one compiled call equal each expert's own forward of each of its tokens, weighted
+    and added to the token's row: groups of 2, 3 (past the last whole tile of two tokens) and 5
+    tokens, a token in several groups, a token in none."""
+    from ktc.formats.schemes import expert_schemes
+
+    rng = np.random.default_rng(13)
+    parts = [tuple(part.name for part in expert_schemes(scheme))] * 3
+    hidden, inter = 256, 128
+    experts, file, starts, down_offsets = _experts_file(rng, parts, hidden, inter)
+    gu_kind, dn_kind = vnni.BLOCK_KINDS[parts[0][0]], vnni.BLOCK_KINDS[parts[0][1]]
+    gu_row_bytes, dn_row_bytes = experts[0][0].shape[1], experts[0][1].shape[1]
+    f16, e8m0 = vnni._tables()
+    n = 6
+    xs = rng.standard_normal((n, hidden)).astype(np.float32)
+    order = np.array([2, 0, 1], dtype=np.int64)  # the experts, in the call's order
+    tokens = np.array([0, 4, 1, 2, 4, 0, 1, 2, 3, 4], dtype=np.int64)  # token 5 in none
+    groups = np.array([0, 2, 5, 10], dtype=np.int64)
+    weights = rng.uniform(0.1, 1, len(tokens)).astype(np.float32)
+    clamped = activation != "silu"
+    biases = ((rng.standard_normal((3, 2 * inter)).astype(np.float32),
+               rng.standard_normal((3, hidden)).astype(np.float32)) if clamped else (None, None))
+    per_token = np.repeat(order, np.diff(groups))
+    none = np.zeros((1, 1), np.float32)
+    got = vnni.experts_groups(file, f16, e8m0, gu_kind, starts[order], gu_row_bytes, dn_kind, down_offsets[order],
+                              dn_row_bytes, inter, clamped, np.float32(7.0), np.float32(1.702),
+                              biases[0][per_token] if clamped else none, clamped,
+                              biases[1][per_token] if clamped else none, clamped, groups, xs[tokens], weights, tokens,
+                              n)
+    want = np.zeros((n, hidden), np.float32)
+    for e, t, w in zip(per_token, tokens, weights):
+        gu, dn = experts[e]
+        want[t] += w * expert_forward(gu, dn, scheme, xs[t], activation=activation,
+                                      gate_up_bias=None if biases[0] is None else biases[0][e],
+                                      down_bias=None if biases[1] is None else biases[1][e])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not got[5].any()
+
+
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the float kernel is what runs here already")
 def test_int4_float_kernel_where_there_is_no_vnni():
     """KTC_NO_VNNI=1 runs the 4-bit schemes through the float kernels, as on a CPU without VNNI."""
