@@ -58,6 +58,10 @@ class _CpuExpert:
 Work = list[tuple[int, np.ndarray, np.ndarray]]  # (expert, token rows, routing weights)
 
 
+# rows' kind codes of the matrices with row tiles (rows.experts_groups), and their scheme names
+_ROW_TILE_NAMES = {rows.kind(name): name for name in ("q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k")}
+
+
 class ExpertSet:
     """The routed experts of MoE layer ``layer``.
 
@@ -514,9 +518,10 @@ class ExpertSet:
         return results
 
     def _few_tokens(self, hidden: np.ndarray, work: Work, results: list[tuple[np.ndarray, np.ndarray]]) -> Work:
-        """The experts of ``work`` with a few tokens each (2 up to the block kinds' vector path,
-        ``kernels.LANES_MIN_TOKENS``), all of one block kind, in one compiled call
-        (``vnni.experts_groups``), their outputs into ``results``; the rest of the work back. An
+        """The experts of ``work`` with a few tokens each (2 up to their scheme's vector path,
+        ``kernels.LANES_MIN_TOKENS``), their gate/up of one kind and their down of one kind
+        among the row-tile kinds (the block kinds, q4_k, q5_k, q6_k), in one compiled call
+        (``rows.experts_groups``), their outputs into ``results``; the rest of the work back. An
         expert a call, a prompt chunk's experts of 2-11 tokens (at Qwen3-30B-A3B's shape most
         of them, from about 16 tokens to a few hundred) each paid Python, two parallel regions'
         starts and numpy's activation."""
@@ -524,34 +529,32 @@ class ExpertSet:
         if tables is None:
             return work
         gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows = tables[4:10]
-        few, rest = [], []
+        by_kinds: dict[tuple[int, int], list[Any]] = {}
         for item in work:
             e = item[0]
-            kind, dn_kind = int(gu_kinds[e]), int(dn_kinds[e])
-            scheme = next(n for n, k in vnni.BLOCK_KINDS.items() if k == kind) if 1 <= kind < rows.KQUANT else None
-            small = scheme is not None and 2 <= len(item[1]) < LANES_MIN_TOKENS[scheme]
-            (few if small and 1 <= dn_kind < rows.KQUANT else rest).append(item)
-        if len(few) < 2:
-            return work
-        kinds = {(int(gu_kinds[e]), int(dn_kinds[e])) for e, _, _ in few}
-        gu_kind, dn_kind = next(iter(kinds))
-        names = {k: n for n, k in vnni.BLOCK_KINDS.items()}
-        if (len(kinds) > 1 or not vnni.batched_fits(names[gu_kind], self.hidden_size)
-                or not vnni.batched_fits(names[dn_kind], self.intermediate_size)):
-            return work
-        experts = np.array([e for e, _, _ in few], dtype=np.int64)
-        tokens = np.concatenate([t for _, t, _ in few]).astype(np.int64)
-        per_token = np.repeat(experts, [len(t) for _, t, _ in few])
-        groups = np.concatenate([[0], np.cumsum([len(t) for _, t, _ in few])]).astype(np.int64)
-        file, _, f16, e8m0 = tables[:4]
-        inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias = tables[10:18]
-        y = vnni.experts_groups(file, f16, e8m0, gu_kind, gu_offsets[experts], int(gu_rows[experts[0]]), dn_kind,
-                                dn_offsets[experts], int(dn_rows[experts[0]]), inter, clamped, limit, alpha,
-                                gu_bias[per_token] if has_gu_bias else gu_bias, has_gu_bias,
-                                dn_bias[per_token] if has_dn_bias else dn_bias, has_dn_bias, groups,
-                                np.ascontiguousarray(hidden[tokens], dtype=np.float32),
-                                np.concatenate([w for _, _, w in few]).astype(np.float32), tokens, len(hidden))
-        results.append((np.arange(len(hidden)), y))
+            by_kinds.setdefault((int(gu_kinds[e]), int(dn_kinds[e])), []).append(item)
+        rest: list[Any] = []
+        for (gu_code, dn_code), items in by_kinds.items():
+            gu_name, dn_name = _ROW_TILE_NAMES.get(gu_code), _ROW_TILE_NAMES.get(dn_code)
+            few = ([item for item in items if 2 <= len(item[1]) < LANES_MIN_TOKENS[gu_name]]
+                   if gu_name and dn_name and rows.groups_fit(gu_name, self.hidden_size)
+                   and rows.groups_fit(dn_name, self.intermediate_size) else [])
+            if len(few) < 2:
+                rest.extend(items)
+                continue
+            rest.extend(item for item in items if not 2 <= len(item[1]) < LANES_MIN_TOKENS[gu_name])
+            experts = np.array([e for e, _, _ in few], dtype=np.int64)
+            tokens = np.concatenate([t for _, t, _ in few]).astype(np.int64)
+            per_token = np.repeat(experts, [len(t) for _, t, _ in few])
+            groups = np.concatenate([[0], np.cumsum([len(t) for _, t, _ in few])]).astype(np.int64)
+            file, _, f16, e8m0 = tables[:4]
+            inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias = tables[10:18]
+            results.append((np.arange(len(hidden)), rows.experts_groups(
+                file, f16, e8m0, gu_code, gu_offsets[experts], int(gu_rows[experts[0]]), dn_code, dn_offsets[experts],
+                int(dn_rows[experts[0]]), inter, clamped, limit, alpha, gu_bias[per_token] if has_gu_bias else gu_bias,
+                has_gu_bias, dn_bias[per_token] if has_dn_bias else dn_bias, has_dn_bias, groups,
+                np.ascontiguousarray(hidden[tokens], dtype=np.float32),
+                np.concatenate([w for _, _, w in few]).astype(np.float32), tokens, len(hidden))))
         return rest
 
     @property

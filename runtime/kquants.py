@@ -685,18 +685,72 @@ def _k_batched(raw, kind, cols, yk, ybase, dk, bsum, out):  # pragma: no cover -
                     out[t, r] = _q4_k_whole_row(*args1)
 
 
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def k_batched_groups(flat, kind, offsets, row_bytes, cols, yk, ybase, dk, bsum, groups,
+                     out):  # pragma: no cover - compiled
+    # _k_batched for several matrices of one kind, each with its own tokens: group g is the
+    # matrix at byte offsets[g] of flat (row_bytes a row, out.shape[1] rows) times tokens
+    # groups[g]..groups[g + 1], into those rows of out; work items of BATCH_ROWS rows of a
+    # group (vnni.work_item), as vnni._blocks_batched_groups.
+    rows = out.shape[1]
+    blocks = cols // 256
+    yf, df, bf, of = yk.reshape(-1), dk.reshape(-1), bsum.reshape(-1), out.reshape(-1)
+    ys, ds, bs = yk.shape[1], dk.shape[1], bsum.shape[1]
+    chunks = (rows + vnni.BATCH_ROWS - 1) // vnni.BATCH_ROWS
+    total = (groups.shape[0] - 1) * chunks
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for th in prange(threads):
+        while True:
+            item = vnni.work_item(counters, th, threads, total)
+            if item < 0:
+                break
+            g = item // chunks
+            first = (item - g * chunks) * vnni.BATCH_ROWS
+            last = min(rows, first + vnni.BATCH_ROWS)
+            base, t0, t1 = offsets[g], groups[g], groups[g + 1]
+            whole = t0 + (t1 - t0) // K_TILE_TOKENS * K_TILE_TOKENS
+            tiled = first + (last - first) // K_TILE_ROWS * K_TILE_ROWS
+            for t in range(t0, whole, K_TILE_TOKENS):
+                for r in range(first, tiled, K_TILE_ROWS):
+                    args = (flat, base + r * row_bytes, row_bytes, blocks, yf[t * ys:], ybase, ys, df[t * ds:], ds,
+                            bf[t * bs:], bs, of, t * rows + r, rows)
+                    if kind == 4:
+                        _q6_k_tile(*args)
+                    elif kind == 3:
+                        _q5_k_tile(*args)
+                    else:
+                        _q4_k_tile(*args)
+            for t in range(t0, t1):
+                for r in range(tiled if t < whole else first, last):
+                    args1 = (flat, base + r * row_bytes, blocks, yk[t], ybase, dk[t], bsum[t])
+                    if kind == 4:
+                        out[t, r] = _q6_k_whole_row(*args1)
+                    elif kind == 3:
+                        out[t, r] = _q5_k_whole_row(*args1)
+                    else:
+                        out[t, r] = _q4_k_whole_row(*args1)
+
+
 @njit(cache=True, nogil=True)
-def _k_batched_tokens(raw, kind, x, out):  # pragma: no cover - compiled
+def k_activations(x, kind):  # pragma: no cover - compiled
+    """(yk, ybase, dk, bsum) of the batched K-quant kernels for tokens x [n, cols] and matrices
+    of KINDS ``kind`` (q4_k, q5_k, q6_k): the activations per 256 as the one-token kernels
+    quantize them, each token's one cache line past a multiple of 4 KB from the last (as
+    vnni.padded_activations lays its tokens)."""
     n, cols = x.shape
     natural = kind == 4  # q6_k reads the activations in order, after the layout's cols
-    # each token's activations one cache line past a multiple of 4 KB from the last (as
-    # vnni._batched_token_blocks lays its tokens)
     yk = np.empty((n, (2 if natural else 1) * cols + 64), np.int8)
     dk = np.empty(n * cols // 256, np.float32)
     bsum = np.empty(n * cols // 16, np.int16)
     _quantize_superblocks(x.reshape(-1), cols, yk, dk, bsum, not natural, natural)
-    _k_batched(raw, kind, cols, yk, cols if natural else 0, dk.reshape(n, cols // 256), bsum.reshape(n, cols // 16),
-               out)
+    return yk, cols if natural else 0, dk.reshape(n, cols // 256), bsum.reshape(n, cols // 16)
+
+
+@njit(cache=True, nogil=True)
+def _k_batched_tokens(raw, kind, x, out):  # pragma: no cover - compiled
+    yk, ybase, dk, bsum = k_activations(x, kind)
+    _k_batched(raw, kind, x.shape[1], yk, ybase, dk, bsum, out)
 
 
 def matmul_k(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:

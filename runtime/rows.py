@@ -224,6 +224,58 @@ def pairs_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, d
 
 
 @njit(cache=True, nogil=True)
+def _groups_product(file, f16, e8m0, code, offsets, row_bytes, x, groups, out):  # pragma: no cover - compiled
+    # out rows groups[g]..groups[g + 1] = x's rows there times the matrix of kind ``code`` (a
+    # block kind, or q4_k, q5_k, q6_k) at byte offsets[g] of file, each group's matrix once
+    cols = x.shape[1]
+    if code < KQUANT:
+        xq, dx, sums, lanes, width = vnni.padded_activations(x, code)
+        vnni._blocks_batched_groups(file, code, offsets, row_bytes, f16, e8m0, xq, dx, sums, cols, lanes, width,
+                                    groups, out)
+    else:
+        yk, ybase, dk, bsum = kquants.k_activations(x, code - KQUANT)
+        kquants.k_batched_groups(file, code - KQUANT, offsets, row_bytes, cols, yk, ybase, dk, bsum, groups, out)
+
+
+@njit(cache=True, nogil=True)
+def experts_groups(file, f16, e8m0, gu_code, gu_offsets, gu_row_bytes, dn_code, dn_offsets, dn_row_bytes, inter,
+                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, groups, xs, weights, tokens,
+                   n_tokens):  # pragma: no cover - compiled
+    """Several experts, each with a few tokens, in one compiled call: expert g's tokens are rows
+    groups[g]..groups[g + 1] of xs [tokens, hidden] (weights: their routing weights; tokens:
+    their rows of the result), its gate/up of kind gu_code (a block kind other than int8, or
+    q4_k, q5_k, q6_k: their row tiles) at byte gu_offsets[g] of file, its down of dn_code at
+    dn_offsets[g] (gu_bias, dn_bias: a row each token, where present). Every expert's gate/up
+    rows in one parallel region (BATCH_ROWS rows of an expert a work item), the activation,
+    every down in another; each row weighted and added to row tokens[t] of the result
+    [n_tokens, hidden]."""
+    n, hidden = xs.shape
+    h = np.empty((n, 2 * inter), np.float32)
+    _groups_product(file, f16, e8m0, gu_code, gu_offsets, gu_row_bytes, xs, groups, h)
+    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias).reshape(n, inter)
+    y = np.empty((n, hidden), np.float32)
+    _groups_product(file, f16, e8m0, dn_code, dn_offsets, dn_row_bytes, a, groups, y)
+    out = np.zeros((n_tokens, hidden), np.float32)
+    for t in range(n):
+        w = weights[t]
+        row = out[tokens[t]]
+        if has_dn_bias:
+            for r in range(hidden):
+                row[r] += w * (y[t, r] + dn_bias[t, r])
+        else:
+            for r in range(hidden):
+                row[r] += w * y[t, r]
+    return out
+
+
+def groups_fit(scheme: str, cols: int) -> bool:
+    """Whether ``experts_groups`` takes matrices of ``scheme`` with rows of ``cols`` values."""
+    if scheme in vnni.BLOCK_KINDS:
+        return vnni.batched_fits(scheme, cols)
+    return kquants.batched_fits(scheme, cols)
+
+
+@njit(cache=True, nogil=True)
 def chosen_experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, inter,
                          clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, counts, idx, weights, x,
                          stamps):  # pragma: no cover - compiled

@@ -834,39 +834,6 @@ def _batched_token_blocks(raw, kind, f16, e8m0, x, out):  # pragma: no cover - c
     _blocks_batched(raw, kind, f16, e8m0, xq, dx, sums, x.shape[1], lanes, width, out)
 
 
-@njit(cache=True, nogil=True)
-def experts_groups(file, f16, e8m0, gu_kind, gu_offsets, gu_row_bytes, dn_kind, dn_offsets, dn_row_bytes, inter,
-                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, groups, xs, weights, tokens,
-                   n_tokens):  # pragma: no cover - compiled
-    """Several experts, each with a few tokens, in one compiled call: expert g's tokens are rows
-    groups[g]..groups[g + 1] of xs [tokens, hidden] (weights: their routing weights), its gate/up
-    of block kind gu_kind at byte gu_offsets[g] of file, its down of dn_kind at dn_offsets[g]
-    (gu_bias, dn_bias: a row each token, where present). Every expert's gate/up rows in one
-    parallel region (``_blocks_batched_groups``), the activation, every down in another; each
-    row weighted and added to row tokens[t] of the result [n_tokens, hidden]."""
-    n, hidden = xs.shape
-    xq, dx, sums, lanes, width = padded_activations(xs, gu_kind)
-    h = np.empty((n, 2 * inter), np.float32)
-    _blocks_batched_groups(file, gu_kind, gu_offsets, gu_row_bytes, f16, e8m0, xq, dx, sums, hidden, lanes, width,
-                           groups, h)
-    a = activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias).reshape(n, inter)
-    aq, adx, asums, alanes, awidth = padded_activations(a, dn_kind)
-    y = np.empty((n, hidden), np.float32)
-    _blocks_batched_groups(file, dn_kind, dn_offsets, dn_row_bytes, f16, e8m0, aq, adx, asums, inter, alanes, awidth,
-                           groups, y)
-    out = np.zeros((n_tokens, hidden), np.float32)
-    for t in range(n):
-        w = weights[t]
-        row = out[tokens[t]]
-        if has_dn_bias:
-            for r in range(hidden):
-                row[r] += w * (y[t, r] + dn_bias[t, r])
-        else:
-            for r in range(hidden):
-                row[r] += w * y[t, r]
-    return out
-
-
 def batched_fits(scheme: str, cols: int) -> bool:
     """Whether ``matmul_blocks`` takes matrices of ``scheme`` with rows of ``cols`` values (int8
     has torch's int8 GEMM, its scales being per row)."""

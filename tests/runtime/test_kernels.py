@@ -607,20 +607,23 @@ def test_pairs_of_an_expert_and_a_token_equal_each_expert_s_forward(scheme, acti
     assert not got[1].any()
 
 
-@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the batched block kernels need AVX-512 VNNI")
-@pytest.mark.parametrize("scheme,activation", [("q4_0", "silu"), ("q8_0", "swiglu_clamped"), ("mxfp4", "silu")])
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the batched row tiles need AVX-512 VNNI")
+@pytest.mark.parametrize("scheme,activation", [("q4_0", "silu"), ("q8_0", "swiglu_clamped"), ("mxfp4", "silu"),
+                                               ("q4_k+q6_k", "silu"), ("q5_k", "swiglu_clamped")])
 def test_experts_of_a_few_tokens_in_one_call_equal_each_expert_s_forward(scheme, activation):
-    """Experts of a few tokens each (``vnni.experts_groups``: a prompt chunk's experts of 2-11
-    tokens) in one compiled call equal each expert's own forward of each of its tokens, weighted
-    and added to the token's row: groups of 2, 3 (past the last whole tile of two tokens) and 5
+    """Experts of a few tokens each (``rows.experts_groups``: a prompt chunk's experts of 2-11
+    tokens; the block kinds' and the K-quants' row tiles, gate/up and down in different kinds)
+    in one compiled call equal each expert's own forward of each of its tokens, weighted and
+    added to the token's row: groups of 2, 3 (past the last whole tile of two tokens) and 5
     tokens, a token in several groups, a token in none."""
     from ktc.formats.schemes import expert_schemes
+    from ktc.runtime import rows
 
     rng = np.random.default_rng(13)
     parts = [tuple(part.name for part in expert_schemes(scheme))] * 3
-    hidden, inter = 256, 128
+    hidden, inter = 256, 256 if "_k" in scheme else 128
     experts, file, starts, down_offsets = _experts_file(rng, parts, hidden, inter)
-    gu_kind, dn_kind = vnni.BLOCK_KINDS[parts[0][0]], vnni.BLOCK_KINDS[parts[0][1]]
+    gu_kind, dn_kind = rows.kind(parts[0][0]), rows.kind(parts[0][1])
     gu_row_bytes, dn_row_bytes = experts[0][0].shape[1], experts[0][1].shape[1]
     f16, e8m0 = vnni._tables()
     n = 6
@@ -634,11 +637,11 @@ def test_experts_of_a_few_tokens_in_one_call_equal_each_expert_s_forward(scheme,
                rng.standard_normal((3, hidden)).astype(np.float32)) if clamped else (None, None))
     per_token = np.repeat(order, np.diff(groups))
     none = np.zeros((1, 1), np.float32)
-    got = vnni.experts_groups(file, f16, e8m0, gu_kind, starts[order], gu_row_bytes, dn_kind, down_offsets[order],
+    got = rows.experts_groups(file, f16, e8m0, gu_kind, starts[order], gu_row_bytes, dn_kind, down_offsets[order],
                               dn_row_bytes, inter, clamped, np.float32(7.0), np.float32(1.702),
                               biases[0][per_token] if clamped else none, clamped,
-                              biases[1][per_token] if clamped else none, clamped, groups, xs[tokens], weights, tokens,
-                              n)
+                              biases[1][per_token] if clamped else none, clamped, groups, xs[tokens], weights,
+                              tokens, n)
     want = np.zeros((n, hidden), np.float32)
     for e, t, w in zip(per_token, tokens, weights):
         gu, dn = experts[e]
