@@ -649,49 +649,15 @@ _q6_k_tile = _q6_k_intrinsic(K_TILE_TOKENS, K_TILE_ROWS)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _k_batched(raw, kind, cols, yk, ybase, dk, bsum, out):  # pragma: no cover - compiled
-    # out [n, rows] = the n tokens' activations per 256 (_quantize_superblocks: yk [n, ...] from
-    # ybase, in q4_k's layout for q4_k and q5_k, in order for q6_k; dk, bsum) times the rows raw
-    # of KINDS ``kind`` (q4_k, q5_k or q6_k): K_TILE_ROWS x K_TILE_TOKENS a call, the rows and
-    # tokens past the last whole tile one by one.
-    rows, row_bytes = raw.shape
-    flat = raw.reshape(-1)
-    n = out.shape[0]
-    blocks = cols // 256
-    yf, df, bf, of = yk.reshape(-1), dk.reshape(-1), bsum.reshape(-1), out.reshape(-1)
-    ys, ds, bs = yk.shape[1], dk.shape[1], bsum.shape[1]
-    whole = n // K_TILE_TOKENS * K_TILE_TOKENS
-    for chunk in prange((rows + vnni.BATCH_ROWS - 1) // vnni.BATCH_ROWS):
-        first, last = chunk * vnni.BATCH_ROWS, min(rows, chunk * vnni.BATCH_ROWS + vnni.BATCH_ROWS)
-        tiled = first + (last - first) // K_TILE_ROWS * K_TILE_ROWS
-        for t in range(0, whole, K_TILE_TOKENS):
-            for r in range(first, tiled, K_TILE_ROWS):
-                args = (flat, r * row_bytes, row_bytes, blocks, yf[t * ys:], ybase, ys, df[t * ds:], ds,
-                        bf[t * bs:], bs, of, t * rows + r, rows)
-                if kind == 4:
-                    _q6_k_tile(*args)
-                elif kind == 3:
-                    _q5_k_tile(*args)
-                else:
-                    _q4_k_tile(*args)
-        for t in range(n):
-            for r in range(tiled if t < whole else first, last):
-                args1 = (flat, r * row_bytes, blocks, yk[t], ybase, dk[t], bsum[t])
-                if kind == 4:
-                    out[t, r] = _q6_k_whole_row(*args1)
-                elif kind == 3:
-                    out[t, r] = _q5_k_whole_row(*args1)
-                else:
-                    out[t, r] = _q4_k_whole_row(*args1)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def k_batched_groups(flat, kind, offsets, row_bytes, cols, yk, ybase, dk, bsum, groups,
                      out):  # pragma: no cover - compiled
-    # _k_batched for several matrices of one kind, each with its own tokens: group g is the
-    # matrix at byte offsets[g] of flat (row_bytes a row, out.shape[1] rows) times tokens
-    # groups[g]..groups[g + 1], into those rows of out; work items of BATCH_ROWS rows of a
-    # group (vnni.work_item), as vnni._blocks_batched_groups.
+    # Matrices of KINDS ``kind`` (q4_k, q5_k or q6_k) times their tokens' activations per 256
+    # (k_activations: yk [n, ...] from ybase, in q4_k's layout for q4_k and q5_k, in order for
+    # q6_k; dk, bsum): group g is the matrix at byte offsets[g] of flat (row_bytes a row,
+    # out.shape[1] rows) times tokens groups[g]..groups[g + 1], into those rows of out.
+    # K_TILE_ROWS x K_TILE_TOKENS a call, the rows and tokens past the last whole tile one by
+    # one; work items of BATCH_ROWS rows of a group (vnni.work_item), as
+    # vnni._blocks_batched_groups.
     rows = out.shape[1]
     blocks = cols // 256
     yf, df, bf, of = yk.reshape(-1), dk.reshape(-1), bsum.reshape(-1), out.reshape(-1)
@@ -750,7 +716,8 @@ def k_activations(x, kind):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def _k_batched_tokens(raw, kind, x, out):  # pragma: no cover - compiled
     yk, ybase, dk, bsum = k_activations(x, kind)
-    _k_batched(raw, kind, x.shape[1], yk, ybase, dk, bsum, out)
+    k_batched_groups(raw.reshape(-1), kind, np.zeros(1, np.int64), raw.shape[1], x.shape[1], yk, ybase, dk, bsum,
+                     np.array([0, x.shape[0]], np.int64), out)
 
 
 def matmul_k(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:

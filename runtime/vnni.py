@@ -722,52 +722,17 @@ BATCH_ROWS = 16  # rows a work item of the batched kernel: every token goes over
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _blocks_batched(raw, kind, f16, e8m0, xq, dx, xsum, cols, lanes, width, out):  # pragma: no cover - compiled
-    # out [n, rows] = the n tokens' activations (xq [n, >= cols], quantized per 32 in the kind's
-    # layout, dx and xsum their scales and sums; lanes [n, >= width]: their _lanes) times the
-    # matrix of BLOCK_KINDS[kind] (1-4) stored as rows raw, whole steps of the row loop (cols a
-    # multiple of 64, or of 128 for the 4-bit kinds). TILE_ROWS[kind] x TILE_TOKENS a call of
-    # the row intrinsic; the rows and tokens past the last whole tile one by one.
-    rows, row_bytes = raw.shape
-    flat = raw.reshape(-1)
-    n, xstride = xq.shape
-    lstride = lanes.shape[1]
-    steps = cols // (64 if kind < 2 else 128)
-    span = width // 8
-    lbase = 2 * (kind - 1) * span if kind >= 2 else 0
-    tile = TILE_ROWS[kind]
-    xf, lf, of = xq.reshape(-1), lanes.reshape(-1), out.reshape(-1)
-    whole = n // TILE_TOKENS * TILE_TOKENS
-    for chunk in prange((rows + BATCH_ROWS - 1) // BATCH_ROWS):
-        first, last = chunk * BATCH_ROWS, min(rows, chunk * BATCH_ROWS + BATCH_ROWS)
-        acc = np.zeros(16, np.float32)
-        tiled = first + (last - first) // tile * tile
-        for t in range(0, whole, TILE_TOKENS):
-            for r in range(first, tiled, tile):
-                args = (flat, r * row_bytes, row_bytes, steps, xf, t * xstride, xstride, lf, lbase + t * lstride, span,
-                        lstride, e8m0, of, t * rows + r, rows)
-                if kind == 1:
-                    _q8_0_tile(*args)
-                elif kind == 2:
-                    _q4_0_tile(*args)
-                elif kind == 3:
-                    _mxfp4_tile(*args)
-                else:
-                    _iq4_nl_tile(*args)
-        for t in range(n):
-            for r in range(tiled if t < whole else first, last):
-                out[t, r] = _block_row(kind, flat, f16, e8m0, r * row_bytes, cols // 32, xq[t, :cols], dx[t], xsum[t],
-                                       lanes[t, :width], acc)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _blocks_batched_groups(flat, kind, offsets, row_bytes, f16, e8m0, xq, dx, xsum, cols, lanes, width, groups,
                            out):  # pragma: no cover - compiled
-    # _blocks_batched for several matrices of one kind at once, each with its own tokens: group g
-    # is the matrix at byte offsets[g] of flat (row_bytes a row, out.shape[1] rows) times tokens
-    # groups[g]..groups[g + 1] of xq, dx, xsum and lanes, into those rows of out. Work items of
-    # BATCH_ROWS rows of a group (work_item), so the few tokens of many experts (a prompt chunk's
-    # experts of 2-11 tokens) share one parallel region.
+    # Matrices of BLOCK_KINDS[kind] (1-4) times their tokens' activations (xq [n, >= cols],
+    # quantized per 32 in the kind's layout, dx and xsum their scales and sums; lanes [n, >=
+    # width]: their _lanes): group g is the matrix at byte offsets[g] of flat (row_bytes a row,
+    # out.shape[1] rows, whole steps of the row loop: cols a multiple of 64, or of 128 for the
+    # 4-bit kinds) times tokens groups[g]..groups[g + 1], into those rows of out. TILE_ROWS[kind]
+    # x TILE_TOKENS a call of the row intrinsic, the rows and tokens past the last whole tile one
+    # by one; work items of BATCH_ROWS rows of a group (work_item), so one matrix's tokens, or
+    # the few tokens of many experts (a prompt chunk's experts of 2-11 tokens), share one
+    # parallel region.
     rows = out.shape[1]
     xstride = xq.shape[1]
     lstride = lanes.shape[1]
@@ -831,7 +796,8 @@ def padded_activations(x, kind):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def _batched_token_blocks(raw, kind, f16, e8m0, x, out):  # pragma: no cover - compiled
     xq, dx, sums, lanes, width = padded_activations(x, kind)
-    _blocks_batched(raw, kind, f16, e8m0, xq, dx, sums, x.shape[1], lanes, width, out)
+    _blocks_batched_groups(raw.reshape(-1), kind, np.zeros(1, np.int64), raw.shape[1], f16, e8m0, xq, dx, sums,
+                           x.shape[1], lanes, width, np.array([0, x.shape[0]], np.int64), out)
 
 
 def batched_fits(scheme: str, cols: int) -> bool:
