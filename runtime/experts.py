@@ -58,8 +58,9 @@ class _CpuExpert:
 Work = list[tuple[int, np.ndarray, np.ndarray]]  # (expert, token rows, routing weights)
 
 
-# rows' kind codes of the matrices with row tiles (rows.experts_groups), and their scheme names
-_ROW_TILE_NAMES = {rows.kind(name): name for name in ("q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k")}
+# rows' kind codes of the schemes multiplied in place, and their names (rows.groups_fit says which
+# of them have the row tiles of rows.experts_groups)
+_IN_PLACE_NAMES = {rows.kind(name): name for name in LANES_MIN_TOKENS}
 
 
 class ExpertSet:
@@ -535,7 +536,7 @@ class ExpertSet:
             by_kinds.setdefault((int(gu_kinds[e]), int(dn_kinds[e])), []).append(item)
         rest: list[Any] = []
         for (gu_code, dn_code), items in by_kinds.items():
-            gu_name, dn_name = _ROW_TILE_NAMES.get(gu_code), _ROW_TILE_NAMES.get(dn_code)
+            gu_name, dn_name = _IN_PLACE_NAMES.get(gu_code), _IN_PLACE_NAMES.get(dn_code)
             few = ([item for item in items if 2 <= len(item[1]) < LANES_MIN_TOKENS[gu_name]]
                    if gu_name and dn_name and rows.groups_fit(gu_name, self.hidden_size)
                    and rows.groups_fit(dn_name, self.intermediate_size) else [])
@@ -551,9 +552,8 @@ class ExpertSet:
             inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias = tables[10:18]
             results.append((np.arange(len(hidden)), rows.experts_groups(
                 file, f16, e8m0, gu_code, gu_offsets[experts], int(gu_rows[experts[0]]), dn_code, dn_offsets[experts],
-                int(dn_rows[experts[0]]), inter, clamped, limit, alpha, gu_bias[per_token] if has_gu_bias else gu_bias,
-                has_gu_bias, dn_bias[per_token] if has_dn_bias else dn_bias, has_dn_bias, groups,
-                np.ascontiguousarray(hidden[tokens], dtype=np.float32),
+                int(dn_rows[experts[0]]), inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias,
+                groups, per_token, np.ascontiguousarray(hidden[tokens], dtype=np.float32),
                 np.concatenate([w for _, _, w in few]).astype(np.float32), tokens, len(hidden))))
         return rest
 

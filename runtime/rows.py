@@ -209,16 +209,23 @@ def pairs_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, d
     act_a = activations(a, p, inter, dk)
     y = np.empty((p, hidden), np.float32)
     rows_many(file, f32, f16, e8m0, dk, dn_offsets[experts], dn_rows[experts], inter, act_a, y)
-    out = np.zeros((n, hidden), np.float32)
-    for i in range(p):
+    return _into_tokens(y, experts, tokens, weights, dn_bias, has_dn_bias, n)
+
+
+@njit(cache=True, nogil=True)
+def _into_tokens(y, experts, tokens, weights, dn_bias, has_dn_bias, n):  # pragma: no cover - compiled
+    # [n, hidden]: each row i of y, the output of expert experts[i] for token tokens[i], plus
+    # that expert's down bias where present, weighted by weights[i] and added to its token's row
+    out = np.zeros((n, y.shape[1]), np.float32)
+    for i in range(y.shape[0]):
         w = weights[i]
         row = out[tokens[i]]
         if has_dn_bias:
             bias = dn_bias[experts[i]]
-            for r in range(hidden):
+            for r in range(y.shape[1]):
                 row[r] += w * (y[i, r] + bias[r])
         else:
-            for r in range(hidden):
+            for r in range(y.shape[1]):
                 row[r] += w * y[i, r]
     return out
 
@@ -239,33 +246,25 @@ def _groups_product(file, f16, e8m0, code, offsets, row_bytes, x, groups, out): 
 
 @njit(cache=True, nogil=True)
 def experts_groups(file, f16, e8m0, gu_code, gu_offsets, gu_row_bytes, dn_code, dn_offsets, dn_row_bytes, inter,
-                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, groups, xs, weights, tokens,
-                   n_tokens):  # pragma: no cover - compiled
+                   clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias, groups, row_experts, xs, weights,
+                   tokens, n_tokens):  # pragma: no cover - compiled
     """Several experts, each with a few tokens, in one compiled call: expert g's tokens are rows
-    groups[g]..groups[g + 1] of xs [tokens, hidden] (weights: their routing weights; tokens:
-    their rows of the result), its gate/up of kind gu_code (a block kind other than int8, or
-    q4_k, q5_k, q6_k: their row tiles) at byte gu_offsets[g] of file, its down of dn_code at
-    dn_offsets[g] (gu_bias, dn_bias: a row each token, where present). Every expert's gate/up
-    rows in one parallel region (BATCH_ROWS rows of an expert a work item), the activation,
-    every down in another; each row weighted and added to row tokens[t] of the result
-    [n_tokens, hidden]."""
+    groups[g]..groups[g + 1] of xs [tokens, hidden] (row_experts: each row's expert, the index of
+    its biases in the layer's gu_bias and dn_bias where present; weights: their routing weights;
+    tokens: their rows of the result), its gate/up of kind gu_code (a block kind other than
+    int8, or q4_k, q5_k, q6_k: their row tiles) at byte gu_offsets[g] of file, its down of
+    dn_code at dn_offsets[g]. Every expert's gate/up rows in one parallel region (BATCH_ROWS
+    rows of an expert a work item), the activation, every down in another; each row weighted
+    and added to row tokens[t] of the result [n_tokens, hidden], as ``pairs_token`` adds its
+    pairs'."""
     n, hidden = xs.shape
     h = np.empty((n, 2 * inter), np.float32)
     _groups_product(file, f16, e8m0, gu_code, gu_offsets, gu_row_bytes, xs, groups, h)
-    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias).reshape(n, inter)
+    a = vnni.activate(h, inter, clamped, limit, alpha, gu_bias[row_experts] if has_gu_bias else gu_bias,
+                      has_gu_bias).reshape(n, inter)
     y = np.empty((n, hidden), np.float32)
     _groups_product(file, f16, e8m0, dn_code, dn_offsets, dn_row_bytes, a, groups, y)
-    out = np.zeros((n_tokens, hidden), np.float32)
-    for t in range(n):
-        w = weights[t]
-        row = out[tokens[t]]
-        if has_dn_bias:
-            for r in range(hidden):
-                row[r] += w * (y[t, r] + dn_bias[t, r])
-        else:
-            for r in range(hidden):
-                row[r] += w * y[t, r]
-    return out
+    return _into_tokens(y, row_experts, tokens, weights, dn_bias, has_dn_bias, n_tokens)
 
 
 def groups_fit(scheme: str, cols: int) -> bool:

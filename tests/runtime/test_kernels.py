@@ -639,9 +639,8 @@ def test_experts_of_a_few_tokens_in_one_call_equal_each_expert_s_forward(scheme,
     none = np.zeros((1, 1), np.float32)
     got = rows.experts_groups(file, f16, e8m0, gu_kind, starts[order], gu_row_bytes, dn_kind, down_offsets[order],
                               dn_row_bytes, inter, clamped, np.float32(7.0), np.float32(1.702),
-                              biases[0][per_token] if clamped else none, clamped,
-                              biases[1][per_token] if clamped else none, clamped, groups, xs[tokens], weights,
-                              tokens, n)
+                              biases[0] if clamped else none, clamped, biases[1] if clamped else none, clamped,
+                              groups, per_token, xs[tokens], weights, tokens, n)
     want = np.zeros((n, hidden), np.float32)
     for e, t, w in zip(per_token, tokens, weights):
         gu, dn = experts[e]
