@@ -526,12 +526,16 @@ def _expert_results(experts: list[BlockJob], jobs: int, options: BuildOptions,
 
 
 def _stop_workers(pool: Any) -> None:
-    pool.shutdown(wait=False, cancel_futures=True)
-    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    # The workers are taken before the shutdown: it drops the pool's reference to them, and
+    # the exit then waited for the experts in flight (and, on a loaded machine, for workers
+    # still importing) instead of stopping them. Python 3.14's terminate_workers does the same.
+    terminate = getattr(pool, "terminate_workers", None)
     if terminate is not None:
         terminate()
         return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
         process.terminate()
 
 

@@ -183,6 +183,28 @@ def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(
         assert subprocess.run(KTC + ["verify", str(out)], capture_output=True).returncode == 0
 
 
+def test_stopping_the_workers_stops_the_expert_they_are_building():
+    # Python's shutdown() drops the pool's list of its workers: stopping them after it found
+    # none, and a stopped compile then waited for the experts in flight.
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ktc.passes.emit import _stop_workers
+
+    pool = ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
+    busy = [pool.submit(time.sleep, 120) for _ in range(3)]
+    deadline = time.time() + 60
+    while not all(f.running() for f in busy[:2]):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    workers = list(pool._processes.values())
+    assert len(workers) == 2
+    _stop_workers(pool)
+    for worker in workers:
+        worker.join(timeout=20)
+    assert not any(worker.is_alive() for worker in workers)
+
+
 def test_only_temporaries_whose_writer_is_gone_are_removed(tmp_path):
     from ktc.passes.emit import remove_stale_temporaries, temporary_prefix
 
