@@ -51,7 +51,7 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
          sync_us: float | None = None, disk_bandwidth: str | float | None = None, source_types: bool = False,
          calibration_text: str | os.PathLike[str] | None = None, calibration_tokens: int = 1024,
-         trace: str | os.PathLike[str] | None = None):
+         trace: str | os.PathLike[str] | None = None, request: tuple[int, int] | None = None):
     """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
 
     ``vram``/``ram`` take sizes like "24GiB"; ``hardware`` a profile JSON (flags override it).
@@ -62,7 +62,9 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
     ``source_types`` the source's own types even where they are floats (what llama.cpp loads).
     The plan's ``streaming`` (``ktc.streaming``) holds the device cache's slots, the prefill
     offload's threshold and the disk tier; ``trace`` (a ``ktc profile --trace`` file) lets the
-    planner trade residents for cache slots where the recorded routing says they gain.
+    planner trade residents for cache slots where the recorded routing says they gain;
+    ``request`` (a typical request's prompt and new tokens) lets it hold VRAM for the prefill
+    offload's copies in place of residents where that makes such a request faster.
 
     >>> p = ktc.plan("./Qwen3-30B-A3B", vram="24GiB", ram="64GiB", max_tokens=32768)
     >>> p.predicted_ms_per_token, p.placement.gpu_experts_per_layer()
@@ -96,13 +98,17 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
         options = dataclasses.replace(options, activation_errors=tuple(activation_errors(
             model, ir, os.fspath(calibration_text), options.gpu_schemes + options.cpu_schemes,
             calibration_tokens).items()))
-    workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+    prompt_tokens, new_tokens = request or (0, 0)
+    workload = Workload(max_tokens=max_tokens, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                        prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     from ktc.streaming import plan_streaming
 
     static = plan_placement(ir, hw, workload, activation, options)
     chosen, streaming = plan_streaming(
         ir, static, None if trace is None else os.fspath(trace),
-        replan=lambda vram: plan_placement(ir, hw, workload, activation, dataclasses.replace(options, cache_vram=vram)))
+        replan=lambda vram, offload=0: plan_placement(ir, hw, workload, activation,
+                                                      dataclasses.replace(options, cache_vram=vram,
+                                                                          offload_vram=offload)))
     return dataclasses.replace(chosen, streaming=streaming)
 
 

@@ -246,6 +246,25 @@ def _tensor_rows(ir: Any) -> list[dict[str, Any]]:
     return result
 
 
+def _request(ctx: Any, param: Any, value: str | None) -> tuple[int, int] | None:
+    """``--request PROMPT:NEW`` as (prompt tokens, new tokens)."""
+    if value is None:
+        return None
+    prompt, sep, new = value.partition(":")
+    try:
+        pair = (int(prompt), int(new))
+    except ValueError:
+        pair = (-1, -1)
+    if not sep or min(pair) < 0 or pair[0] == 0:
+        raise click.BadParameter(f"{value!r}: give a typical request's prompt and new tokens, e.g. 4000:300")
+    return pair
+
+
+REQUEST_HELP = ("A typical request's prompt and generated tokens, e.g. 4000:300: the planner weighs prefill "
+                "against decode and holds VRAM for the prefill offload's copies in place of resident experts "
+                "where that makes such a request faster (it needs the CPU's prefill rate: ktc doctor --calibrate).")
+
+
 def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Flags shared by the commands that plan: the target machine and the workload."""
     options = [
@@ -278,6 +297,7 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="A routing trace (ktc profile --trace FILE): the planner replays it through the device "
                           "expert cache's policy and trades residents for cache slots (0, 1, 2, 4 or 8 a layer) "
                           "where that predicts a faster decode; ktc run keeps the slots the plan chose."),
+        click.option("--request", metavar="PROMPT:NEW", callback=_request, help=REQUEST_HELP),
         click.option("--gpu-schemes",
                      help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4. "
                           "[default: the source's own block type (a GGUF's Q4_K...), passed "
@@ -325,7 +345,7 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
                      sync_us=kw["sync_us"], disk_bandwidth=kw.get("disk_bandwidth"), source_types=source_types,
-                     calibration_text=kw.get("calibration_text"), trace=kw.get("trace"))
+                     calibration_text=kw.get("calibration_text"), trace=kw.get("trace"), request=kw.get("request"))
 
 
 @main.command()
@@ -456,6 +476,7 @@ def _given_flags(*names: str) -> list[str]:
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="With a budget, as in ktc plan: a routing trace (ktc profile --trace) from which the planner "
                    "chooses device cache slots; the bundle records them and ktc run keeps them.")
+@click.option("--request", metavar="PROMPT:NEW", callback=_request, help="With a budget, as in ktc plan. " + REQUEST_HELP)
 @click.option("--disk-bandwidth",
               help="With a budget, as in ktc plan: the disk's read bandwidth (e.g. 3GB/s), which lets the least "
                    "used CPU experts stay on disk where they do not fit --ram.")
@@ -482,7 +503,7 @@ def _given_flags(*names: str) -> list[str]:
 def compile_command(source: str, output: str, plan_path: str | None, vram: str | None, ram: str | None,
                     hardware: str | None, reserve: str | None, max_tokens: int, batch: int,
                     profile: str | None, cpu_scheme: str, gpu_scheme: str, dense_scheme: str | None,
-                    trace: str | None, disk_bandwidth: str | None, jobs: int,
+                    trace: str | None, request: tuple[int, int] | None, disk_bandwidth: str | None, jobs: int,
                     compress: bool, report_error: bool, calibration_text: str | None, allow_nonfinite: bool,
                     hash_sources: bool, check: bool, stop_after: str | None, dump_after: str | None,
                     as_json: bool) -> None:
@@ -507,7 +528,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     if plan_path and (vram or hardware):
         raise KtcError("give either --plan or planner flags (--vram/--hardware), not both")
     given = _given_flags("ram", "reserve", "profile", "batch", "max_tokens", "cpu_scheme", "gpu_scheme",
-                         "disk_bandwidth", "trace")
+                         "disk_bandwidth", "trace", "request")
     if plan_path and given:
         raise KtcError(f"{', '.join(given)}: the plan file fixes the placement, the schemes and the workload",
                        hint=f"give {given[0].replace('-scheme', '-schemes')} to ktc plan when making the plan")
@@ -520,7 +541,8 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
     if vram or hardware:
         plan_kwargs = {"vram": vram, "ram": ram, "hardware": hardware, "reserve": reserve,
                        "max_tokens": max_tokens, "batch": batch, "profile": profile,
-                       "calibration_text": calibration_text, "disk_bandwidth": disk_bandwidth, "trace": trace}
+                       "calibration_text": calibration_text, "disk_bandwidth": disk_bandwidth, "trace": trace,
+                       "request": request}
     started = time.perf_counter()
     result = compile_bundle(source, output, plan_path=plan_path, plan_kwargs=plan_kwargs,
                             cpu_scheme=cpu_scheme, gpu_scheme=gpu_scheme, dense_scheme=dense_scheme,
@@ -1221,7 +1243,7 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
     from ktc.demo import demo_corpus
     from ktc.api import plan as make_plan
     from ktc.passes.planner import placement_ms_per_token
-    from ktc.plan_report import streaming_lines
+    from ktc.plan_report import cache_lines
     from ktc.runtime.perplexity import measure
     from ktc.summary import format_bytes
     from ktc.runtime.profile import record
@@ -1258,7 +1280,7 @@ def _demo_loop(folder: str, ir: Any, bundle_path: str, uniform: Any, plan_and_co
                          profile=profile_path, trace=trace_path)
     say(f"\n$ ktc plan {folder} --vram {format_bytes(uniform.hardware.vram_bytes).replace(' ', '')} --ram 1GiB "
         f"--reserve 0 --profile {profile_path} --trace {trace_path}")
-    say("\n".join(streaming_lines(streamed)[:-1]))  # the device cache's lines
+    say("\n".join(cache_lines(streamed)))
     scored = measure(profiled_path, text, ctx=128, reference=folder)
     ref = scored["reference"]
     say(f"\n$ ktc perplexity {profiled_path} --text {held_out} --ctx 128 --reference {folder}")

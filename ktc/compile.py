@@ -151,6 +151,9 @@ def load_plan_file(path: str, ir: ModelIR, data: dict[str, Any] | None = None
         for key in ("max_tokens", "batch", "prefill_chunk"):
             if key in workload:
                 workload.integer(key, minimum=1)
+        for key in ("prompt_tokens", "new_tokens"):
+            if key in workload:
+                workload.integer(key, minimum=0)
         if "kv_dtype" in workload:
             workload.string("kv_dtype", choices=KV_DTYPE_BYTES)
     return placement, {k: v for k, v in data.items() if k not in _TIMING_KEYS and k != "placement"}

@@ -82,7 +82,11 @@ def render_plan_text(plan: Plan) -> str:
     lines += streaming_lines(plan)
     single = plan.single_scheme
     width = max([len(b.schemes) for b in plan.baselines] + [len(single.schemes) if single else 0]) + 1
-    lines.append("baselines on the same budget and model, each at its best one scheme per device:")
+    held = [f"{format_bytes(b)} for {what}" for b, what in ((plan.options.cache_vram, "cache slots"),
+                                                             (plan.options.offload_vram, "the prefill offload"))
+            if b]
+    lines.append("baselines on the same budget" + (f" (less the {' and '.join(held)}, as ktc's)" if held else "")
+                 + " and model, each at its best one scheme per device:")
     for b in plan.baselines:
         ms = (f"{b.predicted_ms_per_step / plan.workload.batch:.3f} ms/token"
               if b.predicted_ms_per_step is not None else "-")
@@ -99,7 +103,12 @@ def render_plan_text(plan: Plan) -> str:
 
 def streaming_lines(plan: Plan) -> list[str]:
     """The streaming plan (``ktc.streaming``): the cache slots and what they were chosen on,
-    and the prefill offload's threshold and predicted gain."""
+    and the prefill offload's threshold, buffer and predicted gain."""
+    return cache_lines(plan) + offload_lines(plan)
+
+
+def cache_lines(plan: Plan) -> list[str]:
+    """The device cache's slots and what they were chosen on."""
     st = plan.streaming
     if st is None or st.slot_scheme is None:
         return []
@@ -122,14 +131,37 @@ def streaming_lines(plan: Plan) -> list[str]:
             lines.append("  chosen: no slots (none predicts a faster decode than the static plan on this trace)")
     else:
         lines.append(f"device cache: no slots ({st.evidence})")
+    return lines
+
+
+def offload_lines(plan: Plan) -> list[str]:
+    """The prefill offload's threshold, the VRAM its copies get and what that rests on."""
+    st = plan.streaming
+    if st is None or st.slot_scheme is None:
+        return []
+    lines = []
     free = plan.hardware.vram_bytes - plan.memory.vram_total
+    held = plan.options.offload_vram
+    room = (f"the {format_bytes(held)} held for them and the {format_bytes(max(free, 0))} the plan leaves free"
+            if held else f"the {format_bytes(max(free, 0))} the plan leaves free")
     line = (f"prefill offload: from {st.prefill_min_tokens} tokens a forward, {st.prefill_basis}; its copies get "
-            f"the {format_bytes(max(free, 0))} the plan leaves free")
+            f"{room}")
     if st.prefill_static_tokens_per_s and st.prefill_offload_tokens_per_s:
         line += (f"; a {plan.workload.prefill_chunk}-token chunk's MoE experts {st.prefill_static_tokens_per_s:.0f} "
                  f"tokens/s on the CPU alone, {st.prefill_offload_tokens_per_s:.0f} with the offload "
                  f"({st.prefill_offload_tokens_per_s / st.prefill_static_tokens_per_s:.2f}x)")
     lines.append(line)
+    if st.offload_splits:
+        base = st.offload_splits[0]
+        tried = ", ".join(f"{format_bytes(s.vram)}: {s.request_seconds:.3g} s" for s in st.offload_splits)
+        lines.append(f"  buffer for its copies: {st.offload_evidence}; predicted request by buffer: {tried}")
+        chosen = next((s for s in st.offload_splits if s.vram == held), base)
+        if held:
+            lines.append(f"  chosen: {format_bytes(held)}, {base.gpu_experts - chosen.gpu_experts} residents fewer; "
+                         f"prefill {chosen.prefill_tokens_per_s:.0f} against {base.prefill_tokens_per_s:.0f} tokens/s, "
+                         f"decode {chosen.decode_ms_per_step:.3f} against {base.decode_ms_per_step:.3f} ms a step")
+    else:
+        lines.append(f"  buffer for its copies: none ({st.offload_evidence})")
     return lines
 
 

@@ -24,6 +24,13 @@ is the threshold the runtime then follows; without a measured ``cpu_prefill_ops`
 workload's ``prefill_chunk`` tokens compares the MoE layers' experts with and without the
 offload (attention and the device's own products left out).
 
+With a typical request given (``Workload.prompt_tokens``/``new_tokens``, ``--request P:N``) the
+planner also weighs prefill against decode: it solves the residents again with VRAM held for the
+offload's copies (a quarter, half, one and two MoE layers of CPU experts' bytes) and keeps the
+buffer whose request — the prompt at the offload's predicted prefill rate plus the new tokens at
+the predicted decode — is fastest, none unless one gains at least 1%. A resident given up costs
+every decode step; a buffer pays once a prompt, so only prompt-heavy requests hold one.
+
 The disk tier is the solve's own (``disk:`` placements); the plan counts it here, and the
 runtime pins the RAM experts and prefetches the disk ones a layer ahead.
 """
@@ -43,6 +50,10 @@ from ktc.runtime.offload import LLAMA_CPP_MIN_TOKENS as DEFAULT_PREFILL_MIN_TOKE
 
 CANDIDATE_SLOTS = (1, 2, 4, 8)  # slots a MoE layer the split tries beside none
 REPLAY_TOKENS = 1024  # at most this many of a trace's tokens are replayed
+# Offload buffers tried beside none, in MoE layers' worth of CPU experts' bytes: with copies made
+# a layer ahead a forward's own take half the buffer, so 2 copies a whole layer.
+OFFLOAD_LAYERS = (0.25, 0.5, 1.0, 2.0)
+OFFLOAD_MIN_GAIN = 0.01  # a buffer is held only where the request is at least this much faster
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,17 @@ class SplitResult:
 
 
 @dataclass(frozen=True)
+class OffloadSplit:
+    """One split of the experts' VRAM between residents and the prefill offload's buffer."""
+
+    vram: int  # bytes held for the offload's copies
+    gpu_experts: int  # residents
+    decode_ms_per_step: float
+    prefill_tokens_per_s: float  # the MoE layers' experts, a prompt chunk, with the offload
+    request_seconds: float  # the prompt's prefill plus the new tokens' decode
+
+
+@dataclass(frozen=True)
 class StreamingPlan:
     cache_slots: int  # device slots a MoE layer the runtime keeps (0: none)
     slot_scheme: str | None  # the CPU experts' most common scheme: what a slot holds
@@ -68,6 +90,9 @@ class StreamingPlan:
     prefill_static_tokens_per_s: float | None  # the MoE layers' experts, a prompt chunk
     prefill_offload_tokens_per_s: float | None
     disk_experts: int
+    offload_vram: int = 0  # VRAM held for the offload's copies in place of residents
+    offload_evidence: str = ""  # what the buffer's size rests on
+    offload_splits: tuple[OffloadSplit, ...] = ()  # no buffer first, then each tried
 
     @property
     def chosen(self) -> SplitResult | None:
@@ -84,7 +109,9 @@ class StreamingPlan:
                 "prefill_min_tokens": self.prefill_min_tokens, "prefill_basis": self.prefill_basis,
                 "prefill_static_tokens_per_s": self.prefill_static_tokens_per_s,
                 "prefill_offload_tokens_per_s": self.prefill_offload_tokens_per_s,
-                "disk_experts": self.disk_experts}
+                "disk_experts": self.disk_experts,
+                "prefill_offload_vram_bytes": self.offload_vram, "offload_evidence": self.offload_evidence,
+                "offload_splits": [dataclasses.asdict(s) for s in self.offload_splits]}
 
 
 def load_trace(path: str, moe_layers: int, num_experts: int) -> np.ndarray:
@@ -152,9 +179,11 @@ def replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int, slot_scheme: str
                        result.hits / max(result.uses, 1), result.uploaded * slot_bytes / tokens)
 
 
-def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int) -> tuple[int, str, float | None, float | None]:
+def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int, chunk: int | None = None
+             ) -> tuple[int, str, float | None, float | None]:
     """(a forward's fewest tokens for the offload, what it rests on, the MoE layers' experts'
-    prefill tokens/s over a chunk without and with the offload: None unmeasured)."""
+    prefill tokens/s over a chunk — ``chunk`` tokens, else the workload's ``prefill_chunk`` —
+    without and with the offload: None unmeasured)."""
     from ktc.formats.schemes import expert_footprint
     from ktc.runtime.offload import PrefillOffload
 
@@ -173,7 +202,7 @@ def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int) -> tuple[i
     per_expert = max(math.ceil(extra / per_token), 1) if extra > 0 else 1
     # each of a forward's tokens uses k of the layer's experts: per_expert tokens each on average
     min_tokens = max(math.ceil(per_expert * model.num_experts / model.top_k), 1)
-    chunk = plan.workload.prefill_chunk
+    chunk = chunk or plan.workload.prefill_chunk
     share = plan.profile.selection_probability(model.top_k)  # a token's use of each expert
     offload = PrefillOffload(hw.pcie_bandwidth, hw.cpu_bandwidth, free_vram, min_tokens=1)
     offload.lookahead = True  # as the runtime runs it: a forward's own copies take half the VRAM
@@ -187,19 +216,21 @@ def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int) -> tuple[i
                 work.append((e, p.scheme, chunk * float(share[li, e]), stored[p.scheme]))
         cpu = sum(offload.cpu_seconds(s, n, b) or 0.0 for _, s, n, b in work)
         static += cpu
-        chosen = set(offload.choose(work, chunk)) if work else set()
+        # (below the threshold the runtime copies nothing)
+        chosen = set(offload.choose(work, chunk)) if work and chunk >= min_tokens else set()
         left = sum(offload.cpu_seconds(s, n, b) or 0.0 for e, s, n, b in work if e not in chosen)
         copying = sum(b for e, _, _, b in work if e in chosen) / hw.pcie_bandwidth
         offloaded += max(left, copying)
     basis = (f"a copy pays from {per_expert} token{'s' * (per_expert > 1)} an expert (the CPU's measured "
-             f"{ops / 1e9:.0f} GOP/s)")
+             f"{ops / 1e9:.3g} GOP/s)")
     return min_tokens, basis, chunk / static if static > 0 else None, chunk / offloaded if offloaded > 0 else None
 
 
 def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tuple[Any, StreamingPlan]:
     """(the plan to keep — ``plan``, or the one solved under a split that gains — and its
-    streaming plan). ``replan(cache_vram)``: the plan solved again with that many bytes of VRAM
-    held for slots (``BudgetError`` where it does not fit)."""
+    streaming plan). ``replan(cache_vram, offload_vram=0)``: the plan solved again with that many
+    bytes of VRAM held for slots (and for the prefill offload's copies; ``BudgetError`` where it
+    does not fit)."""
     from ktc.formats.schemes import expert_footprint
     from ktc.passes.planner import build_context, expert_shape
 
@@ -234,8 +265,64 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
             if result.ms_per_token < best.ms_per_token:
                 best, chosen = result, candidate
         evidence = f"the routing trace {trace} ({len(routes)} tokens replayed)"
-    free = plan.hardware.vram_bytes - chosen.memory.vram_total
-    min_tokens, basis, static, offloaded = _prefill(chosen, expert_shape(ir), slot_scheme, max(free, 0))
     slots = 0 if chosen is plan else best.slots
+    shape = expert_shape(ir)
+
+    def decode_ms(candidate: Any) -> float:  # a step: the replay where slots are kept
+        if not slots:
+            return candidate.predicted_ms_per_step
+        return replay(routes, candidate, ctx, slots, slot_scheme, slot_bytes).ms_per_token
+
+    chosen, offload_evidence, offload_splits = _trade_for_offload(
+        chosen, shape, slot_scheme, decode_ms, lambda vram: replan(chosen.options.cache_vram, vram))
+    free = plan.hardware.vram_bytes - chosen.memory.vram_total + chosen.options.offload_vram
+    min_tokens, basis, static, offloaded = _prefill(chosen, shape, slot_scheme, max(free, 0))
     return chosen, StreamingPlan(slots, slot_scheme, slot_bytes, evidence, tuple(splits), min_tokens, basis,
-                                 static, offloaded, disk)
+                                 static, offloaded, disk, chosen.options.offload_vram, offload_evidence,
+                                 offload_splits)
+
+
+def _trade_for_offload(plan: Any, shape: Any, slot_scheme: str, decode_ms: Any, replan: Any
+                       ) -> tuple[Any, str, tuple[OffloadSplit, ...]]:
+    """(the plan to keep — ``plan``, or one solved again with VRAM held for the prefill
+    offload's copies — what that rests on, the splits tried). ``decode_ms(plan)``: a plan's
+    predicted decode step; ``replan(offload_vram)``: the plan solved with that buffer."""
+    from ktc.formats.schemes import expert_footprint
+
+    workload, hw = plan.workload, plan.hardware
+    if not workload.prompt_tokens:
+        return plan, "no request given (--request PROMPT:NEW weighs prefill against decode)", ()
+    if not hw.cpu_prefill_ops > 0:
+        return plan, "the CPU's prefill rate is not measured (ktc doctor --calibrate)", ()
+    if hw.vram_bytes <= 0:
+        return plan, "no VRAM budget", ()
+    chunk = min(workload.prompt_tokens, workload.prefill_chunk)
+    layer_bytes = plan.model.num_experts * expert_footprint(shape, slot_scheme).data_bytes
+
+    def split(candidate: Any, vram: int) -> OffloadSplit:
+        free = hw.vram_bytes - candidate.memory.vram_total + vram
+        _, _, static, offloaded = _prefill(candidate, shape, slot_scheme, max(free, 0), chunk)
+        rate = offloaded or static or math.inf
+        step = decode_ms(candidate)
+        seconds = workload.prompt_tokens / rate + workload.new_tokens * step / 1e3
+        return OffloadSplit(vram, sum(candidate.placement.gpu_experts_per_layer()), step, rate, seconds)
+
+    splits = [split(plan, 0)]
+    chosen, best = plan, splits[0]
+    for layers in OFFLOAD_LAYERS:
+        vram = int(layers * layer_bytes)
+        try:
+            candidate = replan(vram)
+        except BudgetError:
+            break
+        result = split(candidate, vram)
+        splits.append(result)
+        if result.request_seconds < min(best.request_seconds, splits[0].request_seconds * (1 - OFFLOAD_MIN_GAIN)):
+            chosen, best = candidate, result
+        if not sum(candidate.placement.gpu_experts_per_layer()):
+            break  # no residents left to trade
+    request = f"a request of {workload.prompt_tokens} prompt and {workload.new_tokens} new tokens"
+    if chosen is plan:
+        return plan, f"{request}: no buffer makes it faster", tuple(splits)
+    return chosen, (f"{request}: {best.request_seconds:.3g} s against {splits[0].request_seconds:.3g} s "
+                    f"without a buffer"), tuple(splits)

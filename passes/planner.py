@@ -49,10 +49,17 @@ class Workload:
     batch: int = 1  # sequences decoded together
     kv_dtype: str = "bf16"
     prefill_chunk: int = 512  # tokens per prefill step: sizes the activation workspace
+    # A typical request, its prompt's tokens and the tokens generated (0 and 0: not given). With
+    # one the streaming plan (``ktc.streaming``) weighs prefill against decode and may hold VRAM
+    # for the prefill offload's copies in place of residents.
+    prompt_tokens: int = 0
+    new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or self.batch < 1 or self.prefill_chunk < 1:
             raise ConfigError("workload: max_tokens must be >= 0, batch and prefill_chunk >= 1")
+        if self.prompt_tokens < 0 or self.new_tokens < 0:
+            raise ConfigError("workload: a request's prompt and new tokens must be >= 0")
         if self.kv_dtype not in KV_DTYPE_BYTES:
             raise ConfigError(f"unknown KV cache dtype {self.kv_dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
 
@@ -85,6 +92,8 @@ class PlannerOptions:
     # VRAM held for the device expert cache's slots (``ktc.streaming`` chooses it): counted
     # among the fixed VRAM, so the residents are solved under what the slots leave
     cache_vram: int = 0
+    # VRAM held for the prefill offload's copies (``ktc.streaming`` chooses it), counted the same way
+    offload_vram: int = 0
 
     def __post_init__(self) -> None:
         if not self.gpu_schemes or not self.cpu_schemes:
@@ -95,8 +104,8 @@ class PlannerOptions:
             object.__setattr__(self, "dense_scheme", dense_scheme_name(self.dense_scheme))
         except KeyError as exc:
             raise ConfigError(str(exc.args[0])) from None
-        if self.cache_vram < 0:
-            raise ConfigError("the cache slots' VRAM must be at least 0")
+        if self.cache_vram < 0 or self.offload_vram < 0:
+            raise ConfigError("the VRAM held for cache slots and the prefill offload must be at least 0")
         if len(set(self.gpu_schemes)) != len(self.gpu_schemes) or len(set(self.cpu_schemes)) != len(self.cpu_schemes):
             raise ConfigError("a scheme is listed twice for one device")
         for device, names in (("gpu", self.gpu_schemes), ("cpu", self.cpu_schemes)):
@@ -248,7 +257,8 @@ class Plan:
             "solve_seconds": self.solve.seconds,
             "solver": asdict(self.solve),
             **({} if self.streaming is None else
-               {"streaming": {**self.streaming.to_json(), "cache_vram_bytes": self.options.cache_vram}}),
+               {"streaming": {**self.streaming.to_json(), "cache_vram_bytes": self.options.cache_vram,
+                              "prefill_offload_vram_bytes": self.options.offload_vram}}),
         }
 
 
@@ -502,6 +512,8 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
     vram["reserve"] = hw.reserve_bytes
     if opts.cache_vram:
         vram["cache_slots"] = opts.cache_vram
+    if opts.offload_vram:
+        vram["prefill_offload"] = opts.offload_vram
     options = _options(ir, hw, opts)
     usage = usage_probability(profile, cfg.top_k, workload.batch)
     allowed = np.ones((len(layers), cfg.num_experts, len(options)), dtype=bool)

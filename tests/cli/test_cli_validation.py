@@ -138,6 +138,10 @@ def test_bad_plan_file(tmp_path, demo_model, demo_plan, change, words):
     ("--sync-us", "nan", ["--sync-us", "finite"]),
     ("--sync-us", "-5", ["--sync-us", "x>=0"]),
     ("--vram", "lots", ["24GiB"]),
+    ("--request", "4000", ["--request", "4000:300"]),
+    ("--request", "0:300", ["--request", "4000:300"]),
+    ("--request", "4000:-1", ["--request", "4000:300"]),
+    ("--request", "many:few", ["--request", "4000:300"]),
 ])
 def test_bad_planner_flags(demo_model, flag, value, words):
     args = ["plan", demo_model, "--vram", "16MiB", flag, value]
@@ -148,6 +152,7 @@ def test_bad_planner_flags(demo_model, flag, value, words):
     (["--profile", "p.json"], ["--profile is a planner flag"]),
     (["--batch", "2", "--ram", "1GiB"], ["--ram, --batch are planner flags"]),
     (["--reserve", "0"], ["--reserve is a planner flag"]),
+    (["--request", "4000:300"], ["--request is a planner flag"]),
 ])
 def test_compile_refuses_planner_flags_without_a_budget(tmp_path, demo_model, args, words):
     refused(ktc("compile", demo_model, "-o", str(tmp_path / "x.ktb"), *args), *words)

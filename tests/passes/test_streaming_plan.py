@@ -159,3 +159,72 @@ def test_the_bundle_records_the_streaming_plan_and_the_runtime_follows_it(source
         assert all(e.cache is None for e in km.experts) and km.offload is None
     with from_bundle(out) as km:  # no device: nothing to stream into
         assert all(e.cache is None for e in km.experts) and km.offload is None
+
+
+def _measured_hardware(tmp_path, budget: int) -> str:
+    """A profile with the CPU's prefill rate measured (slow beside its link, no sync)."""
+    profile = HardwareProfile(vram_bytes=budget, ram_bytes=2**34, reserve_bytes=0, cpu_prefill_ops=2e8,
+                              sync_seconds=0, cpu_bandwidth=2e9, pcie_bandwidth=1e9)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(profile.to_json()))
+    return str(path)
+
+
+def test_a_prompt_heavy_request_trades_residents_for_an_offload_buffer(source, tmp_path):
+    from ktc.plan_report import render_plan_text
+
+    budget = _budget(source, 10)
+    hardware = _measured_hardware(tmp_path, budget)
+    without = plan(source, hardware=hardware, cpu_schemes=("bf16",))
+    assert without.options.offload_vram == 0 and not without.streaming.offload_splits
+    assert "no request given" in without.streaming.offload_evidence
+    heavy = plan(source, hardware=hardware, cpu_schemes=("bf16",), request=(4000, 10))
+    st = heavy.streaming
+    splits = st.offload_splits
+    # no buffer first: the plan without a request's placement
+    assert splits[0].vram == 0 and splits[0].gpu_experts == sum(without.placement.gpu_experts_per_layer())
+    assert heavy.workload.prompt_tokens == 4000 and heavy.workload.new_tokens == 10
+    # each split's request: the prompt at its prefill rate, the new tokens at its decode steps
+    for s in splits:
+        assert s.request_seconds == pytest.approx(4000 / s.prefill_tokens_per_s + 10 * s.decode_ms_per_step / 1e3)
+    assert {s.vram for s in splits[1:]} <= {int(n * mf.EXPERTS * 3 * mf.HIDDEN * 32 * 2) for n in (0.25, 0.5, 1, 2)}
+    # a prompt of 4,000 tokens and 10 new: a buffer wins, residents given up for it
+    chosen = next(s for s in splits if s.vram == st.offload_vram)
+    assert st.offload_vram > 0 and heavy.options.offload_vram == st.offload_vram
+    assert chosen.request_seconds == min(s.request_seconds for s in splits) < 0.99 * splits[0].request_seconds
+    assert chosen.gpu_experts == sum(heavy.placement.gpu_experts_per_layer()) < splits[0].gpu_experts
+    assert chosen.prefill_tokens_per_s > splits[0].prefill_tokens_per_s
+    assert chosen.decode_ms_per_step > splits[0].decode_ms_per_step == pytest.approx(without.predicted_ms_per_step)
+    # held in VRAM beside the rest, within the budget
+    assert dict(heavy.memory.vram)["prefill_offload"] == st.offload_vram and heavy.memory.vram_total <= budget
+    text = render_plan_text(heavy)
+    assert "held for them" in text and f"residents fewer; prefill {chosen.prefill_tokens_per_s:.0f}" in text
+    assert heavy.to_json()["streaming"]["prefill_offload_vram_bytes"] == st.offload_vram
+    # a short prompt and a long answer: every resident kept
+    light = plan(source, hardware=hardware, cpu_schemes=("bf16",), request=(10, 3000))
+    assert light.options.offload_vram == 0 and len(light.streaming.offload_splits) > 1
+    assert "no buffer makes it faster" in light.streaming.offload_evidence
+    assert light.placement == without.placement
+    # without the CPU's prefill rate there is nothing to weigh
+    unmeasured = plan(source, vram=budget, reserve=0, cpu_schemes=("bf16",), request=(4000, 10))
+    assert unmeasured.options.offload_vram == 0 and "not measured" in unmeasured.streaming.offload_evidence
+
+
+def test_the_runtime_gives_the_offload_the_buffer_the_plan_held(source, tmp_path):
+    from ktc.runtime.hf import from_bundle
+
+    out = str(tmp_path / "m.ktb")
+    budget = _budget(source, 10)
+    compile_bundle(source, out, cpu_scheme="bf16",
+                   plan_kwargs={"hardware": _measured_hardware(tmp_path, budget), "request": (4000, 10)})
+    with open_bundle(out) as bundle:
+        recorded = bundle.manifest["plan"]
+    held = recorded["streaming"]["prefill_offload_vram_bytes"]
+    assert held > 0 and recorded["memory"]["vram"]["prefill_offload"] == held
+    assert recorded["workload"]["prompt_tokens"] == 4000
+    left = budget - sum(recorded["memory"]["vram"].values())
+    with from_bundle(out, device="cpu") as km:
+        assert km.offload is not None and km.offload.budget_bytes == held + left
+        assert "prefill_offload" not in km.plan_device_bytes and km.plan_device_bytes["non_expert"] == sum(
+            v for k, v in recorded["memory"]["vram"].items()
+            if k not in ("gpu_experts", "kv_cache", "workspace", "reserve", "prefill_offload"))
