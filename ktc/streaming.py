@@ -273,8 +273,9 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
             return candidate.predicted_ms_per_step
         return replay(routes, candidate, ctx, slots, slot_scheme, slot_bytes).ms_per_token
 
+    cache_vram = chosen.options.cache_vram
     chosen, offload_evidence, offload_splits = _trade_for_offload(
-        chosen, shape, slot_scheme, decode_ms, lambda vram: replan(chosen.options.cache_vram, vram))
+        chosen, shape, slot_scheme, decode_ms, lambda vram: replan(cache_vram, vram))
     free = plan.hardware.vram_bytes - chosen.memory.vram_total + chosen.options.offload_vram
     min_tokens, basis, static, offloaded = _prefill(chosen, shape, slot_scheme, max(free, 0))
     return chosen, StreamingPlan(slots, slot_scheme, slot_bytes, evidence, tuple(splits), min_tokens, basis,
