@@ -205,16 +205,20 @@ def test_stopping_the_workers_stops_the_expert_they_are_building():
     deadline = time.time() + 20
     while not all(_exited(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.05)
-    assert all(_exited(pid) for pid in pids)
+    assert all(_exited(pid) for pid in pids), [(pid, _state(pid)) for pid in pids]
 
 
 def _exited(pid: int) -> bool:
     """The process is gone or a zombie (dead, not yet reaped)."""
+    return _state(pid) in ("gone", "Z")
+
+
+def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):  # (reaped between the open and the read)
+        return "gone"
 
 
 def test_only_temporaries_whose_writer_is_gone_are_removed(tmp_path):
