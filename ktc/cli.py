@@ -375,6 +375,7 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
       ktc plan ./Mixtral-8x7B --vram 24GiB --export-kt kt/ -o plan.json --html plan.html
       ktc plan ./Qwen3-30B-A3B --vram 24GiB --gpu-schemes bf16,int8 --quality-weight 0.001 \\
           --calibration-text sample.txt
+      ktc plan ./Qwen3-30B-A3B --hardware calibrated.json --request 4000:300
     """
     from ktc.compile import check_writable_target
     from ktc.plan_report import export_kt, llamacpp_plan, render_plan_html, render_plan_text
