@@ -257,8 +257,7 @@ class Plan:
             "solve_seconds": self.solve.seconds,
             "solver": asdict(self.solve),
             **({} if self.streaming is None else
-               {"streaming": {**self.streaming.to_json(), "cache_vram_bytes": self.options.cache_vram,
-                              "prefill_offload_vram_bytes": self.options.offload_vram}}),
+               {"streaming": {**self.streaming.to_json(), "cache_vram_bytes": self.options.cache_vram}}),
         }
 
 

@@ -570,7 +570,7 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
         if vram:
             plan_bytes = {"non_expert": sum(v for k, v in vram.items()
                                             if k not in ("gpu_experts", "kv_cache", "workspace", "reserve",
-                                                         "cache_slots", "prefill_offload")),
+                                                         *_HELD_FOR_STREAMING)),
                           "experts": int(vram.get("gpu_experts", 0)), "kv_cache": int(vram.get("kv_cache", 0))}
     km = KtcModel(model, tokenizer, bundle, device, dtype, max_tokens, int(workload.get("prefill_chunk") or 512),
                   device_bytes, plan_bytes, experts, cache, used, offload=offload)
@@ -599,6 +599,11 @@ def _check_cache_budget(bundle: Bundle, experts: list[ExpertSet]) -> None:
                             "or plan with a larger --vram")
 
 
+# The plan's VRAM items held for streaming (``ktc.streaming``): free for the cache's slots and
+# the prefill offload's copies to take, not weights the plan put there.
+_HELD_FOR_STREAMING = ("cache_slots", "prefill_offload")
+
+
 def _free_vram(bundle: Bundle) -> tuple[int, int]:
     """(the plan's VRAM budget, what it leaves free of it for cache slots and the prefill
     offload: the budget less everything the plan counted on the device but what it held for
@@ -606,7 +611,7 @@ def _free_vram(bundle: Bundle) -> tuple[int, int]:
     plan = bundle.manifest.get("plan") or {}
     budget = int((plan.get("hardware") or {}).get("vram_bytes") or 0)
     vram = (plan.get("memory") or {}).get("vram") or {}
-    return budget, budget - sum(int(v) for k, v in vram.items() if k not in ("cache_slots", "prefill_offload"))
+    return budget, budget - sum(int(v) for k, v in vram.items() if k not in _HELD_FOR_STREAMING)
 
 
 def _prefill_offload(bundle: Bundle) -> Any:
