@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .kernel_args import read_only
+
 # fp16 bits -> float32 value, every one of the 65536.
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -89,6 +91,5 @@ def _bf16_kernel(bits, out):  # pragma: no cover - compiled
 def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     """bf16 bit patterns of float32 values, in parallel (as ggml rounds them)."""
     out = np.empty(values.size, dtype=np.uint16)
-    _bf16_kernel(values.reshape(-1).view(np.uint32), out)
-    return out.reshape(values.shape)
+    _bf16_kernel(read_only(values.reshape(-1).view(np.uint32)), out)
     return out.reshape(values.shape)

@@ -16,6 +16,7 @@ from ktc.ir import TensorRef
 from .float_bits import bf16_bits, bf16_value, f32_to_bf16_bits, f32_to_f16_bits  # noqa: F401  (re-exported)
 from .codec_int import INT4_STEPS  # noqa: F401  (re-exported)
 from .dequant import to_float32
+from .kernel_args import read_only
 from .schemes import Scheme, get_scheme, source_scheme
 
 
@@ -38,7 +39,7 @@ def _into(result: np.ndarray, out: np.ndarray | None) -> np.ndarray:
 
 def _quantize(values: np.ndarray, scheme: Scheme | str, out: np.ndarray | None) -> np.ndarray:
     scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
-    x = np.ascontiguousarray(values, dtype=np.float32)
+    x = read_only(np.ascontiguousarray(values, dtype=np.float32))  # one type for the codecs' kernels
     if x.ndim != 2:
         raise ValueError(f"quantize takes a 2-D matrix, not shape {x.shape}")
     if not scheme.fits(x.shape[1]):

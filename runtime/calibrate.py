@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ktc.formats.quantize import quantize
 from ktc.formats.schemes import SCHEMES, get_scheme
 
 from . import kernels, rows, vnni
@@ -63,7 +64,7 @@ def scheme_rows(name: str, rows_: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block = min(64, rows_)
     if scheme.quantize is not None:
-        made = scheme.quantize(rng.standard_normal((block, cols), dtype=np.float32) * 0.02)
+        made = quantize(rng.standard_normal((block, cols), dtype=np.float32) * 0.02, scheme)
         made = np.ascontiguousarray(made).view(np.uint8).reshape(block, -1)
     else:
         made = rng.integers(0, 256, (block, scheme.matrix_bytes(1, cols)), dtype=np.uint8)

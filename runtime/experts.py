@@ -19,6 +19,7 @@ import numpy as np
 
 from ktc.errors import KtcError
 from ktc.formats.bundle import Bundle
+from ktc.formats.kernel_args import read_only
 from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
@@ -460,6 +461,7 @@ class ExpertSet:
         if cached is not None and cached[0] is fused:
             return cached[1]
         scheme, file, gate_up, down = fused
+        file = read_only(file)
         names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
         pairs = [expert_schemes(name) for name in names]  # each expert's gate/up and down schemes
         gu_names, dn_names = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)

@@ -49,7 +49,7 @@ class _Unsupported(Exception):
 @dataclass
 class _Norm:
     weight: np.ndarray
-    eps: float
+    eps: np.float32  # float32 wherever the norm is called from: one compiled type of _rms_norm
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _norm(module: Any, size: int) -> _Norm:
     eps = getattr(module, "variance_epsilon", None)
     if weight is None or eps is None or tuple(weight.shape) != (size,) or not type(module).__name__.endswith("RMSNorm"):
         raise _Unsupported(f"norm {type(module).__name__}")
-    return _Norm(np.ascontiguousarray(weight.detach().float().numpy()), float(eps))
+    return _Norm(np.ascontiguousarray(weight.detach().float().numpy()), np.float32(eps))
 
 
 def _host(module: Any) -> Any:
@@ -376,8 +376,8 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
         return None
     f16, e8m0 = _tables()
     norm_mode = 0 if layer.q_norm is None else 2 if layer.whole_norms else 1
-    q_norm = layer.q_norm or _Norm(_NO_NORM, 0.0)
-    k_norm = layer.k_norm or _Norm(_NO_NORM, 0.0)
+    q_norm = layer.q_norm or _Norm(_NO_NORM, np.float32(0.0))
+    k_norm = layer.k_norm or _Norm(_NO_NORM, np.float32(0.0))
 
     def parts(p: Projections) -> tuple:  # type: ignore[type-arg]
         return p.mats, p.f32s, p.kinds, p.starts, p.chunk_starts

@@ -12,6 +12,7 @@ from numba import njit, prange
 
 from ktc.formats.codec_fp8 import BLOCK, BLOCK_BYTES
 from ktc.formats.dequant import FP8_E4M3_VALUES
+from ktc.formats.kernel_args import read_only
 
 from .device import register_device
 from .kernels import CpuKernels, _put, block_decoder, register_cpu
@@ -47,7 +48,7 @@ def _decode(raw, cols, table, bf16, out32, out16):  # pragma: no cover - compile
 
 
 def _matvec_rows(raw, x, out, scales):  # type: ignore[no-untyped-def]
-    _matvec(np.ascontiguousarray(raw, dtype=np.uint8), x, FP8_E4M3_VALUES, out)
+    _matvec(read_only(np.ascontiguousarray(raw, dtype=np.uint8)), x, FP8_E4M3_VALUES, out)
     return out
 
 

@@ -21,6 +21,7 @@ from numba import njit, prange
 
 from ktc.formats.dequant import FP4_E2M1_VALUES
 from ktc.formats.float_bits import F16_TO_F32, bf16_bits, bf16_value, f32_to_bf16_bits
+from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import expert_schemes
 
 _F16_TO_F32 = F16_TO_F32
@@ -331,6 +332,7 @@ def experts_token(file: np.ndarray, scheme: str | list[str], gate_up_offsets: np
     scheme of ``vnni.FUSED``, or a list of one each), weighted by ``weights`` and summed: two
     parallel regions for the whole layer (gate/up of every expert, then down) instead of two per
     expert. Biases are [k, ...]."""
+    file, x = read_only(file), writable(np.ascontiguousarray(x, dtype=np.float32))
     k = gate_up_offsets.shape[0]
     if vnni.HAVE_VNNI:
         schemes = (scheme,) * k if isinstance(scheme, str) else tuple(scheme)
@@ -406,9 +408,9 @@ def matvec(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None =
     """``W @ x`` for a weight stored in ``scheme`` as raw rows ``[rows, row_bytes]`` (uint8; or
     the plain dtype for f32/f16/bf16), ``x`` float32 of the row length. Returns float32 [rows].
     ``scales``: an int8 matrix's row scales (``int8_row_scales``), when the caller keeps them."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = writable(np.ascontiguousarray(x, dtype=np.float32))
     out = np.empty(raw.shape[0], dtype=np.float32) if out is None else out
-    result = cpu_kernels(scheme).matvec(raw, x, out, scales)
+    result = cpu_kernels(scheme).matvec(read_only(raw), x, out, scales)
     return out if result is None else result
 
 
@@ -528,7 +530,7 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     relative error), f32 and f16 in float32. Between the two, quantized weights go token by
     token through the one-token kernels (decoding a large matrix costs more than a few passes
     over its bytes). ``scales`` as for ``matvec``."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
     if x.shape[0] == 1:
         return matvec(raw, scheme, x[0], scales=scales)[None, :]
     kernels = cpu_kernels(scheme)
@@ -554,7 +556,7 @@ def matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     through torch, 48 through Numba, medians of 100 interleaved tokens)."""
     if a.ndim == 2 and a.shape[0] == 1 and b.dtype == np.float32 and b.flags.c_contiguous:
         out = np.empty((1, b.shape[0]), dtype=np.float32)
-        _matvec_f32(b, np.ascontiguousarray(a[0], dtype=np.float32), out[0])
+        _matvec_f32(read_only(b), writable(np.ascontiguousarray(a[0], dtype=np.float32)), out[0])
         return out
     try:
         import torch
@@ -668,7 +670,7 @@ def decode(raw: np.ndarray, scheme: str, cols: int, bf16: bool = False, serial: 
     parallel (with ``serial`` on the calling thread alone): float32, or with ``bf16`` their bf16
     bit patterns (uint16, rounded to nearest even). The same values as
     ``ktc.formats.quantize.dequantize``."""
-    return cpu_kernels(scheme).decode(raw, cols, bf16, serial)
+    return cpu_kernels(scheme).decode(read_only(raw), cols, bf16, serial)
 
 
 def _decode_plain(dtype: type):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import get_scheme
 
 from . import vnni
@@ -725,7 +726,7 @@ def matmul_k(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     stored as C-contiguous uint8 rows, in place: the activations quantized per 256 as the
     one-token kernel quantizes them (llama.cpp's q8_K), tiles of ``K_TILE_ROWS`` rows by
     ``K_TILE_TOKENS`` tokens."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
     out = np.empty((x.shape[0], raw.shape[0]), dtype=np.float32)
     _k_batched_tokens(raw, KINDS[scheme], x, out)
     return out

@@ -27,6 +27,8 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ktc.formats.kernel_args import read_only, writable
+
 from . import vnni
 
 LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
@@ -446,7 +448,7 @@ def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     as C-contiguous uint8 rows ``raw`` (``fits``), without decoding it: each token's activations
     quantized to int8 per 32 values (for the block kinds as their one-token kernels quantize
     them, so each product is theirs up to the order of the float sums)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
     n, cols = x.shape
     kind = KINDS[scheme]
     act, scales, shift, dsum = activations(x.reshape(-1), n, cols, _OFFSET[kind], 2 if kind == _HALVES else 1)

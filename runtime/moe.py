@@ -9,6 +9,7 @@ from numba import njit
 
 from ktc.errors import BundleError, KtcError, UnsupportedModelError
 from ktc.formats.bundle import Bundle
+from ktc.formats.kernel_args import read_only, writable
 
 from . import vnni
 # Imported by name for the compiled _moe_token: a benchmark's clock may wrap the module's
@@ -119,7 +120,7 @@ class MoELayer:
                            f"{self.hidden_size}]")
         args = self._one_call() if hidden.shape[0] == 1 else None
         if args is not None:  # a decode step through VNNI experts: one compiled call
-            out = _moe_token(*args, hidden[0], vnni.stamps())
+            out = _moe_token(*args, writable(hidden[0]), vnni.stamps())
             if out.shape[0] == 0:
                 raise KtcError("hidden states contain NaN or Inf")
             out = out[None, :]
@@ -149,7 +150,7 @@ class MoELayer:
         cached = self._one_call_args
         if cached is None or cached[0] is not tables or cached[1] is not self.router:
             bias = self.router_bias if self.router_bias is not None else np.zeros(1, dtype=np.float32)
-            cached = (tables, self.router, (_compact_router(self.router), bias, self.router_bias is not None,
+            cached = (tables, self.router, (read_only(_compact_router(self.router)), read_only(bias), self.router_bias is not None,
                                             self.top_k, bool(self.info["norm_topk_prob"]),
                                             np.float32(self.info["routed_scaling_factor"]), *tables))
             self._one_call_args = cached

@@ -17,7 +17,17 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from ktc.formats.kernel_args import read_only
+
 from . import rows, vnni
+
+
+# Matrices one call takes. Every set is padded to this many (with empty ones, which no work item
+# reaches), so that stack_token and _stack_rows are compiled for one tuple type: a decode step's
+# query/key/value set and its output projection were two types, about 8 s of compiling each on
+# two cores, paid again whenever the sources change.
+STACK = 4
+_EMPTY = read_only(np.zeros((0, 4), dtype=np.uint8))
 
 
 class Projections:
@@ -27,24 +37,27 @@ class Projections:
         # read-only views of every matrix: a tuple of arrays is one Numba type only when their
         # flags agree, and a GGUF's query and key rows, un-permuted from llama.cpp's rotary
         # order, are arrays of their own beside the bundle's read-only map
-        self.mats = tuple(_read_only(lin.raw) for lin in linears)
-        self.kinds = np.array(kinds, dtype=np.int64)
+        # ... padded with empty matrices to STACK of them: a tuple's length is part of its type
+        pad = STACK - len(linears)
+        self.mats = tuple(read_only(lin.raw) for lin in linears) + (_EMPTY,) * pad
+        self.kinds = np.array(list(kinds) + [kinds[0]] * pad, dtype=np.int64)
         # int8 rows end in their float32 scale, read through a float32 view of the matrix;
         # every matrix gets a view of the same type (its first 4 bytes where it has no scale)
         self.f32s = tuple(raw.reshape(-1)[: raw.size if kind == 0 else 4].view(np.float32)
-                          for raw, kind in zip(self.mats, kinds))
+                          for raw, kind in zip(self.mats, self.kinds))
         heights = [int(lin.out_features) for lin in linears]
+        self.splits = tuple(int(s) for s in np.cumsum(heights)[:-1])
+        heights += [0] * pad
         self.starts = np.concatenate([[0], np.cumsum(heights)]).astype(np.int64)
         chunks = [(r + rows.ROWS_PER_ITEM - 1) // rows.ROWS_PER_ITEM for r in heights]
         self.chunk_starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
-        self.splits = tuple(int(s) for s in self.starts[1:-1])
 
     @classmethod
     def of(cls, linears: Sequence[Any]) -> Projections | None:
         """The set, or None where one call cannot take them: no VNNI, a scheme outside the block
         kinds and the K-quants, inputs of different lengths, rows not C-contiguous uint8 arrays,
-        biases."""
-        if not vnni.HAVE_VNNI or not linears:
+        biases, more than ``STACK`` matrices."""
+        if not vnni.HAVE_VNNI or not linears or len(linears) > STACK:
             return None
         kinds = [rows.kind(lin.scheme) for lin in linears]
         cols = linears[0].in_features
@@ -69,12 +82,6 @@ class Projections:
     def split(self, out: np.ndarray) -> list[np.ndarray]:
         """``out`` of ``__call__`` cut into each matrix's part."""
         return np.split(out, self.splits)
-
-
-def _read_only(raw: np.ndarray) -> np.ndarray:
-    view = raw.view()
-    view.flags.writeable = False
-    return view
 
 
 @njit(cache=True, nogil=True)

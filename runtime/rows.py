@@ -16,6 +16,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
+from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import get_scheme
 
 from . import kquants, vnni
@@ -300,10 +301,11 @@ def token(file: np.ndarray, gu_schemes: tuple[str, ...], dn_schemes: tuple[str, 
     gu_kinds, gu_rows = layout(gu_schemes, hidden)
     dn_kinds, dn_rows = layout(dn_schemes, inter)
     f16, e8m0 = vnni._tables()
+    file = read_only(file)
     return experts_token(file, file.view(np.float32), f16, e8m0, gu_kinds,
                          np.ascontiguousarray(gate_up_offsets, dtype=np.int64), gu_rows, dn_kinds,
                          np.ascontiguousarray(down_offsets, dtype=np.int64), dn_rows,
-                         np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(weights, dtype=np.float32),
+                         writable(np.ascontiguousarray(x, dtype=np.float32)), np.ascontiguousarray(weights, dtype=np.float32),
                          inter, clamped, np.float32(limit), np.float32(alpha),
                          _NO_BIAS if gate_up_bias is None else np.ascontiguousarray(gate_up_bias, dtype=np.float32),
                          gate_up_bias is not None,

@@ -27,6 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ktc.formats.float_bits import bf16_value
+from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import get_scheme
 
 
@@ -813,7 +814,7 @@ def matmul_blocks(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     quantized to int8 per block of 32 (as the one-token kernels and llama.cpp's q8 activations),
     the weights read in their stored layout, tiles of ``TILE_ROWS`` rows by ``TILE_TOKENS``
     tokens a step (``batched_fits``: the rows are whole steps of the row loop)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
     out = np.empty((x.shape[0], raw.shape[0]), dtype=np.float32)
     f16, e8m0 = _tables()
     _batched_token_blocks(raw, BLOCK_KINDS[scheme], f16, e8m0, x, out)
@@ -837,6 +838,7 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     K-quants; each int4 group size takes one of its own."""
     vectors, cols = x.shape
     k = offsets.shape[0]
+    file = read_only(file)
     out = np.empty((k, rows), dtype=np.float32)
     for part, picked, kinds, row_bytes in split_schemes((scheme,) * k if isinstance(scheme, str) else tuple(scheme),
                                                         cols):
@@ -850,7 +852,7 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
 
             f16, e8m0 = _tables()
             kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offs, row_bytes, cols,
-                                 kinds_rows.activations(np.ascontiguousarray(xs, dtype=np.float32).reshape(-1), n,
+                                 kinds_rows.activations(writable(np.ascontiguousarray(xs, dtype=np.float32)).reshape(-1), n,
                                                         cols, kinds), dest)
         else:
             group = FUSED_GROUPS[part]
@@ -1006,16 +1008,17 @@ def _exp2_neg(y):  # pragma: no cover - compiled
     return np.int32((np.int32(whole) + np.int32(127)) << np.int32(23)).view(np.float32) * (p * f + np.float32(1.0))
 
 
-_NO_ROW_SCALES = np.zeros(1, dtype=np.float32)  # the block kinds keep their scales in the blocks
+_NO_ROW_SCALES = read_only(np.zeros(1, dtype=np.float32))  # the block kinds keep their scales in the blocks
 
 
 def matvec_blocks(raw: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``W @ x`` for one matrix of ``BLOCK_KINDS`` stored as C-contiguous uint8 rows ``raw``
     with VNNI, the activations quantized to int8 per block of 32 as llama.cpp's dot products
     do."""
+    raw = read_only(raw)
     f32 = raw.reshape(-1).view(np.float32) if scheme == "int8" else _NO_ROW_SCALES
     f16, e8m0 = _tables()
-    _matvec_token(raw, BLOCK_KINDS[scheme], f32, f16, e8m0, np.ascontiguousarray(x, dtype=np.float32), out)
+    _matvec_token(raw, BLOCK_KINDS[scheme], f32, f16, e8m0, writable(np.ascontiguousarray(x, dtype=np.float32)), out)
     return out
 
 
@@ -1037,7 +1040,7 @@ def quantize_activations(x: np.ndarray, group: int, row: int = 0) -> tuple[np.nd
 
     With ``row`` (the length of each of x's rows; group 32) the int8 values are in
     ``quad_layout``, which the q4_0 and mxfp4 kernels read."""
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    x = writable(np.ascontiguousarray(x, dtype=np.float32).reshape(-1))
     groups = x.shape[0] // group
     xq = np.empty(x.shape[0], dtype=np.int8)
     dx = np.empty(groups, dtype=np.float32)
@@ -1188,6 +1191,6 @@ def matvec_int4(raw: np.ndarray, x: np.ndarray, group: int, out: np.ndarray) -> 
     """``W @ x`` for int4 rows ``raw`` [rows, row_bytes] (C-contiguous) with VNNI."""
     rows, row_bytes = raw.shape
     xq, dx, xsum = quantize_activations(x, group)
-    flat = raw.reshape(-1)  # rows are whole groups of 4-byte scale pairs: the length is even
+    flat = read_only(raw).reshape(-1)  # rows are whole groups of 4-byte scale pairs: the length is even
     _matvec_int4_vnni(flat, flat.view(np.uint16), row_bytes, rows, x.shape[0], group, xq, dx, xsum, out)
     return out

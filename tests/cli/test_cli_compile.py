@@ -14,6 +14,10 @@ import time
 import pytest
 
 KTC = [sys.executable, "-m", "ktc.cli"]
+# The kill tests start a compile a dozen times: they detect the demo's experts with the declarative
+# tables (the same bundle, byte for byte), since importing transformers and torch for its model
+# structure took about 5 of each compile's 6 seconds; what they test is the writing.
+TABLES_ONLY = dict(os.environ, KTC_NO_TRANSFORMERS_DETECTION="1")
 
 
 def sha(path) -> str:
@@ -55,18 +59,18 @@ def test_sigkill_at_any_moment_leaves_nothing_or_the_previous_bundle(tmp_path, d
     out = tmp_path / "out.ktb"
     slow = KTC + ["compile", demo_model, "-o", str(out), "--cpu-scheme", "f32", "--report-error", "--compress"]
     # Before any bundle exists: killed at start-up, OUT must be absent.
-    proc = subprocess.Popen(slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=TABLES_ONLY)
     time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not out.exists()
-    subprocess.run(KTC + ["compile", demo_model, "-o", str(out)], check=True, capture_output=True)
+    subprocess.run(KTC + ["compile", demo_model, "-o", str(out)], check=True, capture_output=True, env=TABLES_ONLY)
     previous = sha(out)
     mid_write = 0
     for delay in (0.0, 0.01, 0.03, 0.06, 0.1, 0.2, 0.4, None):
         for stale in _temp_files(tmp_path):
             os.unlink(tmp_path / stale)
-        proc = subprocess.Popen(slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=TABLES_ONLY)
         if delay is None:
             time.sleep(0.5)  # during start-up, before anything is written
         else:
@@ -142,7 +146,8 @@ def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(
     killed_while_writing = 0
     first_seen = []  # (bytes on disk, size) of each temporary file when it appeared
     for _ in range(5):
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                env=TABLES_ONLY)
         mine = f".ktc-{proc.pid}-"
         deadline = time.time() + 120
         while not (names := [n for n in _temp_files(tmp_path) if mine in n]) and proc.poll() is None:
@@ -177,7 +182,7 @@ def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(
     if signum == signal.SIGKILL:
         stale = _temp_files(tmp_path)
         assert stale, "SIGKILL cannot be handled: the temporary file stays until the next compile"
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, env=TABLES_ONLY)
         assert done.returncode == 0, done.stderr
         assert _temp_files(tmp_path) == [] and "left by a compile that was killed" in done.stderr
         assert subprocess.run(KTC + ["verify", str(out)], capture_output=True).returncode == 0

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from ktc.formats.kernel_args import read_only
 from ktc.formats.quantize import dequantize, quantize
 from ktc.runtime import vnni
 from ktc.runtime.kernels import expert_forward, expert_forward_batch, matvec
@@ -522,14 +523,15 @@ def test_work_items_taken_once_each(threads, total):
 def _experts_file(rng, parts, hidden, inter):
     """Random experts of (gate/up, down) schemes ``parts``, quantized, one after another in one
     byte array (padded to whole float32 words): (the experts' matrices, the array, the gate/up
-    and down byte offsets)."""
+    and down byte offsets). The array is read-only, as a bundle's map is (the compiled calls'
+    type: ``ktc.formats.kernel_args``)."""
     experts = [(quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.1, gu),
                 quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1, dn)) for gu, dn in parts]
     file = np.concatenate([np.concatenate([gu.reshape(-1), dn.reshape(-1)]) for gu, dn in experts])
     file = np.concatenate([file, np.zeros(-len(file) % 4 + 4, dtype=np.uint8)])
     sizes = [gu.nbytes + dn.nbytes for gu, dn in experts]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    return experts, file, starts, starts + np.array([gu.nbytes for gu, _ in experts])
+    return experts, read_only(file), starts, starts + np.array([gu.nbytes for gu, _ in experts])
 
 
 @pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "q4_k", "q5_k", "q4_k+q6_k",
