@@ -150,7 +150,8 @@ class MoELayer:
         cached = self._one_call_args
         if cached is None or cached[0] is not tables or cached[1] is not self.router:
             bias = self.router_bias if self.router_bias is not None else np.zeros(1, dtype=np.float32)
-            cached = (tables, self.router, (read_only(_compact_router(self.router)), read_only(bias), self.router_bias is not None,
+            router = read_only(_compact_router(self.router))
+            cached = (tables, self.router, (router, read_only(bias), self.router_bias is not None,
                                             self.top_k, bool(self.info["norm_topk_prob"]),
                                             np.float32(self.info["routed_scaling_factor"]), *tables))
             self._one_call_args = cached

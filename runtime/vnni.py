@@ -851,9 +851,9 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
             from . import rows as kinds_rows
 
             f16, e8m0 = _tables()
-            kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offs, row_bytes, cols,
-                                 kinds_rows.activations(writable(np.ascontiguousarray(xs, dtype=np.float32)).reshape(-1), n,
-                                                        cols, kinds), dest)
+            act = kinds_rows.activations(writable(np.ascontiguousarray(xs, dtype=np.float32)).reshape(-1), n, cols,
+                                         kinds)
+            kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offs, row_bytes, cols, act, dest)
         else:
             group = FUSED_GROUPS[part]
             xq, dx, xsum = quantize_activations(xs.reshape(-1), group)  # groups never straddle two rows
