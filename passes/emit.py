@@ -534,9 +534,16 @@ def _stop_workers(pool: Any) -> None:
         terminate()
         return
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
+    # Then wait for the pool's manager thread, which closes its wake-up pipe as it ends: Python
+    # 3.11's exit handler writes to that pipe unless it is closed, and the two raced (a SIGTERM'd
+    # compile printed "OSError: Bad file descriptor" from threading's shutdown; CPython
+    # gh-125451, fixed in later versions with a lock).
+    if manager is not None and manager.is_alive():
+        manager.join(timeout=10)
 
 
 _worker_files: dict[str, int] = {}  # a worker's descriptor of the file it writes experts into

@@ -204,7 +204,11 @@ def test_stopping_the_workers_stops_the_expert_they_are_building():
         time.sleep(0.05)
     pids = [worker.pid for worker in pool._processes.values()]
     assert len(pids) == 2
+    manager = pool._executor_manager_thread
     _stop_workers(pool)
+    # ... and the pool's manager thread has ended, its wake-up pipe closed: Python 3.11's exit
+    # handler raced it ("Bad file descriptor" after a SIGTERM'd compile)
+    assert manager is None or not manager.is_alive()
     # Asked of the kernel, not of Process.is_alive(): the pool's own thread reaps the workers too,
     # and a Process whose child another thread reaped reads as alive.
     deadline = time.time() + 20
