@@ -208,7 +208,7 @@ class FastDecode:
         at = clock()
         every = self._every_layer() if not self.hooks else None
         if every is not None:  # the whole stack in one compiled call
-            x = self._layers_step(every, x, cos, sin, position)
+            x = self._layers_step(every, x, cos, sin, position, at)
             at = clock()
         else:
             last = len(self.layers) - 1
@@ -259,20 +259,21 @@ class FastDecode:
         self._every = (current, stack)
         return stack
 
-    def _layers_step(self, stack: Any, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, position: int) -> np.ndarray:
+    def _layers_step(self, stack: Any, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, position: int,
+                     started: float) -> np.ndarray:
         """Every layer's decode step in one call (``_layers_token``); each layer's time from the
-        cycle counter's marks between them, as a share of the call's."""
+        cycle counter's marks between them, as a share of the time since ``started`` (the Python
+        around the call is the layers' too, as where each layer takes a call of its own)."""
         starts, marks = self._marks
         for i, layer in enumerate(self.layers):
             layer.cache.check_room(1)
             starts[i] = _window_start(layer, position)
-        started = time.perf_counter()
         out = _layers_token(stack, x, cos, sin, position, starts, marks, vnni.stamps())
-        elapsed = time.perf_counter() - started
         if out.shape[0] == 0:
             raise KtcError("hidden states contain NaN or Inf")
         for layer in self.layers:
             layer.cache.advance(1)
+        elapsed = time.perf_counter() - started
         # one compiled call for the shares: numpy's few small operations here took about 0.2 ms
         # a token inside a decode step (their code evicted from the caches by the weights)
         _add_shares(self.seconds, marks, elapsed)

@@ -5,8 +5,8 @@ one parallel region, 64 rows a work item over all of them, so both threads finis
 Separate ``HostLinear.matvec`` calls quantized the same input three times and woke the kernels'
 threads three times a layer; the Python between them ran among streaming weights that had
 evicted it from the caches (a key projection of 590 KB took 45 us, about twice its read time).
-For matrices of ``vnni.BLOCK_KINDS`` and the K-quants on a VNNI CPU; ``Projections.of`` says
-None for anything else, and the caller runs each matrix's own kernel.
+For matrices of ``vnni.BLOCK_KINDS``, the K-quants and bf16 (``rows.BF16``) on a VNNI CPU;
+``Projections.of`` says None for anything else, and the caller runs each matrix's own kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Projections:
         # order, are arrays of their own beside the bundle's read-only map
         # ... padded with empty matrices to STACK of them: a tuple's length is part of its type
         pad = STACK - len(linears)
-        self.mats = tuple(read_only(lin.raw) for lin in linears) + (_EMPTY,) * pad
+        self.mats = tuple(read_only(_row_bytes(lin.raw)) for lin in linears) + (_EMPTY,) * pad
         self.kinds = np.array(list(kinds) + [kinds[0]] * pad, dtype=np.int64)
         # int8 rows end in their float32 scale, read through a float32 view of the matrix;
         # every matrix gets a view of the same type (its first 4 bytes where it has no scale)
@@ -55,19 +55,19 @@ class Projections:
     @classmethod
     def of(cls, linears: Sequence[Any]) -> Projections | None:
         """The set, or None where one call cannot take them: no VNNI, a scheme outside the block
-        kinds and the K-quants, inputs of different lengths, rows not C-contiguous uint8 arrays,
-        biases, more than ``STACK`` matrices."""
+        kinds, the K-quants and bf16, inputs of different lengths, rows not C-contiguous uint8 (or,
+        bf16's, uint16) arrays, biases, more than ``STACK`` matrices."""
         if not vnni.HAVE_VNNI or not linears or len(linears) > STACK:
             return None
-        kinds = [rows.kind(lin.scheme) for lin in linears]
+        kinds = [rows.kind(lin.scheme, plain=True) for lin in linears]
         cols = linears[0].in_features
-        raws = [lin.raw for lin in linears]
+        raws = [_row_bytes(lin.raw) for lin in linears]
         if None in kinds or any(lin.in_features != cols or lin.bias is not None for lin in linears):
             return None
         if any(not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or not r.flags.c_contiguous
                for r in raws):
             return None
-        if cols % 32 or (any(k >= rows.KQUANT for k in kinds) and cols % 256):  # type: ignore[operator]
+        if cols % 32 or (any(rows.KQUANT <= k < rows.BF16 for k in kinds) and cols % 256):  # type: ignore[operator]
             return None
         if any(k == 0 and r.size % 4 for k, r in zip(kinds, raws)):
             return None
@@ -82,6 +82,13 @@ class Projections:
     def split(self, out: np.ndarray) -> list[np.ndarray]:
         """``out`` of ``__call__`` cut into each matrix's part."""
         return np.split(out, self.splits)
+
+
+def _row_bytes(raw: Any) -> Any:
+    """A matrix's rows as bytes: bf16 matrices are kept as uint16 words (``HostLinear``)."""
+    if isinstance(raw, np.ndarray) and raw.dtype == np.uint16 and raw.ndim == 2 and raw.flags.c_contiguous:
+        return raw.view(np.uint8)
+    return raw
 
 
 @njit(cache=True, nogil=True)

@@ -26,15 +26,23 @@ KQUANT = len(vnni.BLOCK_KINDS)
 # q4_k, q5_k and q6_k read the activations quantized per 256; q2_k and q3_k the sums per 16 too
 _Q4_K, _Q5_K, _Q6_K = (KQUANT + kquants.KINDS[name] for name in kquants.PER_256)
 _Q2_K, _Q3_K = KQUANT + kquants.KINDS["q2_k"], KQUANT + kquants.KINDS["q3_k"]
+# bf16 rows read as they are (the float32 activations, not quantized): a model's attention and
+# other non-expert matrices compiled from a Hugging Face checkpoint, which ktc keeps in bf16 by
+# default. Projections only (``kind(..., plain=True)``): an expert's rows are read through the
+# bundle's whole map, which these rows would read as 16-bit words.
+BF16 = KQUANT + len(kquants.KINDS)
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call
 
 
-def kind(scheme: str) -> int | None:
-    """The kind code of ``scheme``, or None where these kernels do not read it."""
+def kind(scheme: str, *, plain: bool = False) -> int | None:
+    """The kind code of ``scheme``, or None where these kernels do not read it (with ``plain``,
+    bf16 too: ``BF16``)."""
     if scheme in vnni.BLOCK_KINDS:
         return vnni.BLOCK_KINDS[scheme]
     if scheme in vnni.KQUANTS:
         return KQUANT + kquants.KINDS[scheme]
+    if plain and scheme == "bf16":
+        return BF16
     return None
 
 
@@ -50,15 +58,15 @@ def layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]
 @njit(cache=True, nogil=True)
 def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
-    sums, lanes, isum16, dsum16, yk, dk, bsum), each [n, ...]: int8 values per 32 in order (int8,
+    sums, lanes, isum16, dsum16, yk, dk, bsum, xs), each [n, ...]: int8 values per 32 in order (int8,
     q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4, iq4_nl), their scales and dequantized
     sums, the block kinds' per-lane terms (``vnni.lanes_into``, the parts those present read),
     the int8 and dequantized sums per 16 (q3_k's offsets, q2_k's minimums), and the activations
-    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``). What no kind present reads is left unfilled, or
-    empty."""
+    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``), and the vectors as they
+    are (``BF16`` reads them). What no kind present reads is left unfilled, or empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
     for code in kinds:
-        in_order |= code < 2 or (code >= KQUANT and code != _Q4_K and code != _Q5_K and code != _Q6_K)
+        in_order |= code < 2 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K and code != _Q6_K)
         in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
         blocks |= code < KQUANT
@@ -80,7 +88,7 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         kquants._sums16(xq.reshape(-1), dx.reshape(-1), isum16.reshape(-1), dsum16.reshape(-1))
     yk, dk, bsum = kquants.superblock_activations(x, n, cols, ((kinds == _Q4_K) | (kinds == _Q5_K)).any(),
                                                   (kinds == _Q6_K).any())
-    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum
+    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, x.reshape(n, cols)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -88,10 +96,15 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
     """out[r] for rows first..last of the matrix of kind ``code`` at byte ``base`` of flat (f32: a
     float32 view of the same bytes, where int8 rows keep their scales) times vector v of ``act``
     (``activations``)."""
-    xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum = act
+    xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs = act
     if code < KQUANT:
         vnni._block_rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, quads[v] if code >= 2 else xq[v],
                          dx[v], sums[v], lanes[v], out)
+        return
+    if code == BF16:  # 16-bit words from an even byte (a projection's own matrix: base 0)
+        words = flat.view(np.uint16)
+        for r in range(first, last):
+            out[r] = vnni.bf16_dot(words, (base + r * row_bytes) // 2, cols // 16, xs[v])
         return
     for r in range(first, last):
         out[r] = kquants._k_row(flat, code - KQUANT, base + r * row_bytes, cols // 256, xq[v], dx[v], sums[v],

@@ -26,6 +26,8 @@ def _linear(rng: np.random.Generator, scheme: str, rows: int, cols: int) -> Host
     (("q8_0", "int8", "mxfp4"), 256),  # mixed block kinds: activations in order and in quads
     (("q4_k", "q6_k", "q5_k"), 512),  # K-quants, each with its own sums
     (("q4_k", "q8_0", "q6_k", "q4_0"), 768),  # both families in one region
+    (("bf16", "bf16", "bf16"), 256),  # a checkpoint's attention as ktc keeps it: the floats as they are
+    (("bf16", "q8_0", "q4_k"), 512),  # bf16 beside quantized activations of both families
 ])
 def test_one_call_equals_each_matrix_alone(schemes, cols):
     rng = np.random.default_rng(len(schemes) + cols)
@@ -49,3 +51,17 @@ def test_sets_one_call_cannot_take_are_refused():
     assert Projections.of([q4, _linear(rng, "q4_0", 8, 512)]) is None  # inputs of other lengths
     assert Projections.of([q4, HostLinear(q4.raw, "q4_0", 256, 8, bias=torch.ones(8))]) is None
     assert Projections.of([q4, _linear(rng, "q8_0", 8, 256)]) is not None
+    assert Projections.of([_linear(rng, "bf16", 8, 80)]) is None  # rows of a length the kernels do not step
+
+
+def test_bf16_matrices_kept_as_words_are_read_as_bytes():
+    # a bundle's bf16 matrices reach HostLinear as uint16 words [rows, cols]
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((70, 256)).astype(np.float32)
+    words = HostLinear(quantize(w, "bf16").view(np.uint16), "bf16", 256, 70)
+    assert words.raw.dtype == np.uint16
+    x = rng.standard_normal(256).astype(np.float32)
+    proj = Projections.of([words])
+    assert proj is not None
+    want = matvec(words.raw, "bf16", x)
+    np.testing.assert_allclose(proj(x), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
