@@ -92,9 +92,11 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
                 progress: Callable[[str], None] | None = None) -> tuple[float, float, float]:
     """(seconds a decoder layer's step costs beside its bytes, seconds a token's costs outside its
     layers and lm_head, and seconds more a token a word of the vocabulary), from the probe models
-    (see the module's docstring; ``bundles``: made by ``probe_bundles`` already): the layers' time
-    as the decode steps time it less their bytes at ``hw``'s rates, and what the step and the
-    sample take beside the layers and lm_head; medians over interleaved rounds."""
+    (see the module's docstring; ``bundles``: made by ``probe_bundles`` already): a layer's, from
+    the step and the sample less lm_head and the layers' bytes at ``hw``'s rates over one and six
+    layers (what lies outside the layers grows with them, and is theirs); a token's, what the step
+    and the sample take beside the layers and lm_head at one layer; medians over interleaved
+    rounds."""
     if bundles is None:
         with tempfile.TemporaryDirectory(prefix="ktc-calibrate-") as tmp:
             return layer_costs(hw, rounds=rounds, tokens=tokens, bundles=probe_bundles(tmp, progress))
@@ -105,23 +107,29 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
     if progress:
         progress("the probe models' decode steps")
     bytes_only = replace(hw, cpu_layer_seconds=0.0, cpu_token_seconds=0.0, cpu_vocab_seconds=0.0)
-    models, layer_bytes = [], []
+    models, layer_bytes, head_bytes = [], [], []
     try:
         for path in bundles:
             with open_bundle(path) as bundle:
                 cost = bundle_decode_cost(bundle, bytes_only, context=len(PROMPT) + tokens // 2)
             assert cost is not None  # every expert is on the CPU
             layer_bytes.append(cost.matrices + cost.experts + cost.kv)
+            head_bytes.append(cost.head)
             models.append(from_bundle(path))
         for model in models:  # compile the kernels and warm the caches, outside the timing
             _decode_seconds(model, 4)
         layers: list[list[float]] = [[] for _ in models]
         rest: list[list[float]] = [[] for _ in models]
+        heads: list[list[float]] = [[] for _ in models]
         for _ in range(rounds):
             for i, model in enumerate(models):
-                _, outside = _decode_seconds(model, tokens)
-                layers[i].append(float(model.fast.seconds[:-1].sum()) / model.fast.steps - layer_bytes[i])
+                whole, outside = _decode_seconds(model, tokens)
+                # the whole step but lm_head, less the layers' bytes: what a step spends outside
+                # its layers grows with them too (their weights evict its Python from the
+                # caches: at the probes' shape 30 us a step at one layer, 45 at six, measured)
+                layers[i].append(whole - float(model.fast.seconds[-1]) / model.fast.steps - layer_bytes[i])
                 rest[i].append(outside)
+                heads[i].append(float(model.fast.seconds[-1]) / model.fast.steps - head_bytes[i])
     finally:
         for model in models:
             model.close()
@@ -129,7 +137,10 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
     per_layer = max((float(np.median(layers[1])) - float(np.median(layers[0]))) / (l1 - l0), 0.0)
     r0, r2 = float(np.median(rest[0])), float(np.median(rest[2]))
     per_word = max((r2 - r0) / (v2 - v0), 0.0)
-    return per_layer, max(r0 - v0 * per_word, 0.0), per_word
+    # lm_head's call in a step beyond its cost called back to back, as the rates were measured:
+    # after the layers its code, its rows and the kernels' threads are cold (20-30 us here)
+    head = max(float(np.median(heads[0])), 0.0)
+    return per_layer, max(r0 - v0 * per_word, 0.0) + head, per_word
 
 
 def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, rounds: int = 5,
