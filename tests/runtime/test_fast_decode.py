@@ -18,13 +18,13 @@ from ktc.runtime.hf import from_bundle
 VOCAB = 96
 
 
-def _bundle(tmp_path, family: str, scheme: str = "f32", **overrides) -> str:
+def _bundle(tmp_path, family: str, scheme: str = "f32", dense: str | None = None, **overrides) -> str:
     model = mf.build_hf_model(family, **overrides).eval()
     folder = str(tmp_path / family)
     mf.write_safetensors(model, folder)
     mf.write_char_tokenizer(folder, VOCAB)
     path = str(tmp_path / f"{family}-{scheme}.ktb")
-    compile_bundle(folder, path, cpu_scheme=scheme, dense_scheme=scheme)
+    compile_bundle(folder, path, cpu_scheme=scheme, dense_scheme=dense or scheme)
     return path
 
 
@@ -71,6 +71,21 @@ def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path
         length = km.cache.get_seq_length()
         slow = _steps(km, prompt, tokens, fast=False)
         assert length == km.cache.get_seq_length() == 20  # both fill the same cache
+    assert _relative(fast, slow) < 1e-5
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_bf16_attention_takes_the_one_call_stack(tmp_path):
+    """bf16 projections (``ktc compile``'s default for a checkpoint's non-expert weights) take the
+    compiled layer step and the stack's one call, with transformers' logits."""
+    path = _bundle(tmp_path, "qwen3_moe", "int8", dense="bf16")
+    prompt, tokens = _prompt(12), _prompt(20)[12:]
+    with from_bundle(path) as km:
+        assert km.fast.layers[0].q.scheme == "bf16"
+        assert all(layer.compiled is not None for layer in km.fast.layers)
+        fast = _steps(km, prompt, tokens, fast=True)
+        assert km.fast._every is not None
+        slow = _steps(km, prompt, tokens, fast=False)
     assert _relative(fast, slow) < 1e-5
 
 
