@@ -126,7 +126,7 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
                 whole, outside = _decode_seconds(model, tokens)
                 # the whole step but lm_head, less the layers' bytes: what a step spends outside
                 # its layers grows with them too (their weights evict its Python from the
-                # caches: at the probes' shape 30 us a step at one layer, 45 at six, measured)
+                # caches: 30 us a step at one probe layer, 45 at six, measured)
                 layers[i].append(whole - float(model.fast.seconds[-1]) / model.fast.steps - layer_bytes[i])
                 rest[i].append(outside)
                 heads[i].append(float(model.fast.seconds[-1]) / model.fast.steps - head_bytes[i])
@@ -138,7 +138,8 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
     r0, r2 = float(np.median(rest[0])), float(np.median(rest[2]))
     per_word = max((r2 - r0) / (v2 - v0), 0.0)
     # lm_head's call in a step beyond its cost called back to back, as the rates were measured:
-    # after the layers its code, its rows and the kernels' threads are cold (20-30 us here)
+    # after the layers its code and its rows are cold (the trained demo's: 48-56 us in a step,
+    # 22-24 alone)
     head = max(float(np.median(heads[0])), 0.0)
     return per_layer, max(r0 - v0 * per_word, 0.0) + head, per_word
 
