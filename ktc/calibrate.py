@@ -124,12 +124,13 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
         for _ in range(rounds):
             for i, model in enumerate(models):
                 whole, outside = _decode_seconds(model, tokens)
+                head = float(model.fast.seconds[-1]) / model.fast.steps
                 # the whole step but lm_head, less the layers' bytes: what a step spends outside
                 # its layers grows with them too (their weights evict its Python from the
                 # caches: 30 us a step at one probe layer, 45 at six, measured)
-                layers[i].append(whole - float(model.fast.seconds[-1]) / model.fast.steps - layer_bytes[i])
+                layers[i].append(whole - head - layer_bytes[i])
                 rest[i].append(outside)
-                heads[i].append(float(model.fast.seconds[-1]) / model.fast.steps - head_bytes[i])
+                heads[i].append(head - head_bytes[i])
     finally:
         for model in models:
             model.close()
@@ -140,8 +141,8 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
     # lm_head's call in a step beyond its cost called back to back, as the rates were measured:
     # after the layers its code and its rows are cold (the trained demo's: 48-56 us in a step,
     # 22-24 alone)
-    head = max(float(np.median(heads[0])), 0.0)
-    return per_layer, max(r0 - v0 * per_word, 0.0) + head, per_word
+    head_extra = max(float(np.median(heads[0])), 0.0)
+    return per_layer, max(r0 - v0 * per_word, 0.0) + head_extra, per_word
 
 
 def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, rounds: int = 5,

@@ -33,13 +33,13 @@ _EMPTY = read_only(np.zeros((0, 4), dtype=np.uint8))
 class Projections:
     """Matrices (``HostLinear``) sharing one input, run together by ``__call__``."""
 
-    def __init__(self, linears: Sequence[Any], kinds: list[int]) -> None:
+    def __init__(self, linears: Sequence[Any], kinds: list[int], raws: Sequence[np.ndarray]) -> None:
         # read-only views of every matrix: a tuple of arrays is one Numba type only when their
         # flags agree, and a GGUF's query and key rows, un-permuted from llama.cpp's rotary
         # order, are arrays of their own beside the bundle's read-only map
         # ... padded with empty matrices to STACK of them: a tuple's length is part of its type
         pad = STACK - len(linears)
-        self.mats = tuple(read_only(_row_bytes(lin.raw)) for lin in linears) + (_EMPTY,) * pad
+        self.mats = tuple(read_only(raw) for raw in raws) + (_EMPTY,) * pad
         self.kinds = np.array(list(kinds) + [kinds[0]] * pad, dtype=np.int64)
         # int8 rows end in their float32 scale, read through a float32 view of the matrix;
         # every matrix gets a view of the same type (its first 4 bytes where it has no scale)
@@ -71,7 +71,7 @@ class Projections:
             return None
         if any(k == 0 and r.size % 4 for k, r in zip(kinds, raws)):
             return None
-        return cls(linears, kinds)  # type: ignore[arg-type]
+        return cls(linears, kinds, raws)  # type: ignore[arg-type]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """The matrices' outputs for x (float32 [cols]), one after another: float32 [sum of rows]."""
