@@ -637,7 +637,7 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # the one-token kernel token by token (lanes/stepwise 6.32/3.53 at 2, 6.47/6.99 at 4; its
 # scales' unpacking is scalar code, about twice the others' fixed cost). lanes.matmul ran
 # 1.06-1.65x torch's bf16 GEMM on the weights already decoded at 64 and 256 tokens
-# (``benchmarks/kernels.py``), so these schemes never take the decode-to-bf16 path where they
+# (``benchmarks/expert_kernels.py``), so these schemes never take the decode-to-bf16 path where they
 # fit.
 LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
                     "iq4_xs": 4}

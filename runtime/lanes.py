@@ -18,7 +18,7 @@ block; q6_k's 16-value scales split a block's sums in two. ``kernels.in_place`` 
 here from ``kernels.LANES_MIN_TOKENS`` tokens on.
 
 Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and torch's bf16
-``F.linear`` in ``benchmarks/kernels.py`` (part 3) and ``docs/runtime.md``.
+``F.linear`` in ``benchmarks/expert_kernels.py`` (part 3) and ``docs/runtime.md``.
 """
 from __future__ import annotations
 

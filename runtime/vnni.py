@@ -896,7 +896,7 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
     return _F16_TO_F32, _E8M0
 
 
-# Set to an int64 array of 9 (benchmarks/kernels.py does) to have each compiled one-token call
+# Set to an int64 array of 9 (benchmarks/expert_kernels.py does) to have each compiled one-token call
 # stamp the cycle counter at its start, after quantizing x, after the gate/up kernel, after the
 # activation, after quantizing it, after the down kernel and at its end; the MoE layer's call
 # (``moe._moe_token``) stamps its routing's start and end too (7 and 8).

@@ -16,7 +16,7 @@ interleaved rounds, each round measuring the bandwidth first).
    independent ``vpdpbusd`` and ``vdpbf16ps`` instructions on registers, on every thread (the
    fastest of 9 runs: a capacity, not a speed claim).
 
-    python benchmarks/kernels.py [--threads 2] [--quick] [--sections 123]
+    python benchmarks/expert_kernels.py [--threads 2] [--quick] [--sections 123]
 """
 
 from __future__ import annotations
