@@ -26,14 +26,16 @@ def import_transformers() -> Any:
     except ImportError:
         raise KtcError("this needs transformers, which is not installed", hint="pip install 'ktc[hf]'") from None
     numbers = tuple(int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
-    try:
-        from transformers.integrations.moe import ExpertsInterface  # noqa: F401
-    except ImportError:
-        numbers = (0, 0)
     if numbers < MIN_TRANSFORMERS:
         raise KtcError(f"transformers {transformers.__version__} is older than the experts interface ktc "
                        f"plugs into ({'.'.join(map(str, MIN_TRANSFORMERS))})",
                        hint="pip install -U 'transformers>=5.7'")
+    try:
+        from transformers.integrations.moe import ExpertsInterface  # noqa: F401
+    except ImportError as e:  # a new enough release whose experts module does not import here
+        raise KtcError(f"transformers {transformers.__version__}'s experts interface does not import: {e}",
+                       hint="a module of the same name as one transformers imports may come first on sys.path "
+                            "(the script's own folder, or the current one)") from e
     return transformers
 
 

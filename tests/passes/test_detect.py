@@ -336,3 +336,26 @@ def test_look_alike_families_keep_their_own_routing(tmp_path, family, gating):
     assert all(layer.gating.value == gating for layer in ir.moe_layers)
     text = render_plan_text(plan(folder, vram="1GiB", reserve="0"))
     assert ("which ktc's MoE layer does not compute" in text) == (gating == "other")
+
+
+def test_a_new_transformers_whose_experts_module_fails_to_import_is_named_as_such(monkeypatch):
+    """A release new enough whose experts module raises ImportError (a module of the same name as
+    one transformers imports, earlier on sys.path) is reported with that error, not as too old."""
+    import builtins
+
+    from ktc.errors import KtcError
+    from ktc.formats.transformers_model import import_transformers
+
+    pytest.importorskip("transformers")
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "transformers.integrations.moe":
+            raise ImportError("cannot import name 'CUDAProperties' from 'kernels'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing)
+    with pytest.raises(KtcError) as raised:
+        import_transformers()
+    assert "does not import" in str(raised.value) and "CUDAProperties" in str(raised.value)
+    assert "is older than" not in str(raised.value)
