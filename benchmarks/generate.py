@@ -327,7 +327,8 @@ def run_llama(llama: str, gguf: str, prompt: int, new: int, threads: int) -> dic
         # Seen on a virtual machine whose CPU reports AMX that the hypervisor does not run: a
         # native build of ggml takes its AMX matrix products, and the first prompt faults.
         raise SystemExit(f"llama-bench died ({signal.Signals(-done.returncode).name}) on a CPU that reports AMX: "
-                         "rebuild llama.cpp's tools without it (cmake -DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+                         "rebuild llama.cpp's tools without it (cmake -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON "
+                         "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON "
                          "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
                          "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF, with build-llamacpp.sh's other options)")
     done.check_returncode()

@@ -149,9 +149,7 @@ def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, 
               bundles: list[str] | None = None, progress: Callable[[str], None] | None = None) -> HardwareProfile:
     """``base`` with the CPU decode cost model's figures measured here (``schemes``: those
     only; ``bundles``: the probe models, made by ``probe_bundles`` already)."""
-    from ktc.runtime.calibrate import scheme_bandwidths
-
-    from ktc.runtime.calibrate import prefill_ops
+    from ktc.runtime.calibrate import prefill_ops, scheme_bandwidths
 
     rates = scheme_bandwidths(schemes, rounds=rounds, progress=progress)
     if progress:
