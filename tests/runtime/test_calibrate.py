@@ -29,6 +29,39 @@ def test_rates_are_measured_for_both_paths():
     assert got["experts_call_bytes"]["int8"] == 2 * (int8.matrix_bytes(256, 256) + int8.matrix_bytes(256, 128))
 
 
+def test_probes_read_twice_the_last_level_cache(tmp_path, monkeypatch):
+    """The bytes a rate is measured over exceed the largest cache the OS reports (a 480 MiB L3
+    held the 128 MiB probes: their rates came out 13-18% above memory's)."""
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert calibrate.last_level_cache_bytes(str(tmp_path)) == 480 << 20
+    assert calibrate.last_level_cache_bytes(str(tmp_path / "none")) == 0
+    monkeypatch.setattr(calibrate, "last_level_cache_bytes", lambda: 480 << 20)
+    assert calibrate.probe_bytes() == 960 << 20
+    monkeypatch.setattr(calibrate, "last_level_cache_bytes", lambda: 32 << 20)
+    assert calibrate.probe_bytes() == calibrate.WORKING_SET
+
+
+@pytest.mark.parametrize("scheme", ["int8", "q4_0", "q4_k", "bf16"])
+def test_a_schemes_matrix_probes_share_one_working_set(scheme):
+    """Rows of a quarter the length read the bytes of the full-length probe: valid blocks of the
+    scheme (int8's row scale aside), no second working set."""
+    from ktc.runtime import kernels
+
+    full = calibrate._MatrixProbe(scheme, 1 << 20, None, 1024)
+    quarter = calibrate._MatrixProbe(scheme, 1 << 20, None, 256, full.raw)
+    assert np.shares_memory(quarter.raw, full.raw)
+    assert quarter.raw.shape[1] == get_scheme(scheme).matrix_bytes(1, 256)
+    quarter.run()
+    if scheme != "int8":
+        at = quarter.parts[0]
+        values = get_scheme(scheme).dequantize(at.view(np.uint8).reshape(at.shape[0], -1), 256)
+        expect = values @ quarter.x
+        np.testing.assert_allclose(kernels.matvec(at, scheme, quarter.x), expect, rtol=0.05,
+                                   atol=0.05 * float(np.abs(expect).max()))
+
+
 def test_device_rates_on_torchs_cpu_device():
     # the CUDA path (pinned host memory, synchronised timing) is the same code; this machine has
     # no GPU, so its CPU device stands in
