@@ -68,7 +68,12 @@ def probe_bytes() -> int:
     is larger, so that every call reads from memory as a decode step's weights do. With 128 MiB
     on a CPU whose L3 holds 480 MiB, matrices read 13-18% faster than from memory (q8_0 33-34
     against 28-29 GB/s), and `lm_head` took 12-27% longer than predicted in every case."""
-    return max(WORKING_SET, 2 * last_level_cache_bytes())
+    wanted = max(WORKING_SET, 2 * last_level_cache_bytes())
+    try:  # a few schemes' probes are held at once (``scheme_bandwidths``): a sixteenth of free RAM each at most
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return wanted
+    return max(WORKING_SET, min(wanted, free // 16))
 
 
 def cpu_schemes() -> tuple[str, ...]:

@@ -37,8 +37,12 @@ def test_probes_read_twice_the_last_level_cache(tmp_path, monkeypatch):
         (tmp_path / index / "size").write_text(size + "\n")
     assert calibrate.last_level_cache_bytes(str(tmp_path)) == 480 << 20
     assert calibrate.last_level_cache_bytes(str(tmp_path / "none")) == 0
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": (64 << 30) // 4096}  # 64 GiB free
+    monkeypatch.setattr(calibrate.os, "sysconf", lambda name: pages[name])
     monkeypatch.setattr(calibrate, "last_level_cache_bytes", lambda: 480 << 20)
     assert calibrate.probe_bytes() == 960 << 20
+    pages["SC_AVPHYS_PAGES"] = (8 << 30) // 4096  # 8 GiB free: a sixteenth of it a probe
+    assert calibrate.probe_bytes() == 512 << 20
     monkeypatch.setattr(calibrate, "last_level_cache_bytes", lambda: 32 << 20)
     assert calibrate.probe_bytes() == calibrate.WORKING_SET
 
