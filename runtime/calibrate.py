@@ -140,9 +140,9 @@ class _ExpertsProbe:
 class _MatrixProbe:
     """A matrix of ``cols`` columns in ``scheme``, larger than the cache; ``run()`` multiplies
     ``rows`` of it (the next ones each call; by default as many as ``WORKING_SET`` bytes hold) by
-    one vector (a projection, or ``lm_head``, in a decode step). ``shared``: the bytes of another probe of the scheme
-    (``scheme_rows`` at ``MATRIX_COLS``) to read as this one's rows, instead of its own: a
-    scheme's probes then hold one working set, not one each (twice a 480 MiB L3, each)."""
+    one vector (a projection, or ``lm_head``, in a decode step). ``shared``: the bytes of another
+    probe of the scheme (``scheme_rows`` at ``MATRIX_COLS``) to read as this one's rows, instead
+    of its own: a scheme's probes then hold one working set, not one each (twice a 480 MiB L3)."""
 
     def __init__(self, scheme: str, working_set: int = WORKING_SET, rows: int | None = None,
                  cols: int = MATRIX_COLS, shared: np.ndarray | None = None):
@@ -227,8 +227,8 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         probes = {}
         for n in group:
             shared = None
-            for i, (rows, cols) in enumerate(matrix_calls):
-                probes[n, i] = _MatrixProbe(n, working_set, rows, cols, shared)
+            for i, (call_rows, cols) in enumerate(matrix_calls):
+                probes[n, i] = _MatrixProbe(n, working_set, call_rows, cols, shared)
                 if cols == MATRIX_COLS and shared is None:
                     shared = probes[n, i].raw
         seconds = _median_seconds(probes, rounds, calls)
