@@ -113,23 +113,41 @@ def scheme_rows(name: str, rows_: int, cols: int, seed: int = 0) -> np.ndarray:
 class _ExpertsProbe:
     """Copies of one layer's chosen experts in ``scheme``, laid out as a bundle lays them out
     (gate/up then down, each at its byte offset in one file), enough copies to exceed the
-    cache; ``run()`` sends one token through the next copy."""
+    cache; ``run()`` sends one token through the next copy. ``shared``: another probe's file of
+    the scheme, read as this one's experts where it holds enough bytes (whole blocks either way:
+    a scheme's probes then hold one working set, not one each)."""
 
-    def __init__(self, scheme: str, shape: tuple[int, int, int], working_set: int = WORKING_SET):
+    def __init__(self, scheme: str, shape: tuple[int, int, int], working_set: int = WORKING_SET,
+                 shared: np.ndarray | None = None):
         k, hidden, inter = shape
-        gate_up = scheme_rows(scheme, 2 * inter, hidden)
-        down = scheme_rows(scheme, hidden, inter, seed=1)
-        per_expert = gate_up.nbytes + down.nbytes
+        gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set)
         self.bytes_per_call = k * per_expert
-        copies = max(2, -(-working_set // self.bytes_per_call))
-        one = np.concatenate([gate_up.reshape(-1), down.reshape(-1)])
-        self.file = np.tile(one, k * copies)
+        if shared is not None and shared.nbytes >= k * copies * per_expert:
+            self.file = shared
+        else:
+            gate_up = scheme_rows(scheme, 2 * inter, hidden)
+            down = scheme_rows(scheme, hidden, inter, seed=1)
+            self.file = np.tile(np.concatenate([gate_up.reshape(-1), down.reshape(-1)]), k * copies)
         starts = np.arange(k * copies, dtype=np.int64).reshape(copies, k) * per_expert
-        self.offsets = [(s, s + gate_up.nbytes) for s in starts]
+        self.offsets = [(s, s + gate_up_bytes) for s in starts]
         self.scheme, self.hidden, self.inter = scheme, hidden, inter
         self.x = np.random.default_rng(2).standard_normal(hidden).astype(np.float32)
         self.weights = np.full(k, 1.0 / k, dtype=np.float32)
         self.at = 0
+
+    @staticmethod
+    def _layout(scheme: str, shape: tuple[int, int, int], working_set: int) -> tuple[int, int, int]:
+        """(an expert's gate/up bytes, its bytes, the copies of the k experts cycled over)."""
+        k, hidden, inter = shape
+        gate_up = get_scheme(scheme).matrix_bytes(2 * inter, hidden)
+        per_expert = gate_up + get_scheme(scheme).matrix_bytes(hidden, inter)
+        return gate_up, per_expert, max(2, -(-working_set // (k * per_expert)))
+
+    @staticmethod
+    def bytes_needed(scheme: str, shape: tuple[int, int, int], working_set: int) -> int:
+        """The bytes of a probe's file."""
+        _, per_expert, copies = _ExpertsProbe._layout(scheme, shape, working_set)
+        return shape[0] * copies * per_expert
 
     def run(self) -> None:
         gu, dn = self.offsets[self.at]
@@ -214,7 +232,13 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         group = fused[start:start + 3]
         if progress:
             progress(f"experts: {', '.join(group)}")
-        probes = {(n, i): _ExpertsProbe(n, shape, working_set) for n in group for i, shape in enumerate(shapes)}
+        probes = {}
+        for n in group:  # the call that cycles over the most bytes first: the others read its file
+            need = [_ExpertsProbe.bytes_needed(n, shape, working_set) for shape in shapes]
+            shared = None
+            for i in sorted(range(len(shapes)), key=lambda i: -need[i]):
+                probes[n, i] = _ExpertsProbe(n, shapes[i], working_set, shared)
+                shared = probes[n, i].file if shared is None else shared
         seconds = _median_seconds(probes, rounds, calls)
         for n in group:
             _fit(result, "experts", n, probes[n, 0].bytes_per_call, seconds[n, 0], probes[n, 1].bytes_per_call,

@@ -66,6 +66,21 @@ def test_a_schemes_matrix_probes_share_one_working_set(scheme):
                                    atol=0.05 * float(np.abs(expect).max()))
 
 
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
+def test_a_schemes_expert_probes_share_one_file(scheme):
+    """The smaller call's probe reads the larger one's bytes (whole blocks at its own offsets)."""
+    large, small = (2, 512, 1024), (4, 256, 256)
+    assert calibrate._ExpertsProbe.bytes_needed(scheme, large, 1 << 22) >= \
+        calibrate._ExpertsProbe.bytes_needed(scheme, small, 1 << 22)
+    first = calibrate._ExpertsProbe(scheme, large, 1 << 22)
+    second = calibrate._ExpertsProbe(scheme, small, 1 << 22, first.file)
+    assert second.file is first.file and first.file.nbytes == calibrate._ExpertsProbe.bytes_needed(scheme, large,
+                                                                                                   1 << 22)
+    assert int(second.offsets[-1][1].max()) + get_scheme(scheme).matrix_bytes(256, 256) <= first.file.nbytes
+    first.run()
+    second.run()
+
+
 def test_device_rates_on_torchs_cpu_device():
     # the CUDA path (pinned host memory, synchronised timing) is the same code; this machine has
     # no GPU, so its CPU device stands in
