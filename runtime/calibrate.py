@@ -48,18 +48,17 @@ def last_level_cache_bytes(cpu: str = "/sys/devices/system/cpu/cpu0/cache") -> i
     """The size of the largest cache the OS reports for a CPU (sysfs), 0 where it reports none."""
     import glob
 
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     largest = 0
     for path in glob.glob(os.path.join(cpu, "index*", "size")):
         try:
             with open(path) as f:
-                text = f.read().strip()
+                text = f.read().strip()  # e.g. "491520K"
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[-1:] in units and text[:-1].isdigit():
-            largest = max(largest, int(text[:-1]) * units[text[-1]])
-        elif text.isdigit():
-            largest = max(largest, int(text))
+        number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+        if number.isdigit():
+            largest = max(largest, int(number) * unit)
     return largest
 
 
@@ -139,8 +138,9 @@ class _ExpertsProbe:
     def _layout(scheme: str, shape: tuple[int, int, int], working_set: int) -> tuple[int, int, int]:
         """(an expert's gate/up bytes, its bytes, the copies of the k experts cycled over)."""
         k, hidden, inter = shape
-        gate_up = get_scheme(scheme).matrix_bytes(2 * inter, hidden)
-        per_expert = gate_up + get_scheme(scheme).matrix_bytes(hidden, inter)
+        matrix_bytes = get_scheme(scheme).matrix_bytes
+        gate_up = matrix_bytes(2 * inter, hidden)
+        per_expert = gate_up + matrix_bytes(hidden, inter)
         return gate_up, per_expert, max(2, -(-working_set // (k * per_expert)))
 
     @staticmethod
@@ -234,9 +234,8 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
             progress(f"experts: {', '.join(group)}")
         probes = {}
         for n in group:  # the call that cycles over the most bytes first: the others read its file
-            need = [_ExpertsProbe.bytes_needed(n, shape, working_set) for shape in shapes]
             shared = None
-            for i in sorted(range(len(shapes)), key=lambda i: -need[i]):
+            for i in sorted(range(len(shapes)), key=lambda i: -_ExpertsProbe.bytes_needed(n, shapes[i], working_set)):
                 probes[n, i] = _ExpertsProbe(n, shapes[i], working_set, shared)
                 shared = probes[n, i].file if shared is None else shared
         seconds = _median_seconds(probes, rounds, calls)
