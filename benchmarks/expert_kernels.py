@@ -288,9 +288,14 @@ def main() -> int:
         from generate import cpu_flags  # benchmarks/generate.py, beside this file
 
         if "amx_bf16" in cpu_flags():
+            from ktc.runtime import amx
+            from ktc.runtime.kernels import AMX_MIN_TOKENS
+
+            ours = (f"ktc's products of {AMX_MIN_TOKENS} tokens or more take AMX too (bf16, the weights decoded a "
+                    "chunk of rows at a time), fewer AVX-512 VNNI" if amx.HAVE_AMX else
+                    "ktc's batched kernels use AVX-512 VNNI here (AMX off: KTC_NO_AMX, or Linux refused it)")
             print("   this CPU has AMX, which torch's bf16 products take (oneDNN's AMX kernels; ONEDNN_VERBOSE=1 "
-                  "names them), so they are not bound by the vdpbf16ps peak; ktc's batched kernels use "
-                  "AVX-512 VNNI, not AMX")
+                  f"names them), so they are not bound by the vdpbf16ps peak; {ours}")
         for count in (64, 256) if not args.quick else (64,):
             xs = rng.standard_normal((count, hidden)).astype(np.float32)
             ops = 2 * count * 3 * hidden * inter

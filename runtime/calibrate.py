@@ -303,17 +303,19 @@ def _fused(name: str) -> bool:
 
 def prefill_ops(scheme: str = "q8_0", *, tokens: int = 64, rows_: int = 2048, cols: int = 2048,
                 rounds: int = 5, calls: int = 4) -> float:
-    """Ops a second (a multiply-add counts two) of ktc's batched CPU product (``lanes.matmul``,
-    what a prompt's experts run through) of ``tokens`` tokens and a ``rows_`` x ``cols`` matrix
-    of ``scheme``, the median over rounds; 0.0 where this CPU has no batched kernel for it (no
-    VNNI: the products then decode to bf16 for torch, whose rate the planner does not model)."""
+    """Ops a second (a multiply-add counts two) of ktc's batched CPU product (``lanes.matmul``, or
+    ``amx.matmul`` on a CPU with AMX from ``kernels.AMX_MIN_TOKENS``: what a prompt's experts run
+    through) of ``tokens`` tokens and a ``rows_`` x ``cols`` matrix of ``scheme``, the median over
+    rounds; 0.0 where this CPU has no batched kernel for it (no VNNI: the products then decode to
+    bf16 for torch, whose rate the planner does not model)."""
     from . import lanes
 
     if not lanes.fits(scheme, cols):
         return 0.0
     raw = scheme_rows(scheme, rows_, cols)
     x = np.random.default_rng(0).standard_normal((tokens, cols), dtype=np.float32)
-    probe = SimpleNamespace(run=lambda: lanes.matmul(x, raw, scheme))  # what ``_median_seconds`` calls
+    multiply = kernels.cpu_kernels(scheme).in_place[1]  # type: ignore[index]  # lanes' schemes have one
+    probe = SimpleNamespace(run=lambda: multiply(x, raw, scheme))  # what ``_median_seconds`` calls
     seconds = _median_seconds({"prefill": probe}, rounds, calls)["prefill"]
     return 2.0 * tokens * rows_ * cols / seconds
 

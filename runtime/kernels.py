@@ -641,19 +641,31 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # fit.
 LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
                     "iq4_xs": 4}
+# On a CPU with AMX (``amx.HAVE_AMX``) these schemes' products of this many tokens or more decode
+# the rows to bf16 a chunk at a time and multiply through AMX (``amx.matmul``). The decoding costs
+# the same whatever the tokens, and a call pads its tokens to 32: below this lanes.matmul is
+# faster. lanes/amx time (medians of 7 interleaved rounds, two threads, an Intel Xeon VM) at
+# 16 / 24 / 64 / 128 tokens: Qwen3-30B-A3B's gate/up (1536 x 2048) q4_0 0.72 / 0.94 / 1.26 / 1.36,
+# q6_k 0.91 / 1.26 / 1.61 / 1.87; its down (2048 x 768) q4_0 0.84 / 1.18 / 1.27 / 1.55; Mixtral's
+# down (4096 x 14336) q4_0 0.78 / 1.14 / 1.30 / 1.77, q8_0 0.61 / 1.05 / 1.19 / 1.57, mxfp4 0.86 /
+# 1.09 / 1.28 / 1.60, q4_k 0.80 / 1.16 / 1.23 / 1.88 (``docs/runtime.md``).
+AMX_MIN_TOKENS = 24
 
 
 def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndarray]) -> tuple[
         Callable[[str, int], bool], Callable[..., np.ndarray]]:
     """``CpuKernels.in_place`` for a scheme of ``lanes.KINDS`` whose row tiles are ``tiles``
     (``tiles_fit``; iq4_xs has none and passes ``stepwise``): the tiles below
-    ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on and wherever the tiles do not fit."""
+    ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on and wherever the tiles do not fit, and
+    ``amx.matmul`` from ``AMX_MIN_TOKENS`` on a CPU with AMX."""
 
     def fits(scheme: str, cols: int) -> bool:
         return lanes.fits(scheme, cols) or tiles_fit(scheme, cols)
 
     def multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
         cols = x.shape[1]
+        if x.shape[0] >= AMX_MIN_TOKENS and amx.fits(scheme, cols):
+            return amx.matmul(x, raw, scheme)
         if lanes.fits(scheme, cols) and (x.shape[0] >= LANES_MIN_TOKENS[scheme] or not tiles_fit(scheme, cols)):
             return lanes.matmul(x, raw, scheme)
         return tiles(x, raw, scheme)
@@ -839,4 +851,4 @@ for _group in (32, 64, 128):
                                                block_decoder(_decode_int4, _group)))
 
 # the VNNI kernels, used above; the K-quants and fp8 register themselves
-from . import fp8, kquants, lanes, rows, vnni  # noqa: E402,F401
+from . import amx, fp8, kquants, lanes, rows, vnni  # noqa: E402,F401

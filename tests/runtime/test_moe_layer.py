@@ -197,9 +197,10 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
     rounding for the block kinds, whose activations are quantized per 32 values either way;
     within the activations' rounding for the K-quants, whose one-token kernels quantize them
     per 256 (about 1% a product, two products; the lanes against their definition: the kernel
-    tests)."""
-    from ktc.runtime import vnni
-    from ktc.runtime.kernels import LANES_MIN_TOKENS
+    tests); on a CPU with AMX, experts of ``AMX_MIN_TOKENS`` tokens or more multiply bf16 values
+    (``runtime/amx.py``), within the activations' rounding too."""
+    from ktc.runtime import amx, vnni
+    from ktc.runtime.kernels import AMX_MIN_TOKENS, LANES_MIN_TOKENS
 
     if not vnni.HAVE_VNNI:
         pytest.skip("the in-place batched path needs AVX-512 VNNI")
@@ -227,7 +228,7 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
         alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(tokens)])
         moe.close()
     assert tokens == 24 or most >= LANES_MIN_TOKENS[scheme]  # the larger batch reaches the lanes
-    if scheme in ("q4_k", "q6_k") and tokens > 24:
+    if (scheme in ("q4_k", "q6_k") and tokens > 24) or (amx.HAVE_AMX and most >= AMX_MIN_TOKENS):
         assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) < 3e-2
     else:
         np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())

@@ -1,0 +1,348 @@
+"""Many tokens times one matrix through AMX (Intel's Advanced Matrix Extensions) for prefill:
+``tdpbf16ps`` multiplies a tile of 16 rows of 32 bf16 values by one of 32 values of 16 tokens
+and adds the products to a 16 x 16 tile of float32 sums, 8,192 multiply-adds an instruction.
+
+``lanes`` multiplies int8 codes by int8 activations (``vpdpbusd``); every block of 32 values has
+its own scale, so its sums are converted and scaled block by block, and that float work bounds
+it. AMX's int8 product (``tdpbusd``) has the same limit: a block's sums must leave the tiles
+(stored, reloaded, scaled) before the next block's, and such a kernel measured 1.1x ``lanes``.
+Here the weights are decoded instead, a chunk of rows at a time, to bf16 (codes times their
+block's scale, as ``lanes`` unpacks them, then AVX-512 BF16's conversion), and the tokens
+rounded to bf16 once a call; the sums then stay in the tiles over a whole row, 2 x 2 tiles of
+16 rows by 16 tokens at a time. The decoding costs the same whatever the tokens: below
+``kernels.AMX_MIN_TOKENS`` tokens ``lanes`` is faster (figures in ``docs/runtime.md``).
+Products differ from ``lanes``' by the rounding of weights and tokens to bf16 (about 0.2%
+relative) instead of the tokens' to int8 per 32 values.
+
+Numba reaches the instructions through LLVM's AMX intrinsics with fixed tile registers (the
+configuration loaded at the start of each call, the tiles released at its end). Linux gives a
+process AMX's tile state only when asked (``arch_prctl``, ARCH_REQ_XCOMP_PERM, 5.16 and later):
+asked once on import; where that fails, or the CPU lacks AMX-BF16, or ``KTC_NO_AMX=1``,
+``HAVE_AMX`` is False, the intrinsics compile to nothing (LLVM cannot emit AMX for a CPU
+without it) and nothing calls them.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+import numpy as np
+from numba import config, get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ktc.formats.float_bits import bf16_bits
+from ktc.formats.kernel_args import read_only, writable
+
+from . import lanes, vnni
+
+ROWS = 32  # rows of a tile pair: two tiles of 16
+# Chunks of up to this many tile pairs a worker decodes and multiplies at once: one pass over the
+# tokens a chunk. At Mixtral-8x7B's 14336 x 4096, 256 tokens (q4_0, the tiles alone, medians of
+# 7): 1 pair 22-24 ms, 4 pairs 18.6-21, 8 pairs slower (the chunk no longer in L2 with the tokens).
+MAX_PAIRS = 4
+CHUNK_BYTES = int(os.environ.get("CB", str(1 << 20)))
+# Decoded rows are this many values longer than a row: rows a multiple of 4 KB apart share L1's
+# sets, and the tiles' 32 rows evicted each other (the tiles alone: 23.2 against 18.6 ms, as above).
+PAD = 32
+
+
+def _request_permission() -> bool:
+    """Whether Linux lets this process use AMX's tile data (asked for here; asking again is harmless)."""
+    import ctypes
+
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86-64's syscall number, its request
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
+    except (OSError, AttributeError):  # pragma: no cover - no libc syscall here
+        return False
+
+
+def _host_has_amx() -> bool:
+    if not vnni.HAVE_VNNI or os.environ.get("KTC_NO_AMX") == "1":
+        return False
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import llvmlite.binding as llvm
+
+    wanted = ("amx-tile", "amx-bf16", "avx512bf16")
+    if (config.CPU_NAME or "host") != "host" or config.CPU_FEATURES:  # another target named: it must say so
+        if not all(f"+{f}" in (config.CPU_FEATURES or "") for f in wanted):
+            return False
+    elif not all(llvm.get_host_cpu_features().get(f, False) for f in wanted):
+        return False
+    return _request_permission()
+
+
+HAVE_AMX = _host_has_amx()
+
+
+def tile_config() -> np.ndarray:
+    """The 64-byte tile configuration (palette 1) of ``_tiles``: every tile 16 rows of 64 bytes
+    (0-3 float32 sums of 16 rows x 16 tokens, 4-5 16 rows of 32 bf16 weights, 6-7 32 values of 16
+    tokens in pairs: a row a pair of values of each token)."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    colsb, rows = cfg[16:32].view(np.uint16), cfg[48:56]
+    colsb[:8], rows[:8] = 64, 16
+    return cfg
+
+
+def _bfloat_type():  # type: ignore[no-untyped-def]
+    from llvmlite import ir
+
+    class BFloat(ir.types.Type):  # LLVM's bfloat, written out by name in the module's text
+        def _to_string(self) -> str:
+            return "bfloat"
+
+    return BFloat
+
+
+def bf16_row_intrinsic(halves: int, minimums: bool):  # type: ignore[no-untyped-def]
+    """``row(w, wat, sc, mn, p, blocks, offset, out, oat)``: ``blocks`` blocks of 32 unsigned codes
+    at w[wat:] (``lanes``' unpacked rows) as bf16 bits at out[oat:] (uint16): (code - offset)
+    times the scale of its 32 / ``halves`` values at sc[p + ...], plus their minimum at mn[...]
+    with ``minimums``; rounded to nearest even."""
+    from llvmlite import ir
+
+    _BFloat = _bfloat_type()
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    bytes16, words, floats, pairs = (ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16),
+                                     ir.VectorType(i16, 32))
+
+    @intrinsic
+    def row(typingctx, w, wat, sc, mn, p, blocks, offset, out, oat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            if not HAVE_AMX:  # never called then (AMX's CPUs have AVX-512 BF16; others may not)
+                return context.get_dummy_value()
+            w_a, sc_a, mn_a, out_a = vnni._arrays(context, builder, signature, args, (0, 2, 3, 7))
+            wat_v, p_v, blocks_v, oat_v = vnni._indices(context, builder, signature, args, (1, 4, 5, 8))
+            offset_v = context.cast(builder, args[6], signature.args[6], types.float32)
+            index_t = wat_v.type
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def at(array, index, t):  # type: ignore[no-untyped-def]
+                return builder.bitcast(builder.gep(array.data, [index]), t.as_pointer())
+
+            def splat(value):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(floats, ir.Undefined), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * 16))
+
+            # AVX-512 BF16's two-vector conversion (round to nearest even; the low half from the
+            # second); its result is a vector of LLVM's bfloat, a type llvmlite does not name
+            both = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_BFloat(), 32),
+                                                                                  [floats, floats]),
+                                                  "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+            with cgutils.for_range(builder, blocks_v) as loop:
+                b = loop.index
+                converted = []
+                for part in range(2):
+                    q = builder.add(builder.mul(b, const(halves)), const(part * halves // 2))
+                    scale = splat(builder.load(at(sc_a, builder.add(p_v, q), f32), align=4))
+                    codes = builder.load(at(w_a, builder.add(builder.add(wat_v, builder.mul(b, const(32))),
+                                                             const(16 * part)), bytes16), align=1)
+                    values = builder.fsub(builder.uitofp(codes, floats), splat(offset_v))
+                    values = builder.fmul(values, scale)
+                    if minimums:
+                        values = builder.fadd(values, splat(builder.load(at(mn_a, builder.add(p_v, q), f32), align=4)))
+                    converted.append(values)
+                o = builder.add(oat_v, builder.mul(b, const(32)))
+                builder.store(builder.bitcast(builder.call(both, [converted[1], converted[0]]), pairs),
+                              at(out_a, o, pairs), align=2)
+            return context.get_dummy_value()
+
+        return types.void(w, wat, sc, mn, p, blocks, offset, out, oat), codegen
+
+    return row
+
+
+@intrinsic
+def _tiles(typingctx, cfg, wb, wstride, xb, xat, steps, sums, sat):  # type: ignore[no-untyped-def]
+    """32 rows of bf16 weights (row r at byte r * wstride of wb, ``steps`` x 32 values) times two
+    groups of 16 tokens (from byte xat of xb: a group's ``steps`` steps of 1024 bytes, then the
+    next group's) into the four 16 x 16 float32 tiles at sums[sat:] (rows 0-15 by group 0, by
+    group 1, rows 16-31 by group 0, by group 1; 256 values each)."""
+    from llvmlite import ir
+
+    i8, i64 = ir.IntType(8), ir.IntType(64)
+    p8 = i8.as_pointer()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        if not HAVE_AMX:
+            return context.get_dummy_value()
+        cfg_a, wb_a, xb_a, sums_a = vnni._arrays(context, builder, signature, args, (0, 1, 3, 6))
+        wstride_v, xat_v, steps_v, sat_v = vnni._indices(context, builder, signature, args, (2, 4, 5, 7))
+        index_t = wstride_v.type
+
+        def const(k):  # type: ignore[no-untyped-def]
+            return ir.Constant(index_t, k)
+
+        def byte(array, index, scale=1):  # type: ignore[no-untyped-def]
+            return builder.gep(builder.bitcast(array.data, p8), [builder.mul(index, const(scale))])
+
+        def call(name, argtypes, values):  # type: ignore[no-untyped-def]
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argtypes), name)
+            return builder.call(fn, values)
+
+        def reg(t):  # type: ignore[no-untyped-def]
+            return ir.Constant(i8, t)
+
+        stride = builder.sext(wstride_v, i64) if wstride_v.type != i64 else wstride_v
+        sixty_four = ir.Constant(i64, 64)
+        call("llvm.x86.ldtilecfg", [p8], [byte(cfg_a, const(0))])
+        for t in range(4):
+            call("llvm.x86.tilezero", [i8], [reg(t)])
+        second = builder.mul(steps_v, const(1024))
+        with cgutils.for_range(builder, steps_v) as loop:
+            s = loop.index
+            call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(4), byte(wb_a, builder.mul(s, const(64))), stride])
+            call("llvm.x86.tileloadd64", [i8, p8, i64],
+                 [reg(5), byte(wb_a, builder.add(builder.mul(wstride_v, const(16)), builder.mul(s, const(64)))), stride])
+            x0 = builder.add(xat_v, builder.mul(s, const(1024)))
+            call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(6), byte(xb_a, x0), sixty_four])
+            call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(7), byte(xb_a, builder.add(x0, second)), sixty_four])
+            for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)):
+                call("llvm.x86.tdpbf16ps", [i8, i8, i8], [reg(c), reg(a), reg(b)])
+        for t in range(4):
+            call("llvm.x86.tilestored64", [i8, p8, i64],
+                 [reg(t), byte(sums_a, builder.add(sat_v, const(256 * t)), 4), sixty_four])
+        call("llvm.x86.tilerelease", [], [])
+        return context.get_dummy_value()
+
+    return types.void(cfg, wb, wstride, xb, xat, steps, sums, sat), codegen
+
+
+@intrinsic
+def _store_transposed(typingctx, sums, base, out, obase, ostride):  # type: ignore[no-untyped-def]
+    """The 16 x 16 float32 tile at sums[base:] (rows of 16 values) transposed into out: its
+    column t at out[obase + t * ostride:][:16]. Four rounds of two-vector shuffles, each
+    swapping a bit of the row with that bit of the column, instead of 256 single moves."""
+    from llvmlite import ir
+
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    floats = ir.VectorType(f32, 16)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        sums_a, out_a = vnni._arrays(context, builder, signature, args, (0, 2))
+        base_v, obase_v, ostride_v = vnni._indices(context, builder, signature, args, (1, 3, 4))
+
+        def at(array, index):  # type: ignore[no-untyped-def]
+            return builder.bitcast(builder.gep(array.data, [index]), floats.as_pointer())
+
+        rows = [builder.load(at(sums_a, builder.add(base_v, ir.Constant(base_v.type, 16 * i))), align=4)
+                for i in range(16)]
+        for k in range(4):
+            bit = 1 << k
+            low = ir.Constant(ir.VectorType(i32, 16), [(p & ~bit) + 16 * ((p >> k) & 1) for p in range(16)])
+            high = ir.Constant(ir.VectorType(i32, 16), [(p | bit) + 16 * ((p >> k) & 1) for p in range(16)])
+            for r in range(16):
+                if not r & bit:
+                    a, b = rows[r], rows[r | bit]
+                    rows[r], rows[r | bit] = builder.shuffle_vector(a, b, low), builder.shuffle_vector(a, b, high)
+        for t in range(16):
+            builder.store(rows[t], at(out_a, vnni._nth(builder, obase_v, ostride_v, t)), align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, base, out, obase, ostride), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def activations(x, n, cols, groups):  # pragma: no cover - compiled
+    """Tokens x (float32 [n, cols]) as bf16 bits laid out for ``_tiles``: per group of 16 tokens
+    (``groups`` of them, the tokens past n zeros) and step of 32 values, 16 rows of the 16
+    tokens' pairs of values."""
+    steps = cols // 32
+    xb = np.zeros(groups * steps * 512, np.uint16)
+    for gs in prange(groups * steps):
+        g, s = gs // steps, gs % steps
+        for lane in range(min(16, n - 16 * g)):
+            t = 16 * g + lane
+            for k in range(32):
+                xb[(gs * 16 + k // 2) * 32 + 2 * lane + k % 2] = bf16_bits(x[t, 32 * s + k])
+    return xb
+
+
+_row_plain, _row_minimums, _row_halves = bf16_row_intrinsic(1, False), bf16_row_intrinsic(1, True), \
+    bf16_row_intrinsic(2, False)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out):  # pragma: no cover - compiled
+    # out [n, rows] = the tokens (``activations``) times raw's rows of ``lanes.KINDS``' kind: each
+    # worker a chunk of ``pairs_a_chunk`` x 32 rows at a time (taken from a counter, as ``lanes``
+    # does), decoded to bf16, then every pair of token groups over every 32 of its rows.
+    rows = raw.shape[0]
+    flat = raw.reshape(-1)
+    blocks = cols // 32
+    params = blocks * (2 if kind == lanes._HALVES else 1)
+    offset = np.float32(lanes._OFFSET[kind])
+    groups = (n + 31) // 32
+    size = pairs_a_chunk * ROWS
+    chunks = (rows + size - 1) // size
+    pitch = cols + PAD
+    taken = np.zeros(8, np.int64)
+    flat_out = out.reshape(-1)
+    for worker in prange(workers):
+        w = np.zeros(cols, np.uint8)
+        sc = np.zeros(params, np.float32)
+        mn = np.zeros(params, np.float32)
+        wb = np.zeros(size * pitch, np.uint16)
+        sums = np.empty(pairs_a_chunk * 1024, np.float32)
+        while True:
+            chunk = vnni.fetch_add(taken, 0, 1)
+            if chunk >= chunks:
+                break
+            first = chunk * size
+            count = min(size, rows - first)
+            for r in range(count):  # lanes' unpacking (codes plus the kind's offset, scales), then bf16
+                lanes._unpack_row(kind, raw, first + r, flat, w, 0, sc, mn, 0, e8m0, f16)
+                if kind == lanes._HALVES:
+                    _row_halves(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)
+                elif kind == 5 or kind == 6:
+                    _row_minimums(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)
+                else:
+                    _row_plain(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)
+            wb[count * pitch:] = 0
+            used = (count + ROWS - 1) // ROWS
+            for g in range(groups):
+                for p in range(used):
+                    _tiles(cfg, wb[p * ROWS * pitch:], 2 * pitch, xb, 2 * g * blocks * 1024, blocks, sums, p * 1024)
+                for p in range(used):
+                    for half in range(2):
+                        row = first + p * ROWS + 16 * half
+                        for m in range(2):
+                            base = p * 1024 + (2 * half + m) * 256
+                            token = 16 * (2 * g + m)
+                            if row + 16 <= rows and token + 16 <= n:
+                                _store_transposed(sums, base, flat_out, token * rows + row, rows)
+                                continue
+                            for i in range(min(16, first + count - row)):
+                                for lane in range(min(16, n - token)):
+                                    out[token + lane, row + i] = sums[base + 16 * i + lane]
+
+
+def fits(scheme: str, cols: int) -> bool:
+    """Whether ``matmul`` takes matrices of ``scheme`` with rows of ``cols`` values here."""
+    return HAVE_AMX and lanes.fits(scheme, cols)
+
+
+def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``lanes.KINDS``
+    stored as C-contiguous uint8 rows ``raw`` (``fits``): the weights decoded to bf16 32 rows at
+    a time, the tokens rounded to bf16, the products summed in float32 by AMX."""
+    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
+    n, cols = x.shape
+    xb = activations(x, n, cols, 2 * ((n + 31) // 32))
+    out = np.empty((n, raw.shape[0]), dtype=np.float32)
+    workers = get_num_threads()
+    pair_count = -(-raw.shape[0] // ROWS)
+    # 4 chunks a thread at least, to share them out; a chunk's bf16 rows within CHUNK_BYTES
+    per_chunk = max(1, min(MAX_PAIRS, pair_count // (4 * workers), CHUNK_BYTES // (ROWS * 2 * (cols + PAD))))
+    chunks = -(-pair_count // per_chunk)
+    f16, e8m0 = vnni._tables()
+    _matmul(raw, lanes.KINDS[scheme], e8m0, f16, xb, n, cols, max(1, min(workers, chunks)), per_chunk, tile_config(),
+            out)
+    return out

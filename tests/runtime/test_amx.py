@@ -1,0 +1,83 @@
+"""Prefill products through AMX (``runtime/amx.py``): the weights decoded to bf16 a chunk of rows
+at a time, the tokens rounded to bf16, float32 sums. Run where the CPU has AMX (and Linux lets
+the process use it); elsewhere only what needs no AMX."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ktc.formats.float_bits import f32_to_bf16_bits
+from ktc.formats.quantize import dequantize, quantize
+from ktc.runtime import amx, lanes, vnni
+
+needs_amx = pytest.mark.skipif(not amx.HAVE_AMX, reason="this CPU has no AMX (or Linux keeps it off, or the JIT is off)")
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    return (f32_to_bf16_bits(np.ascontiguousarray(values, dtype=np.float32)).astype(np.uint32) << 16).view(
+        np.float32).reshape(values.shape)
+
+
+def _case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    from model_factory import random_blocks
+
+    rng = np.random.default_rng(rows * cols + tokens)
+    raw = (random_blocks(scheme, rows, cols, seed=cols) if scheme in ("iq4_nl", "iq4_xs")
+           else quantize(rng.standard_normal((rows, cols)).astype(np.float32), scheme))
+    return raw, rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
+
+
+@needs_amx
+@pytest.mark.parametrize("scheme", sorted(lanes.KINDS))
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (64, 512, 32), (200, 768, 50), (16, 1024, 17)])
+def test_amx_products_are_the_bf16_products(scheme, rows, cols, tokens):
+    """Every row (chunks of 32, the last one short) times every token (groups of 16 in pairs, the
+    last padded; whole 16 x 16 tiles stored transposed, the rest one by one) is the weights'
+    values rounded to bf16 times the tokens rounded to bf16, summed in float32 (up to the order
+    of the sums)."""
+    raw, x = _case(scheme, rows, cols, tokens)
+    assert amx.fits(scheme, cols)
+    want = _bf16(x).astype(np.float64) @ _bf16(dequantize(raw, scheme, cols)).astype(np.float64).T
+    got = amx.matmul(x, raw, scheme)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * np.abs(want).max())
+    exact = x.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 1e-2
+
+
+@needs_amx
+def test_linear_takes_amx_from_its_token_count(monkeypatch):
+    """``linear`` sends a block scheme's products of ``AMX_MIN_TOKENS`` tokens or more to AMX and
+    fewer to ``lanes``, and both agree within the activations' rounding."""
+    from ktc.runtime import kernels
+
+    taken = []
+    for module in (amx, lanes):
+        real = module.matmul
+        monkeypatch.setattr(module, "matmul", lambda *args, real=real, name=module.__name__: taken.append(name)
+                            or real(*args))
+    least = kernels.AMX_MIN_TOKENS
+    raw, x = _case("q4_0", 48, 256, least)
+    through_amx = kernels.linear(x, raw, "q4_0")
+    through_lanes = kernels.linear(x[: least - 1], raw, "q4_0")
+    assert taken == ["ktc.runtime.amx", "ktc.runtime.lanes"]
+    np.testing.assert_allclose(through_amx[: least - 1], through_lanes, rtol=2e-2, atol=2e-2 * np.abs(through_lanes).max())
+
+
+def test_tile_configuration():
+    """Palette 1, eight tiles of 16 rows of 64 bytes (the layout ``ldtilecfg`` reads)."""
+    cfg = amx.tile_config()
+    assert cfg.nbytes == 64 and cfg[0] == 1 and not cfg[1:16].any()
+    assert (cfg[16:32].view(np.uint16) == 64).all() and (cfg[48:56] == 16).all() and not cfg[56:].any()
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_amx_can_be_turned_off():
+    """``KTC_NO_AMX=1`` keeps the AMX path off (the VNNI products run instead)."""
+    env = dict(os.environ, KTC_NO_AMX="1")
+    out = subprocess.run([sys.executable, "-c", "from ktc.runtime import amx; print(amx.HAVE_AMX)"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
