@@ -60,10 +60,17 @@ def diagnose() -> dict[str, Any]:
         layer = numba.threading_layer()
     except ValueError:  # no parallel region has run yet
         layer = "not started"
+    from .amx import HAVE_AMX
+    from .kernels import AMX_MIN_TOKENS
     from .vnni import HAVE_VNNI
 
     kernels = ("one-token kernels of the 4-bit schemes, int8 and q8_0 through AVX-512 VNNI" if HAVE_VNNI else
                "float kernels for every scheme (no AVX-512 VNNI, another compile target, or KTC_NO_VNNI=1)")
+    if HAVE_AMX:
+        kernels += (f"; prefill products of {AMX_MIN_TOKENS} tokens or more of the block schemes and K-quants "
+                    "through AMX (bf16)")
+    elif cpu["features"]["amx"] and HAVE_VNNI:
+        kernels += "; AMX unused (KTC_NO_AMX=1, no AMX-BF16, or Linux refused the tile state)"
     warnings = []
     if not cpu["features"]["avx512"]:
         warnings.append("no AVX-512: CPU experts run on 256-bit vectors; expect about half the "
@@ -104,7 +111,7 @@ def diagnose() -> dict[str, Any]:
         "cpu": cpu, "ram_bytes": ram, "cuda": cuda, "read_bandwidth_gbps": bandwidth / 1e9,
         "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
         "other_processes_cores": busy,
-        "kernels": {"vnni": HAVE_VNNI, "description": kernels},
+        "kernels": {"vnni": HAVE_VNNI, "amx": HAVE_AMX, "description": kernels},
         "warnings": warnings, "hardware_profile": written,
     }
 

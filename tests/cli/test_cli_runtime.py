@@ -32,9 +32,11 @@ def test_doctor_writes_a_profile_the_planner_reads(tmp_path, demo_model):
     report = json.loads(result.output)
     assert report["read_bandwidth_gbps"] > 0 and report["cpu"]["cores"] >= 1
     assert set(report["cpu"]["features"]) == {"avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"}
-    from ktc.runtime import vnni
+    from ktc.runtime import amx, vnni
 
     assert report["kernels"]["vnni"] is vnni.HAVE_VNNI  # which 4-bit kernels this process runs
+    assert report["kernels"]["amx"] is amx.HAVE_AMX and ("AMX" in report["kernels"]["description"]) is (
+        amx.HAVE_AMX or (report["cpu"]["features"]["amx"] and vnni.HAVE_VNNI))
     from ktc.api import plan
 
     result = plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0)
