@@ -291,7 +291,8 @@ def main() -> int:
             from ktc.runtime import amx
             from ktc.runtime.kernels import AMX_MIN_TOKENS
 
-            ours = (f"ktc's products of {AMX_MIN_TOKENS} tokens or more take AMX too (bf16, the weights decoded a "
+            ours = (f"ktc's products of {AMX_MIN_TOKENS['q4_0']} tokens or more ({AMX_MIN_TOKENS['q4_k']} for the "
+                    "K-quants) take AMX too (bf16, the weights decoded a "
                     "chunk of rows at a time), fewer AVX-512 VNNI" if amx.HAVE_AMX else
                     "ktc's batched kernels use AVX-512 VNNI here (AMX off: KTC_NO_AMX, or Linux refused it)")
             print("   this CPU has AMX, which torch's bf16 products take (oneDNN's AMX kernels; ONEDNN_VERBOSE=1 "

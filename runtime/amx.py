@@ -10,7 +10,7 @@ Here the weights are decoded instead, a chunk of rows at a time, to bf16 (codes 
 block's scale, as ``lanes`` unpacks them, then AVX-512 BF16's conversion), and the tokens
 rounded to bf16 once a call; the sums then stay in the tiles over a whole row, 2 x 2 tiles of
 16 rows by 16 tokens at a time. The decoding costs the same whatever the tokens: below
-``kernels.AMX_MIN_TOKENS`` tokens ``lanes`` is faster (figures in ``docs/runtime.md``).
+``kernels.AMX_MIN_TOKENS`` tokens (17 or 24) ``lanes`` is faster (figures in ``docs/runtime.md``).
 Products differ from ``lanes``' by the rounding of weights and tokens to bf16 (about 0.2%
 relative) instead of the tokens' to int8 per 32 values.
 
@@ -159,6 +159,68 @@ def bf16_row_intrinsic(halves: int, minimums: bool):  # type: ignore[no-untyped-
     return row
 
 
+def blocks_intrinsic(kind: int):  # type: ignore[no-untyped-def]
+    """``decode(flat, at, blocks, e8m0, out, oat)``: ``blocks`` blocks of ``kind`` (q8_0, q4_0,
+    mxfp4, iq4_nl: ``lanes.KINDS``' 1-4) from byte ``at`` of ``flat`` as bf16 bits at out[oat:]:
+    their values (signed integers: codes, nibbles minus 8, mxfp4's doubled e2m1 values, iq4's
+    levels) times their scale, the values ``bf16_row_intrinsic`` makes of ``lanes``' unpacked
+    codes, in one pass over the block instead of two."""
+    from llvmlite import ir
+
+    _BFloat = _bfloat_type()
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    bytes16, words, floats, pairs = (ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16),
+                                     ir.VectorType(i16, 32))
+    size, codes_at = lanes._SIZE[kind], lanes._CODES_AT[kind]
+    table = {3: tuple(v - 12 for v in vnni.E2M1_TWICE_PLUS_12), 4: vnni.IQ4_LEVELS_INT}.get(kind)
+
+    @intrinsic
+    def decode(typingctx, flat, at, blocks, e8m0, out, oat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            if not HAVE_AMX:
+                return context.get_dummy_value()
+            flat_a, e8m0_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3, 4))
+            at_v, blocks_v, oat_v = vnni._indices(context, builder, signature, args, (1, 2, 5))
+            index_t = at_v.type
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def load(array, index, t, align=1):  # type: ignore[no-untyped-def]
+                return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=align)
+
+            both = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_BFloat(), 32),
+                                                                                  [floats, floats]),
+                                                  "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+            with cgutils.for_range(builder, blocks_v) as loop:
+                base = builder.add(at_v, builder.mul(loop.index, const(size)))
+                codes = builder.add(base, const(codes_at))
+                if kind == 1:
+                    halves = (load(flat_a, codes, bytes16), load(flat_a, builder.add(codes, const(16)), bytes16))
+                else:
+                    halves = lanes._nibbles(builder, load(flat_a, codes, bytes16))
+                    if kind == 2:
+                        halves = tuple(builder.sub(h, ir.Constant(bytes16, [8] * 16)) for h in halves)
+                    else:
+                        halves = lanes._looked_up(builder, table, halves)
+                if kind == 3:  # e8m0: a power of two from the table, halved for the doubled values
+                    scale = builder.fmul(load(e8m0_a, builder.zext(load(flat_a, base, i8), index_t), f32, 4),
+                                         ir.Constant(f32, 0.5))
+                else:  # fp16, converted by the CPU (F16C)
+                    scale = builder.fpext(builder.bitcast(load(flat_a, base, i16), ir.HalfType()), f32)
+                one = builder.insert_element(ir.Constant(floats, ir.Undefined), scale, ir.Constant(i32, 0))
+                scale = builder.shuffle_vector(one, ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * 16))
+                low, high = (builder.fmul(builder.sitofp(h, floats), scale) for h in halves)
+                o = builder.add(oat_v, builder.mul(loop.index, const(32)))
+                builder.store(builder.bitcast(builder.call(both, [high, low]), pairs),
+                              builder.bitcast(builder.gep(out_a.data, [o]), pairs.as_pointer()), align=2)
+            return context.get_dummy_value()
+
+        return types.void(flat, at, blocks, e8m0, out, oat), codegen
+
+    return decode
+
+
 @intrinsic
 def _tiles(typingctx, cfg, wb, wstride, xb, xat, steps, sums, sat):  # type: ignore[no-untyped-def]
     """32 rows of bf16 weights (row r at byte r * wstride of wb, ``steps`` x 32 values) times two
@@ -267,6 +329,7 @@ def activations(x, n, cols, groups):  # pragma: no cover - compiled
 
 _row_plain, _row_minimums, _row_halves = bf16_row_intrinsic(1, False), bf16_row_intrinsic(1, True), \
     bf16_row_intrinsic(2, False)
+_blocks_q8_0, _blocks_q4_0, _blocks_mxfp4, _blocks_iq4_nl = (blocks_intrinsic(kind) for kind in range(1, 5))
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -298,6 +361,19 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
             first = chunk * size
             count = min(size, rows - first)
             for r in range(count):  # lanes' unpacking (codes plus the kind's offset, scales), then bf16
+                at = (first + r) * raw.shape[1]
+                if kind == 1:  # the block kinds in one pass
+                    _blocks_q8_0(flat, at, blocks, e8m0, wb, r * pitch)
+                    continue
+                if kind == 2:
+                    _blocks_q4_0(flat, at, blocks, e8m0, wb, r * pitch)
+                    continue
+                if kind == 3:
+                    _blocks_mxfp4(flat, at, blocks, e8m0, wb, r * pitch)
+                    continue
+                if kind == 4:
+                    _blocks_iq4_nl(flat, at, blocks, e8m0, wb, r * pitch)
+                    continue
                 lanes._unpack_row(kind, raw, first + r, flat, w, 0, sc, mn, 0, e8m0, f16)
                 if kind == lanes._HALVES:
                     _row_halves(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)

@@ -59,7 +59,7 @@ def test_linear_takes_amx_from_its_token_count(monkeypatch):
         real = module.matmul
         monkeypatch.setattr(module, "matmul", lambda *args, real=real, name=module.__name__: taken.append(name)
                             or real(*args))
-    least = kernels.AMX_MIN_TOKENS
+    least = kernels.AMX_MIN_TOKENS["q4_0"]
     raw, x = _case("q4_0", 48, 256, least)
     through_amx = kernels.linear(x, raw, "q4_0")
     through_lanes = kernels.linear(x[: least - 1], raw, "q4_0")

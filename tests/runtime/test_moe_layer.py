@@ -228,7 +228,7 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
         alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(tokens)])
         moe.close()
     assert tokens == 24 or most >= LANES_MIN_TOKENS[scheme]  # the larger batch reaches the lanes
-    if (scheme in ("q4_k", "q6_k") and tokens > 24) or (amx.HAVE_AMX and most >= AMX_MIN_TOKENS):
+    if (scheme in ("q4_k", "q6_k") and tokens > 24) or (amx.HAVE_AMX and most >= AMX_MIN_TOKENS[scheme]):
         assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) < 3e-2
     else:
         np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())
