@@ -6,8 +6,9 @@ and adds the products to a 16 x 16 tile of float32 sums, 8,192 multiply-adds an 
 its own scale, so its sums are converted and scaled block by block, and that float work bounds
 it. AMX's int8 product (``tdpbusd``) has the same limit: a block's sums must leave the tiles
 (stored, reloaded, scaled) before the next block's, and such a kernel measured 1.1x ``lanes``.
-Here the weights are decoded instead, a chunk of rows at a time, to bf16 (codes times their
-block's scale, as ``lanes`` unpacks them, then AVX-512 BF16's conversion), and the tokens
+Here the weights are decoded instead, a chunk of rows at a time, to bf16 (values times their
+block's scale, then AVX-512 BF16's conversion: the block kinds straight from their blocks, the
+K-quants and iq4_xs from ``lanes``' unpacked codes), and the tokens
 rounded to bf16 once a call; the sums then stay in the tiles over a whole row, 2 x 2 tiles of
 16 rows by 16 tokens at a time. The decoding costs the same whatever the tokens: below
 ``kernels.AMX_MIN_TOKENS`` tokens (17 or 24) ``lanes`` is faster (figures in ``docs/runtime.md``).
@@ -41,7 +42,9 @@ ROWS = 32  # rows of a tile pair: two tiles of 16
 # tokens a chunk. At Mixtral-8x7B's 14336 x 4096, 256 tokens (q4_0, the tiles alone, medians of
 # 7): 1 pair 22-24 ms, 4 pairs 18.6-21, 8 pairs slower (the chunk no longer in L2 with the tokens).
 MAX_PAIRS = 4
-CHUNK_BYTES = int(os.environ.get("CB", str(1 << 20)))
+# ... and of at most this many bytes of bf16 rows: Mixtral's down (14336 values a row) one pair a
+# chunk, lanes/amx at 24 tokens (q4_0) 0.91 with four, 1.14-1.18 with one (256 KiB and 1 MiB alike).
+CHUNK_BYTES = 1 << 20
 # Decoded rows are this many values longer than a row: rows a multiple of 4 KB apart share L1's
 # sets, and the tiles' 32 rows evicted each other (the tiles alone: 23.2 against 18.6 ms, as above).
 PAD = 32
@@ -332,6 +335,29 @@ _row_plain, _row_minimums, _row_halves = bf16_row_intrinsic(1, False), bf16_row_
 _blocks_q8_0, _blocks_q4_0, _blocks_mxfp4, _blocks_iq4_nl = (blocks_intrinsic(kind) for kind in range(1, 5))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, oat):  # pragma: no cover - compiled
+    # Row ``row`` of raw as bf16 at wb[oat:]: the block kinds in one pass, the others through
+    # lanes' unpacking (codes plus the kind's offset, scales, minimums into w, sc, mn) and a second.
+    at = row * raw.shape[1]
+    if kind == 1:
+        _blocks_q8_0(flat, at, blocks, e8m0, wb, oat)
+    elif kind == 2:
+        _blocks_q4_0(flat, at, blocks, e8m0, wb, oat)
+    elif kind == 3:
+        _blocks_mxfp4(flat, at, blocks, e8m0, wb, oat)
+    elif kind == 4:
+        _blocks_iq4_nl(flat, at, blocks, e8m0, wb, oat)
+    else:
+        lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0, f16)
+        if kind == lanes._HALVES:
+            _row_halves(w, 0, sc, mn, 0, blocks, offset, wb, oat)
+        elif kind == 5 or kind == 6:
+            _row_minimums(w, 0, sc, mn, 0, blocks, offset, wb, oat)
+        else:
+            _row_plain(w, 0, sc, mn, 0, blocks, offset, wb, oat)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out):  # pragma: no cover - compiled
     # out [n, rows] = the tokens (``activations``) times raw's rows of ``lanes.KINDS``' kind: each
@@ -342,7 +368,7 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
     blocks = cols // 32
     params = blocks * (2 if kind == lanes._HALVES else 1)
     offset = np.float32(lanes._OFFSET[kind])
-    groups = (n + 31) // 32
+    pairs = (n + 31) // 32  # of groups of 16 tokens
     size = pairs_a_chunk * ROWS
     chunks = (rows + size - 1) // size
     pitch = cols + PAD
@@ -360,30 +386,11 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
                 break
             first = chunk * size
             count = min(size, rows - first)
-            for r in range(count):  # lanes' unpacking (codes plus the kind's offset, scales), then bf16
-                at = (first + r) * raw.shape[1]
-                if kind == 1:  # the block kinds in one pass
-                    _blocks_q8_0(flat, at, blocks, e8m0, wb, r * pitch)
-                    continue
-                if kind == 2:
-                    _blocks_q4_0(flat, at, blocks, e8m0, wb, r * pitch)
-                    continue
-                if kind == 3:
-                    _blocks_mxfp4(flat, at, blocks, e8m0, wb, r * pitch)
-                    continue
-                if kind == 4:
-                    _blocks_iq4_nl(flat, at, blocks, e8m0, wb, r * pitch)
-                    continue
-                lanes._unpack_row(kind, raw, first + r, flat, w, 0, sc, mn, 0, e8m0, f16)
-                if kind == lanes._HALVES:
-                    _row_halves(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)
-                elif kind == 5 or kind == 6:
-                    _row_minimums(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)
-                else:
-                    _row_plain(w, 0, sc, mn, 0, blocks, offset, wb, r * pitch)
+            for r in range(count):
+                _decode_row(kind, raw, first + r, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, r * pitch)
             wb[count * pitch:] = 0
             used = (count + ROWS - 1) // ROWS
-            for g in range(groups):
+            for g in range(pairs):
                 for p in range(used):
                     _tiles(cfg, wb[p * ROWS * pitch:], 2 * pitch, xb, 2 * g * blocks * 1024, blocks, sums, p * 1024)
                 for p in range(used):
