@@ -370,7 +370,6 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
     offset = np.float32(lanes._OFFSET[kind])
     pairs = (n + 31) // 32  # of groups of 16 tokens
     size = pairs_a_chunk * ROWS
-    chunks = (rows + size - 1) // size
     pitch = cols + PAD
     taken = np.zeros(8, np.int64)
     flat_out = out.reshape(-1)
@@ -381,11 +380,9 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
         wb = np.zeros(size * pitch, np.uint16)
         sums = np.empty(pairs_a_chunk * 1024, np.float32)
         while True:
-            chunk = vnni.fetch_add(taken, 0, 1)
-            if chunk >= chunks:
+            first, count = vnni.next_chunk(taken, size, rows)
+            if count <= 0:
                 break
-            first = chunk * size
-            count = min(size, rows - first)
             for r in range(count):
                 _decode_row(kind, raw, first + r, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, r * pitch)
             wb[count * pitch:] = 0

@@ -387,7 +387,6 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
     halves = 2 if kind == _HALVES else 1
     params = blocks * halves  # scales a row
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
-    chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
     for worker in prange(workers):
         w = np.zeros(CHUNK_ROWS * cols, np.uint8)
@@ -395,11 +394,9 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
         mn = np.zeros(CHUNK_ROWS * params, np.float32)
         sums = np.empty(groups * CHUNK_ROWS * 16, np.float32)
         while True:
-            chunk = vnni.fetch_add(taken, 0, 1)
-            if chunk >= chunks:
+            first, count = vnni.next_chunk(taken, CHUNK_ROWS, rows)
+            if count <= 0:
                 break
-            first = chunk * CHUNK_ROWS
-            count = min(CHUNK_ROWS, rows - first)
             for r in range(count):
                 _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, f16)
             sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)

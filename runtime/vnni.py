@@ -473,6 +473,15 @@ def _fetch_add(typingctx, counters, at, amount):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, inline="always")
+def next_chunk(taken, size, rows):  # pragma: no cover - compiled
+    """The first row and the row count of the next chunk of ``size`` rows of ``rows`` that a
+    worker of a parallel region takes (``taken[0]`` counts the chunks handed out); a count of 0
+    or less when none is left."""
+    first = fetch_add(taken, 0, 1) * size
+    return first, min(size, rows - first)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def fetch_add(counters, at, amount):  # pragma: no cover - compiled
     """counters[at] += amount (atomically where compiled), returning the value before: how the
     threads of a parallel region take work items (``work_item``)."""
