@@ -10,8 +10,8 @@ Here the weights are decoded instead, a chunk of rows at a time, to bf16 (values
 block's scale, then AVX-512 BF16's conversion: the block kinds straight from their blocks, the
 K-quants and iq4_xs from ``lanes``' unpacked codes), and the tokens
 rounded to bf16 once a call; the sums then stay in the tiles over a whole row, 2 x 2 tiles of
-16 rows by 16 tokens at a time. The decoding costs the same whatever the tokens: below
-``kernels.AMX_MIN_TOKENS`` tokens (17 or 24) ``lanes`` is faster (figures in ``docs/runtime.md``).
+16 rows by 16 tokens at a time (2 x 1 for a last group of 16 tokens or fewer). The decoding costs the same whatever the tokens: below
+``kernels.AMX_MIN_TOKENS`` tokens (16 or 24) ``lanes`` is faster (figures in ``docs/runtime.md``).
 Products differ from ``lanes``' by the rounding of weights and tokens to bf16 (about 0.2%
 relative) instead of the tokens' to int8 per 32 values.
 
@@ -82,7 +82,7 @@ HAVE_AMX = _host_has_amx()
 
 
 def tile_config() -> np.ndarray:
-    """The 64-byte tile configuration (palette 1) of ``_tiles``: every tile 16 rows of 64 bytes
+    """The 64-byte tile configuration (palette 1) of ``tiles_intrinsic``: every tile 16 rows of 64 bytes
     (0-3 float32 sums of 16 rows x 16 tokens, 4-5 16 rows of 32 bf16 weights, 6-7 32 values of 16
     tokens in pairs: a row a pair of values of each token)."""
     cfg = np.zeros(64, np.uint8)
@@ -224,60 +224,70 @@ def blocks_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return decode
 
 
-@intrinsic
-def _tiles(typingctx, cfg, wb, wstride, xb, xat, steps, sums, sat):  # type: ignore[no-untyped-def]
-    """32 rows of bf16 weights (row r at byte r * wstride of wb, ``steps`` x 32 values) times two
-    groups of 16 tokens (from byte xat of xb: a group's ``steps`` steps of 1024 bytes, then the
-    next group's) into the four 16 x 16 float32 tiles at sums[sat:] (rows 0-15 by group 0, by
-    group 1, rows 16-31 by group 0, by group 1; 256 values each)."""
+def tiles_intrinsic(groups: int):  # type: ignore[no-untyped-def]
+    """``tiles(cfg, wb, wstride, xb, xat, steps, sums, sat)``: 32 rows of bf16 weights (row r at
+    byte r * wstride of wb, ``steps`` x 32 values) times ``groups`` (2, or 1 for a last group of
+    16 tokens or fewer) groups of 16 tokens (from byte xat of xb: a group's ``steps`` steps of
+    1024 bytes, then the next group's) into 16 x 16 float32 tiles at sums[sat:] (rows 0-15 by
+    group 0, by group 1, rows 16-31 by group 0, by group 1; 256 values each)."""
     from llvmlite import ir
 
     i8, i64 = ir.IntType(8), ir.IntType(64)
     p8 = i8.as_pointer()
+    # (sums, rows, tokens) tile registers: 0-3 the sums, 4-5 the two 16-row tiles, 6-7 the groups
+    products = ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)) if groups == 2 else ((0, 4, 6), (2, 5, 6))
+    used = sorted({c for c, _, _ in products})
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        if not HAVE_AMX:
+    @intrinsic
+    def tiles(typingctx, cfg, wb, wstride, xb, xat, steps, sums, sat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            if not HAVE_AMX:
+                return context.get_dummy_value()
+            cfg_a, wb_a, xb_a, sums_a = vnni._arrays(context, builder, signature, args, (0, 1, 3, 6))
+            wstride_v, xat_v, steps_v, sat_v = vnni._indices(context, builder, signature, args, (2, 4, 5, 7))
+            index_t = wstride_v.type
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def byte(array, index, scale=1):  # type: ignore[no-untyped-def]
+                return builder.gep(builder.bitcast(array.data, p8), [builder.mul(index, const(scale))])
+
+            def call(name, argtypes, values):  # type: ignore[no-untyped-def]
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argtypes), name)
+                return builder.call(fn, values)
+
+            def reg(t):  # type: ignore[no-untyped-def]
+                return ir.Constant(i8, t)
+
+            stride = builder.sext(wstride_v, i64) if wstride_v.type != i64 else wstride_v
+            sixty_four = ir.Constant(i64, 64)
+            call("llvm.x86.ldtilecfg", [p8], [byte(cfg_a, const(0))])
+            for t in used:
+                call("llvm.x86.tilezero", [i8], [reg(t)])
+            second = builder.mul(steps_v, const(1024))
+            with cgutils.for_range(builder, steps_v) as loop:
+                s = loop.index
+                at = builder.mul(s, const(64))
+                call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(4), byte(wb_a, at), stride])
+                call("llvm.x86.tileloadd64", [i8, p8, i64],
+                     [reg(5), byte(wb_a, builder.add(builder.mul(wstride_v, const(16)), at)), stride])
+                x0 = builder.add(xat_v, builder.mul(s, const(1024)))
+                call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(6), byte(xb_a, x0), sixty_four])
+                if groups == 2:
+                    call("llvm.x86.tileloadd64", [i8, p8, i64],
+                         [reg(7), byte(xb_a, builder.add(x0, second)), sixty_four])
+                for c, a, b in products:
+                    call("llvm.x86.tdpbf16ps", [i8, i8, i8], [reg(c), reg(a), reg(b)])
+            for t in used:
+                call("llvm.x86.tilestored64", [i8, p8, i64],
+                     [reg(t), byte(sums_a, builder.add(sat_v, const(256 * t)), 4), sixty_four])
+            call("llvm.x86.tilerelease", [], [])
             return context.get_dummy_value()
-        cfg_a, wb_a, xb_a, sums_a = vnni._arrays(context, builder, signature, args, (0, 1, 3, 6))
-        wstride_v, xat_v, steps_v, sat_v = vnni._indices(context, builder, signature, args, (2, 4, 5, 7))
-        index_t = wstride_v.type
 
-        def const(k):  # type: ignore[no-untyped-def]
-            return ir.Constant(index_t, k)
+        return types.void(cfg, wb, wstride, xb, xat, steps, sums, sat), codegen
 
-        def byte(array, index, scale=1):  # type: ignore[no-untyped-def]
-            return builder.gep(builder.bitcast(array.data, p8), [builder.mul(index, const(scale))])
-
-        def call(name, argtypes, values):  # type: ignore[no-untyped-def]
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argtypes), name)
-            return builder.call(fn, values)
-
-        def reg(t):  # type: ignore[no-untyped-def]
-            return ir.Constant(i8, t)
-
-        stride = builder.sext(wstride_v, i64) if wstride_v.type != i64 else wstride_v
-        sixty_four = ir.Constant(i64, 64)
-        call("llvm.x86.ldtilecfg", [p8], [byte(cfg_a, const(0))])
-        for t in range(4):
-            call("llvm.x86.tilezero", [i8], [reg(t)])
-        second = builder.mul(steps_v, const(1024))
-        with cgutils.for_range(builder, steps_v) as loop:
-            s = loop.index
-            call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(4), byte(wb_a, builder.mul(s, const(64))), stride])
-            call("llvm.x86.tileloadd64", [i8, p8, i64],
-                 [reg(5), byte(wb_a, builder.add(builder.mul(wstride_v, const(16)), builder.mul(s, const(64)))), stride])
-            x0 = builder.add(xat_v, builder.mul(s, const(1024)))
-            call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(6), byte(xb_a, x0), sixty_four])
-            call("llvm.x86.tileloadd64", [i8, p8, i64], [reg(7), byte(xb_a, builder.add(x0, second)), sixty_four])
-            for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)):
-                call("llvm.x86.tdpbf16ps", [i8, i8, i8], [reg(c), reg(a), reg(b)])
-        for t in range(4):
-            call("llvm.x86.tilestored64", [i8, p8, i64],
-                 [reg(t), byte(sums_a, builder.add(sat_v, const(256 * t)), 4), sixty_four])
-        call("llvm.x86.tilerelease", [], [])
-        return context.get_dummy_value()
-
-    return types.void(cfg, wb, wstride, xb, xat, steps, sums, sat), codegen
+    return tiles
 
 
 @intrinsic
@@ -316,7 +326,7 @@ def _store_transposed(typingctx, sums, base, out, obase, ostride):  # type: igno
 
 @njit(cache=True, nogil=True, parallel=True)
 def activations(x, n, cols, groups):  # pragma: no cover - compiled
-    """Tokens x (float32 [n, cols]) as bf16 bits laid out for ``_tiles``: per group of 16 tokens
+    """Tokens x (float32 [n, cols]) as bf16 bits laid out for ``tiles_intrinsic``: per group of 16 tokens
     (``groups`` of them, the tokens past n zeros) and step of 32 values, 16 rows of the 16
     tokens' pairs of values."""
     steps = cols // 32
@@ -333,6 +343,7 @@ def activations(x, n, cols, groups):  # pragma: no cover - compiled
 _row_plain, _row_minimums, _row_halves = bf16_row_intrinsic(1, False), bf16_row_intrinsic(1, True), \
     bf16_row_intrinsic(2, False)
 _blocks_q8_0, _blocks_q4_0, _blocks_mxfp4, _blocks_iq4_nl = (blocks_intrinsic(kind) for kind in range(1, 5))
+_tiles_pair, _tiles_one = tiles_intrinsic(2), tiles_intrinsic(1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -388,8 +399,14 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
             wb[count * pitch:] = 0
             used = (count + ROWS - 1) // ROWS
             for g in range(pairs):
+                one = 32 * g + 16 >= n  # the pair's second group holds no token
                 for p in range(used):
-                    _tiles(cfg, wb[p * ROWS * pitch:], 2 * pitch, xb, 2 * g * blocks * 1024, blocks, sums, p * 1024)
+                    if one:
+                        _tiles_one(cfg, wb[p * ROWS * pitch:], 2 * pitch, xb, 2 * g * blocks * 1024, blocks, sums,
+                                   p * 1024)
+                    else:
+                        _tiles_pair(cfg, wb[p * ROWS * pitch:], 2 * pitch, xb, 2 * g * blocks * 1024, blocks, sums,
+                                    p * 1024)
                 for p in range(used):
                     for half in range(2):
                         row = first + p * ROWS + 16 * half

@@ -643,15 +643,15 @@ LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12
                     "iq4_xs": 4}
 # On a CPU with AMX (``amx.HAVE_AMX``) these schemes' products of this many tokens or more decode
 # the rows to bf16 a chunk at a time and multiply through AMX (``amx.matmul``). The decoding costs
-# the same whatever the tokens, and both paths pad the tokens (lanes to 16, AMX to 32: 17 tokens
-# cost each what 32 do): below this lanes.matmul is faster. lanes/amx time (medians of 7
-# interleaved rounds, two threads, an Intel Xeon VM) at 16 / 17 / 24 / 64 / 128 tokens, on
+# the same whatever the tokens, so below this lanes.matmul is faster. lanes/amx time (medians of 7
+# interleaved rounds, two threads, an Intel Xeon VM) at 12 / 16 / 17 / 24 / 64 / 128 tokens, on
 # Qwen3-30B-A3B's gate/up (1536 x 2048), its down (2048 x 768) and Mixtral's down (4096 x 14336):
-# q4_0 0.99 / 1.24 / 1.29 / 1.34 / 1.66, 1.01 / 1.31 / 1.27 / 1.54 / 1.42, 0.89 / 1.12 / 1.23 /
-# 1.46 / 1.78 (q8_0 and mxfp4 alike: 0.85-1.05 at 16, 1.23-1.44 at 24); the K-quants and iq4_xs,
-# whose rows are unpacked then converted (the block kinds' in one pass), 0.70-0.89 at 16,
-# 0.93-1.18 at 17, 0.98-1.20 at 24 (q4_k, q6_k, iq4_xs; ``docs/runtime.md``).
-AMX_MIN_TOKENS = {"q8_0": 17, "q4_0": 17, "mxfp4": 17, "iq4_nl": 17, "q4_k": 24, "q5_k": 24, "q6_k": 24,
+# q4_0 1.05 / 1.03 / 1.25 / 1.29 / 1.34 / 1.66, 1.01 / 1.15 / 1.26 / 1.27 / 1.54 / 1.42, 1.14 /
+# 1.15 / 1.40 / 1.23 / 1.46 / 1.78; q8_0 1.00-1.05 at 12, 1.04-1.15 at 16, 1.21-1.28 at 17 (17 to
+# 32 tokens take two 16-token tiles, 16 or fewer one); the K-quants and iq4_xs, whose rows are
+# unpacked then converted (the block kinds' in one pass), 0.76-1.03 at 16, 0.97-1.21 at 17,
+# 0.98-1.20 at 24 (q4_k, q6_k, iq4_xs; ``docs/runtime.md``).
+AMX_MIN_TOKENS = {"q8_0": 16, "q4_0": 16, "mxfp4": 16, "iq4_nl": 16, "q4_k": 24, "q5_k": 24, "q6_k": 24,
                   "iq4_xs": 24}
 
 
