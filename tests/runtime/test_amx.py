@@ -33,12 +33,13 @@ def _case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.ndarray, n
 
 @needs_amx
 @pytest.mark.parametrize("scheme", sorted(lanes.KINDS))
-@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (64, 512, 32), (200, 768, 50), (16, 1024, 17)])
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (64, 512, 32), (200, 768, 50), (16, 1024, 17),
+                                              (96, 512, 40)])
 def test_amx_products_are_the_bf16_products(scheme, rows, cols, tokens):
     """Every row (chunks of 32, the last one short) times every token (groups of 16 in pairs, the
-    last padded; whole 16 x 16 tiles stored transposed, the rest one by one) is the weights'
-    values rounded to bf16 times the tokens rounded to bf16, summed in float32 (up to the order
-    of the sums)."""
+    last padded, a last group of 16 or fewer alone; whole 16 x 16 tiles stored transposed, the
+    rest one by one) is the weights' values rounded to bf16 times the tokens rounded to bf16,
+    summed in float32 (up to the order of the sums)."""
     raw, x = _case(scheme, rows, cols, tokens)
     assert amx.fits(scheme, cols)
     want = _bf16(x).astype(np.float64) @ _bf16(dequantize(raw, scheme, cols)).astype(np.float64).T
