@@ -224,12 +224,14 @@ def blocks_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return decode
 
 
-def tiles_intrinsic(groups: int):  # type: ignore[no-untyped-def]
+def tiles_intrinsic(groups: int, product: str = "tdpbf16ps"):  # type: ignore[no-untyped-def]
     """``tiles(cfg, wb, wstride, xb, xat, steps, sums, sat)``: 32 rows of bf16 weights (row r at
     byte r * wstride of wb, ``steps`` x 32 values) times ``groups`` (2, or 1 for a last group of
     16 tokens or fewer) groups of 16 tokens (from byte xat of xb: a group's ``steps`` steps of
     1024 bytes, then the next group's) into 16 x 16 float32 tiles at sums[sat:] (rows 0-15 by
-    group 0, by group 1, rows 16-31 by group 0, by group 1; 256 values each)."""
+    group 0, by group 1, rows 16-31 by group 0, by group 1; 256 values each). ``product``
+    ``tdpbssd``: 64 int8 values a step instead (the rows' codes, the tokens four a lane), int32
+    sums."""
     from llvmlite import ir
 
     i8, i64 = ir.IntType(8), ir.IntType(64)
@@ -278,7 +280,7 @@ def tiles_intrinsic(groups: int):  # type: ignore[no-untyped-def]
                     call("llvm.x86.tileloadd64", [i8, p8, i64],
                          [reg(7), byte(xb_a, builder.add(x0, second)), sixty_four])
                 for c, a, b in products:
-                    call("llvm.x86.tdpbf16ps", [i8, i8, i8], [reg(c), reg(a), reg(b)])
+                    call(f"llvm.x86.{product}", [i8, i8, i8], [reg(c), reg(a), reg(b)])
             for t in used:
                 call("llvm.x86.tilestored64", [i8, p8, i64],
                      [reg(t), byte(sums_a, builder.add(sat_v, const(256 * t)), 4), sixty_four])
@@ -344,6 +346,7 @@ _row_plain, _row_minimums, _row_halves = bf16_row_intrinsic(1, False), bf16_row_
     bf16_row_intrinsic(2, False)
 _blocks_q8_0, _blocks_q4_0, _blocks_mxfp4, _blocks_iq4_nl = (blocks_intrinsic(kind) for kind in range(1, 5))
 _tiles_pair, _tiles_one = tiles_intrinsic(2), tiles_intrinsic(1)
+_int8_pair, _int8_one = tiles_intrinsic(2, "tdpbssd"), tiles_intrinsic(1, "tdpbssd")
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -442,4 +445,106 @@ def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     f16, e8m0 = vnni._tables()
     _matmul(raw, lanes.KINDS[scheme], e8m0, f16, xb, n, cols, max(1, min(workers, chunks)), per_chunk, tile_config(),
             out)
+    return out
+
+
+# --- int8 rows (ktc's int8 scheme: codes, then a float32 scale a row): multiplied as stored
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def int8_activations(xq, n, cols, groups):  # pragma: no cover - compiled
+    """Tokens' int8 codes xq [n, cols] laid out for ``tdpbssd``: per group of 16 tokens and step
+    of 64 values, 16 rows of the 16 tokens' values four a 32-bit lane (tokens past n zeros)."""
+    steps = cols // 64
+    words = xq.view(np.int32)  # [n, cols / 4]
+    xb = np.zeros(groups * steps * 256, np.int32)
+    for gs in prange(groups * steps):
+        g, s = gs // steps, gs % steps
+        for lane in range(min(16, n - 16 * g)):
+            for k in range(16):
+                xb[(gs * 16 + k) * 16 + lane] = words[16 * g + lane, 16 * s + k]
+    return xb
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _int8_matmul(raw, xb, x_scale, w_scale, n, cols, workers, pairs_a_chunk, cfg, out):  # pragma: no cover - compiled
+    # out [n, rows] = the tokens' int8 codes (``int8_activations``) times raw's int8 rows, read
+    # where they are stored (a chunk's last rows copied beside zeros, so that no tile reads past
+    # the matrix), the int32 sums times the token's and the row's scales (in torch's int8 path's
+    # order: sum x token scale x row scale).
+    rows, row_bytes = raw.shape
+    flat = raw.reshape(-1)
+    steps = cols // 64
+    pairs = (n + 31) // 32
+    size = pairs_a_chunk * ROWS
+    taken = np.zeros(8, np.int64)
+    flat_out = out.reshape(-1)
+    for worker in prange(workers):
+        tail = np.zeros(size * row_bytes, np.uint8)
+        sums = np.empty(pairs_a_chunk * 1024, np.int32)
+        scaled = np.empty(256, np.float32)
+        while True:
+            first, count = vnni.next_chunk(taken, size, rows)
+            if count <= 0:
+                break
+            used = (count + ROWS - 1) // ROWS
+            if count < used * ROWS:
+                tail[: count * row_bytes] = flat[first * row_bytes:(first + count) * row_bytes]
+                tail[count * row_bytes:] = 0
+                rows_at, at = tail, 0
+            else:
+                rows_at, at = flat, first * row_bytes
+            for g in range(pairs):
+                one = 32 * g + 16 >= n
+                for p in range(used):
+                    if one:
+                        _int8_one(cfg, rows_at[at + p * ROWS * row_bytes:], row_bytes, xb, 2 * g * steps * 1024,
+                                  steps, sums, p * 1024)
+                    else:
+                        _int8_pair(cfg, rows_at[at + p * ROWS * row_bytes:], row_bytes, xb, 2 * g * steps * 1024,
+                                   steps, sums, p * 1024)
+                for p in range(used):
+                    for half in range(2):
+                        row = first + p * ROWS + 16 * half
+                        for m in range(2):
+                            base = p * 1024 + (2 * half + m) * 256
+                            token = 16 * (2 * g + m)
+                            if row >= first + count or token >= n:
+                                continue
+                            for i in range(16):
+                                ws = w_scale[min(row + i, rows - 1)]
+                                for lane in range(16):
+                                    scaled[16 * i + lane] = np.float32(sums[base + 16 * i + lane]) * x_scale[
+                                        min(token + lane, n - 1)] * ws
+                            if row + 16 <= rows and token + 16 <= n:
+                                _store_transposed(scaled, 0, flat_out, token * rows + row, rows)
+                                continue
+                            for i in range(min(16, first + count - row)):
+                                for lane in range(min(16, n - token)):
+                                    out[token + lane, row + i] = scaled[16 * i + lane]
+
+
+def int8_fits(cols: int) -> bool:
+    """Whether ``int8_matmul`` takes int8 rows of ``cols`` values here."""
+    return HAVE_AMX and cols % 64 == 0
+
+
+def int8_matmul(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and ktc's int8 rows ``raw`` [rows,
+    cols + 4] (codes, then a float32 scale; ``w_scale`` the scales gathered): each token
+    quantized to int8 with one scale, as torch's int8 path (``kernels._int8_gemm``) does, the
+    codes multiplied by AMX's ``tdpbssd`` where they are stored, the same products."""
+    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
+    n, cols = x.shape
+    amax = np.abs(x).max(axis=1)
+    x_scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    xq = np.ascontiguousarray(np.rint(x / x_scale[:, None]).astype(np.int8))
+    xb = int8_activations(xq, n, cols, 2 * ((n + 31) // 32))
+    out = np.empty((n, raw.shape[0]), dtype=np.float32)
+    workers = get_num_threads()
+    pair_count = -(-raw.shape[0] // ROWS)
+    per_chunk = max(1, min(MAX_PAIRS, pair_count // (4 * workers), CHUNK_BYTES // (ROWS * raw.shape[1])))
+    chunks = -(-pair_count // per_chunk)
+    _int8_matmul(raw, xb, x_scale, np.ascontiguousarray(w_scale, dtype=np.float32), n, cols,
+                 max(1, min(workers, chunks)), per_chunk, tile_config(), out)
     return out

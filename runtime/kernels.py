@@ -582,15 +582,21 @@ GEMM_MIN_TOKENS = 16
 
 
 def _int8_gemm(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray | None = None) -> np.ndarray:
-    """``x @ W.T`` for int8 rows ``raw`` [rows, cols + 4] (codes, then a float32 scale)."""
+    """``x @ W.T`` for int8 rows ``raw`` [rows, cols + 4] (codes, then a float32 scale): through
+    AMX where the CPU has it (``amx.int8_matmul``, the same products: at Mixtral-8x7B's gate/up,
+    28672 x 4096, 3.4 / 6.8 / 26.7 ms at 16 / 64 / 256 tokens against torch's int8 GEMM's 7.9 /
+    14.0 / 48.8; its down, 4096 x 14336, 1.5 / 3.6 / 20.1 against 2.7 / 5.2 / 28.6), else
+    torch's int8 GEMM."""
     import torch
 
     cols = x.shape[1]
+    w_scale = int8_row_scales(raw, cols) if w_scale is None else w_scale
+    if amx.int8_fits(cols) and raw.flags.c_contiguous:
+        return amx.int8_matmul(x, raw, w_scale)
     amax = np.abs(x).max(axis=1, keepdims=True)
     x_scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     xq = np.rint(x / x_scale).astype(np.int8)
     codes = torch.from_numpy(raw[:, :cols].view(np.int8))  # strided rows: no copy
-    w_scale = int8_row_scales(raw, cols) if w_scale is None else w_scale
     acc = torch._int_mm(torch.from_numpy(xq), codes.t()).numpy()
     return acc.astype(np.float32) * x_scale * w_scale[None, :]
 

@@ -68,6 +68,36 @@ def test_linear_takes_amx_from_its_token_count(monkeypatch):
     np.testing.assert_allclose(through_amx[: least - 1], through_lanes, rtol=2e-2, atol=2e-2 * np.abs(through_lanes).max())
 
 
+@needs_amx
+@pytest.mark.parametrize("rows, cols, tokens", [(70, 256, 5), (64, 512, 33), (37, 1024, 40), (200, 768, 64)])
+def test_amx_int8_products_are_torchs(rows, cols, tokens, monkeypatch):
+    """ktc's int8 rows (codes, then a scale) multiplied where they are stored by ``tdpbssd`` (the
+    last chunk's rows copied beside zeros) give torch's int8 GEMM's products exactly: the same
+    per-token quantization, exact int32 sums, the same scaling; ``linear`` takes them from
+    ``GEMM_MIN_TOKENS`` tokens."""
+    import torch
+
+    from ktc.runtime import kernels
+
+    rng = np.random.default_rng(rows + tokens)
+    raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), "int8")
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    scales = kernels.int8_row_scales(raw, cols)
+    got = amx.int8_matmul(x, raw, scales)
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    x_scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    xq = np.rint(x / x_scale).astype(np.int8)
+    sums = torch._int_mm(torch.from_numpy(xq), torch.from_numpy(raw[:, :cols].view(np.int8)).t()).numpy()
+    np.testing.assert_array_equal(got, sums.astype(np.float32) * x_scale * scales[None, :])
+    taken = []
+    real = amx.int8_matmul
+    monkeypatch.setattr(amx, "int8_matmul", lambda *args: taken.append(len(args[0])) or real(*args))
+    through_linear = kernels.linear(x, raw, "int8")
+    if tokens >= kernels.GEMM_MIN_TOKENS:
+        np.testing.assert_array_equal(through_linear, got)
+    assert taken == ([tokens] if tokens >= kernels.GEMM_MIN_TOKENS else [])
+
+
 def test_tile_configuration():
     """Palette 1, eight tiles of 16 rows of 64 bytes (the layout ``ldtilecfg`` reads)."""
     cfg = amx.tile_config()
