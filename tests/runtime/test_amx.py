@@ -74,7 +74,7 @@ def test_amx_int8_products_are_torchs(rows, cols, tokens, monkeypatch):
     """ktc's int8 rows (codes, then a scale) multiplied where they are stored by ``tdpbssd`` (the
     last chunk's rows copied beside zeros) give torch's int8 GEMM's products exactly: the same
     per-token quantization, exact int32 sums, the same scaling; ``linear`` takes them from
-    ``GEMM_MIN_TOKENS`` tokens."""
+    ``AMX_INT8_MIN_TOKENS`` tokens."""
     import torch
 
     from ktc.runtime import kernels
@@ -92,10 +92,12 @@ def test_amx_int8_products_are_torchs(rows, cols, tokens, monkeypatch):
     taken = []
     real = amx.int8_matmul
     monkeypatch.setattr(amx, "int8_matmul", lambda *args: taken.append(len(args[0])) or real(*args))
-    through_linear = kernels.linear(x, raw, "int8")
-    if tokens >= kernels.GEMM_MIN_TOKENS:
-        np.testing.assert_array_equal(through_linear, got)
-    assert taken == ([tokens] if tokens >= kernels.GEMM_MIN_TOKENS else [])
+    for count in (kernels.AMX_INT8_MIN_TOKENS - 1, kernels.AMX_INT8_MIN_TOKENS, tokens):
+        through_linear = kernels.linear(x[:count], raw, "int8")
+        if count >= kernels.AMX_INT8_MIN_TOKENS:
+            np.testing.assert_array_equal(through_linear, amx.int8_matmul(x[:count], raw, scales))
+    assert taken == [count for count in (kernels.AMX_INT8_MIN_TOKENS, tokens)
+                     if count >= kernels.AMX_INT8_MIN_TOKENS for _ in (0, 1)]
 
 
 def test_tile_configuration():
