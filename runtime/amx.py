@@ -372,6 +372,26 @@ def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, 
             _row_plain(w, 0, sc, mn, 0, blocks, offset, wb, oat)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put_tiles(sums, used, first, count, g, n, out, flat_out):  # pragma: no cover - compiled
+    # A chunk's float32 tiles for pair g of token groups (those of its p-th 32 rows at
+    # sums[p * 1024:], as ``tiles_intrinsic`` stores them) into out: whole tiles transposed by
+    # shuffles, the others (the chunk's last rows, the last tokens) value by value.
+    rows = out.shape[1]
+    for p in range(used):
+        for half in range(2):
+            row = first + p * ROWS + 16 * half
+            for m in range(2):
+                base = p * 1024 + (2 * half + m) * 256
+                token = 16 * (2 * g + m)
+                if row + 16 <= rows and token + 16 <= n:
+                    _store_transposed(sums, base, flat_out, token * rows + row, rows)
+                    continue
+                for i in range(min(16, first + count - row)):
+                    for lane in range(min(16, n - token)):
+                        out[token + lane, row + i] = sums[base + 16 * i + lane]
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out):  # pragma: no cover - compiled
     # out [n, rows] = the tokens (``activations``) times raw's rows of ``lanes.KINDS``' kind: each
@@ -410,18 +430,7 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
                     else:
                         _tiles_pair(cfg, wb[p * ROWS * pitch:], 2 * pitch, xb, 2 * g * blocks * 1024, blocks, sums,
                                     p * 1024)
-                for p in range(used):
-                    for half in range(2):
-                        row = first + p * ROWS + 16 * half
-                        for m in range(2):
-                            base = p * 1024 + (2 * half + m) * 256
-                            token = 16 * (2 * g + m)
-                            if row + 16 <= rows and token + 16 <= n:
-                                _store_transposed(sums, base, flat_out, token * rows + row, rows)
-                                continue
-                            for i in range(min(16, first + count - row)):
-                                for lane in range(min(16, n - token)):
-                                    out[token + lane, row + i] = sums[base + 16 * i + lane]
+                _put_tiles(sums, used, first, count, g, n, out, flat_out)
 
 
 def fits(scheme: str, cols: int) -> bool:
@@ -482,7 +491,7 @@ def _int8_matmul(raw, xb, x_scale, w_scale, n, cols, workers, pairs_a_chunk, cfg
     for worker in prange(workers):
         tail = np.zeros(size * row_bytes, np.uint8)
         sums = np.empty(pairs_a_chunk * 1024, np.int32)
-        scaled = np.empty(256, np.float32)
+        scaled = np.empty(pairs_a_chunk * 1024, np.float32)
         while True:
             first, count = vnni.next_chunk(taken, size, rows)
             if count <= 0:
@@ -503,25 +512,15 @@ def _int8_matmul(raw, xb, x_scale, w_scale, n, cols, workers, pairs_a_chunk, cfg
                     else:
                         _int8_pair(cfg, rows_at[at + p * ROWS * row_bytes:], row_bytes, xb, 2 * g * steps * 1024,
                                    steps, sums, p * 1024)
-                for p in range(used):
-                    for half in range(2):
-                        row = first + p * ROWS + 16 * half
-                        for m in range(2):
-                            base = p * 1024 + (2 * half + m) * 256
-                            token = 16 * (2 * g + m)
-                            if row >= first + count or token >= n:
-                                continue
-                            for i in range(16):
-                                ws = w_scale[min(row + i, rows - 1)]
-                                for lane in range(16):
-                                    scaled[16 * i + lane] = np.float32(sums[base + 16 * i + lane]) * x_scale[
-                                        min(token + lane, n - 1)] * ws
-                            if row + 16 <= rows and token + 16 <= n:
-                                _store_transposed(scaled, 0, flat_out, token * rows + row, rows)
-                                continue
-                            for i in range(min(16, first + count - row)):
-                                for lane in range(min(16, n - token)):
-                                    out[token + lane, row + i] = scaled[16 * i + lane]
+                for p in range(used):  # the sums times the tokens' and the rows' scales
+                    for t in range(4):
+                        row, token = first + p * ROWS + 16 * (t // 2), 16 * (2 * g + t % 2)
+                        for i in range(16):
+                            ws = w_scale[min(row + i, rows - 1)]
+                            for lane in range(16):
+                                at = p * 1024 + t * 256 + 16 * i + lane
+                                scaled[at] = np.float32(sums[at]) * x_scale[min(token + lane, n - 1)] * ws
+                _put_tiles(scaled, used, first, count, g, n, out, flat_out)
 
 
 def int8_fits(cols: int) -> bool:
