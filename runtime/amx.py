@@ -518,8 +518,8 @@ def _int8_matmul(raw, xb, x_scale, w_scale, n, cols, workers, pairs_a_chunk, cfg
                         for i in range(16):
                             ws = w_scale[min(row + i, rows - 1)]
                             for lane in range(16):
-                                at = p * 1024 + t * 256 + 16 * i + lane
-                                scaled[at] = np.float32(sums[at]) * x_scale[min(token + lane, n - 1)] * ws
+                                k = p * 1024 + t * 256 + 16 * i + lane
+                                scaled[k] = np.float32(sums[k]) * x_scale[min(token + lane, n - 1)] * ws
                 _put_tiles(scaled, used, first, count, g, n, out, flat_out)
 
 
