@@ -523,6 +523,15 @@ def _int8_matmul(raw, xb, x_scale, w_scale, n, cols, workers, pairs_a_chunk, cfg
                 _put_tiles(scaled, used, first, count, g, n, out, flat_out)
 
 
+def int8_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens x [n, cols] as int8 codes [n, cols] and one float32 scale each (their largest
+    magnitude over 127; 1 for a token of zeros): the int8 scheme's products' activations, here
+    and in torch's path (``kernels._int8_gemm``)."""
+    amax = np.abs(x).max(axis=1)
+    x_scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    return np.ascontiguousarray(np.rint(x / x_scale[:, None]).astype(np.int8)), x_scale
+
+
 def int8_fits(cols: int) -> bool:
     """Whether ``int8_matmul`` takes int8 rows of ``cols`` values here."""
     return HAVE_AMX and cols % 64 == 0
@@ -535,9 +544,7 @@ def int8_matmul(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray) -> np.ndarr
     codes multiplied by AMX's ``tdpbssd`` where they are stored, the same products."""
     x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
     n, cols = x.shape
-    amax = np.abs(x).max(axis=1)
-    x_scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    xq = np.ascontiguousarray(np.rint(x / x_scale[:, None]).astype(np.int8))
+    xq, x_scale = int8_tokens(x)
     xb = int8_activations(xq, n, cols, 2 * ((n + 31) // 32))
     out = np.empty((n, raw.shape[0]), dtype=np.float32)
     workers = get_num_threads()

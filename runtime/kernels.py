@@ -596,12 +596,10 @@ def _int8_gemm(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray | None = None
     w_scale = int8_row_scales(raw, cols) if w_scale is None else w_scale
     if amx.int8_fits(cols) and raw.flags.c_contiguous:
         return amx.int8_matmul(x, raw, w_scale)
-    amax = np.abs(x).max(axis=1, keepdims=True)
-    x_scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    xq = np.rint(x / x_scale).astype(np.int8)
+    xq, x_scale = amx.int8_tokens(x)
     codes = torch.from_numpy(raw[:, :cols].view(np.int8))  # strided rows: no copy
     acc = torch._int_mm(torch.from_numpy(xq), codes.t()).numpy()
-    return acc.astype(np.float32) * x_scale * w_scale[None, :]
+    return acc.astype(np.float32) * x_scale[:, None] * w_scale[None, :]
 
 
 # int8 products of this many tokens or more go through AMX (``amx.int8_matmul``) where the CPU has
