@@ -446,15 +446,20 @@ def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     n, cols = x.shape
     xb = activations(x, n, cols, 2 * ((n + 31) // 32))
     out = np.empty((n, raw.shape[0]), dtype=np.float32)
-    workers = get_num_threads()
-    pair_count = -(-raw.shape[0] // ROWS)
-    # 4 chunks a thread at least, to share them out; a chunk's bf16 rows within CHUNK_BYTES
-    per_chunk = max(1, min(MAX_PAIRS, pair_count // (4 * workers), CHUNK_BYTES // (ROWS * 2 * (cols + PAD))))
-    chunks = -(-pair_count // per_chunk)
+    workers, per_chunk = _chunking(raw.shape[0], 2 * (cols + PAD))
     f16, e8m0 = vnni._tables()
-    _matmul(raw, lanes.KINDS[scheme], e8m0, f16, xb, n, cols, max(1, min(workers, chunks)), per_chunk, tile_config(),
-            out)
+    _matmul(raw, lanes.KINDS[scheme], e8m0, f16, xb, n, cols, workers, per_chunk, tile_config(), out)
     return out
+
+
+def _chunking(rows: int, row_bytes: int) -> tuple[int, int]:
+    """(workers, pairs of 32 rows a chunk) for a matrix of ``rows`` rows of ``row_bytes`` bytes as
+    the tiles read them: 4 chunks a thread at least, to share them out, and a chunk's rows within
+    ``CHUNK_BYTES``."""
+    workers = get_num_threads()
+    pair_count = -(-rows // ROWS)
+    per_chunk = max(1, min(MAX_PAIRS, pair_count // (4 * workers), CHUNK_BYTES // (ROWS * row_bytes)))
+    return max(1, min(workers, -(-pair_count // per_chunk))), per_chunk
 
 
 # --- int8 rows (ktc's int8 scheme: codes, then a float32 scale a row): multiplied as stored
@@ -547,10 +552,7 @@ def int8_matmul(x: np.ndarray, raw: np.ndarray, w_scale: np.ndarray) -> np.ndarr
     xq, x_scale = int8_tokens(x)
     xb = int8_activations(xq, n, cols, 2 * ((n + 31) // 32))
     out = np.empty((n, raw.shape[0]), dtype=np.float32)
-    workers = get_num_threads()
-    pair_count = -(-raw.shape[0] // ROWS)
-    per_chunk = max(1, min(MAX_PAIRS, pair_count // (4 * workers), CHUNK_BYTES // (ROWS * raw.shape[1])))
-    chunks = -(-pair_count // per_chunk)
-    _int8_matmul(raw, xb, x_scale, np.ascontiguousarray(w_scale, dtype=np.float32), n, cols,
-                 max(1, min(workers, chunks)), per_chunk, tile_config(), out)
+    workers, per_chunk = _chunking(*raw.shape)
+    _int8_matmul(raw, xb, x_scale, np.ascontiguousarray(w_scale, dtype=np.float32), n, cols, workers, per_chunk,
+                 tile_config(), out)
     return out
