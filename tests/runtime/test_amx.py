@@ -69,10 +69,12 @@ def test_linear_takes_amx_from_its_token_count(monkeypatch):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows, cols, tokens", [(70, 256, 5), (64, 512, 33), (37, 1024, 40), (200, 768, 64)])
+@pytest.mark.parametrize("rows, cols, tokens", [(70, 256, 5), (64, 512, 33), (37, 1024, 40), (200, 768, 64),
+                                               (70, 256, 161), (200, 768, 160)])
 def test_amx_int8_products_are_torchs(rows, cols, tokens, monkeypatch):
     """ktc's int8 rows (codes, then a scale) multiplied where they are stored by ``tdpbssd`` (the
-    last chunk's rows copied beside zeros) give torch's int8 GEMM's products exactly: the same
+    last chunk's rows copied beside zeros), or copied first each on a 64-byte boundary (from
+    ``ALIGNED_PAIRS`` pairs of token groups), give torch's int8 GEMM's products exactly: the same
     per-token quantization, exact int32 sums, the same scaling; ``linear`` takes them from
     ``AMX_INT8_MIN_TOKENS`` tokens."""
     import torch
@@ -89,6 +91,11 @@ def test_amx_int8_products_are_torchs(rows, cols, tokens, monkeypatch):
     xq = np.rint(x / x_scale).astype(np.int8)
     sums = torch._int_mm(torch.from_numpy(xq), torch.from_numpy(raw[:, :cols].view(np.int8)).t()).numpy()
     np.testing.assert_array_equal(got, sums.astype(np.float32) * x_scale * scales[None, :])
+    default = amx.ALIGNED_PAIRS
+    for pairs in (1, 10**6):  # every chunk's rows copied aligned first, or none: the same products
+        monkeypatch.setattr(amx, "ALIGNED_PAIRS", pairs)
+        np.testing.assert_array_equal(amx.int8_matmul(x, raw, scales), got)
+    monkeypatch.setattr(amx, "ALIGNED_PAIRS", default)
     taken = []
     real = amx.int8_matmul
     monkeypatch.setattr(amx, "int8_matmul", lambda *args: taken.append(len(args[0])) or real(*args))
