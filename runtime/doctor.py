@@ -61,14 +61,15 @@ def diagnose() -> dict[str, Any]:
     except ValueError:  # no parallel region has run yet
         layer = "not started"
     from .amx import HAVE_AMX
-    from .kernels import AMX_MIN_TOKENS
+    from .kernels import AMX_INT8_MIN_TOKENS, AMX_MIN_TOKENS
     from .vnni import HAVE_VNNI
 
     kernels = ("one-token kernels of the 4-bit schemes, int8 and q8_0 through AVX-512 VNNI" if HAVE_VNNI else
                "float kernels for every scheme (no AVX-512 VNNI, another compile target, or KTC_NO_VNNI=1)")
     if HAVE_AMX:
         kernels += (f"; prefill products of {AMX_MIN_TOKENS['q4_0']} tokens or more (the block schemes; "
-                    f"{AMX_MIN_TOKENS['q4_k']} the K-quants) through AMX (bf16)")
+                    f"{AMX_MIN_TOKENS['q4_k']} the K-quants) through AMX (bf16), int8's from "
+                    f"{AMX_INT8_MIN_TOKENS} tokens through AMX's int8 product")
     elif cpu["features"]["amx"] and HAVE_VNNI:
         kernels += "; AMX unused (KTC_NO_AMX=1, no AMX-BF16, or Linux refused the tile state)"
     warnings = []
