@@ -519,14 +519,10 @@ def _int8_matmul(raw, xb, x_scale, w_scale, n, cols, workers, pairs_a_chunk, ali
             if count <= 0:
                 break
             used = (count + ROWS - 1) // ROWS
-            if aligned:  # the codes alone, each row on a 64-byte boundary
+            if aligned or count < used * ROWS:  # each row's first ``stride`` bytes, then zeros
                 for r in range(count):
-                    tail[r * cols:(r + 1) * cols] = flat[(first + r) * row_bytes:(first + r) * row_bytes + cols]
-                tail[count * cols:used * ROWS * cols] = 0
-                rows_at, at = tail, 0
-            elif count < used * ROWS:
-                tail[: count * row_bytes] = flat[first * row_bytes:(first + count) * row_bytes]
-                tail[count * row_bytes:] = 0
+                    tail[r * stride:(r + 1) * stride] = flat[(first + r) * row_bytes:(first + r) * row_bytes + stride]
+                tail[count * stride:used * ROWS * stride] = 0
                 rows_at, at = tail, 0
             else:
                 rows_at, at = flat, first * row_bytes
