@@ -71,21 +71,53 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# Where a SIGTERM must not raise: inside Numba's compiler and llvmlite, an exception raised in a
+# ctypes callback is swallowed (the stop was lost: the compile ran on and exited 0), and one
+# raised while llvmlite builds an object leaves it half made, its finalizer printing a
+# traceback at exit. There the stop is asked for again a little later, until the main thread is
+# out of them.
+_COMPILER_PATHS = (f"{os.sep}numba{os.sep}", f"{os.sep}llvmlite{os.sep}")
+_AGAIN_AFTER = 0.02  # seconds
+
+
+def _in_compiler(frame: Any) -> bool:
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _COMPILER_PATHS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def _sigterm_raises() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return
+    lock = threading.Lock()
+    state = {"handling": True}  # False once the command is done: a stop asked for again is dropped
+
+    def send_again(signum: int) -> None:
+        with lock:
+            if state["handling"]:
+                os.kill(os.getpid(), signum)
 
     def raise_terminated(signum: int, frame: Any) -> None:
-        if not hold_signal(signum):
-            raise Terminated(signum)
+        if not state["handling"] or hold_signal(signum):
+            return
+        if _in_compiler(frame):
+            again = threading.Timer(_AGAIN_AFTER, send_again, (signum,))
+            again.daemon = True
+            again.start()
+            return
+        raise Terminated(signum)
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        state["handling"] = False  # before the lock: a signal sent again while it is taken is dropped
+        with lock:  # no signal sent again reaches the handler restored here
+            signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

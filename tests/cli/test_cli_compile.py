@@ -245,3 +245,46 @@ def test_only_temporaries_whose_writer_is_gone_are_removed(tmp_path):
     removed = remove_stale_temporaries(str(tmp_path))
     assert [p for p, _ in removed] == [str(stale)]
     assert live.exists() and other.exists() and not stale.exists()
+
+
+class _CompilerFrame:
+    """A stand-in for the frame a signal interrupts inside llvmlite (``cli._in_compiler``)."""
+
+    class f_code:  # noqa: N801
+        co_filename = os.path.join(os.sep, "site-packages", "llvmlite", "binding", "ffi.py")
+
+    f_back = None
+
+
+def test_sigterm_inside_numba_s_compiler_takes_effect_once_out_of_it():
+    """A SIGTERM that interrupts Numba's compiler or llvmlite does not raise there (a ctypes
+    callback swallowed it and the compile ran on to exit 0; a half-built llvmlite object printed
+    a traceback at exit): the stop is asked for again shortly and raises in ktc's own code."""
+    from ktc import cli
+    from ktc.errors import Terminated
+
+    returned = False
+    with pytest.raises(Terminated):
+        with cli._sigterm_raises():
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, _CompilerFrame())
+            returned = True
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                time.sleep(0.01)
+    assert returned
+
+
+def test_sigterm_asked_again_is_not_sent_once_the_command_is_done():
+    """The stop asked for again is dropped when the command ends first: nothing reaches the
+    SIGTERM handler that was there before."""
+    from ktc import cli
+
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with cli._sigterm_raises():
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, _CompilerFrame())
+        time.sleep(10 * cli._AGAIN_AFTER)
+        assert seen == []
+    finally:
+        signal.signal(signal.SIGTERM, before)
