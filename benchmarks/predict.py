@@ -3,7 +3,10 @@
 In each round, for every case: calibrate (``ktc doctor --calibrate``'s measurements: ktc's
 kernels' bytes/s at the schemes the case uses, the fixed costs of a layer's and a token's step
 from probe models of their own shape), measure the decode time per token as ``ktc run`` does
-(greedy decode after a warm-up, the model loaded in this process), calibrate again, and predict
+(greedy decode after a warm-up, the model loaded in this process; the median of ``--runs``
+decodes one after another: a decode lasts about a second, and on this shared machine one in
+several was slowed by half for a second while the calibrations around it, each a few seconds of
+medians, were not), calibrate again, and predict
 it with the CPU cost model (``passes/decode_cost.py``) as the mean of the two calibrations'
 predictions: the machine's bandwidth drifts within seconds here, and the two calibrations
 bracket the measurement. Printed per case: the medians over rounds of
@@ -17,7 +20,7 @@ Cases: the demo model (trained, every expert on the CPU at int8) and, where
 Mixtral-8x7B's and Qwen3-30B-A3B's shapes compiled from llama.cpp's GGUFs (Q8_0, Q4_0, MXFP4_MOE,
 Q4_K_M) and the 4-layer Qwen3 ones.
 
-    python benchmarks/predict.py [--rounds 5] [--new 48] [--cases demo,qwen3-Q4_0-pure,...]
+    python benchmarks/predict.py [--rounds 5] [--new 48] [--runs 3] [--cases demo,qwen3-Q4_0-pure,...]
 """
 
 from __future__ import annotations
@@ -56,26 +59,32 @@ def in_page_cache(path: str) -> None:
             pass
 
 
-def measure(path: str, new: int) -> tuple[float, float, float]:
+def measure(path: str, new: int, runs: int = 1) -> tuple[float, float, float]:
     """Seconds a decode step, as ``ktc run`` measures it (after a short warm-up run, the bundle
-    in the page cache), and of that its layers' and its lm_head's (ktc's decode step times them)."""
+    in the page cache), and of that its layers' and its lm_head's (ktc's decode step times them):
+    those of the median of ``runs`` decodes, one after another."""
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
 
     in_page_cache(path)
+    got = []
     with from_bundle(path) as km:
         generate(km, PROMPT[:4], max_new_tokens=4, sampling=Sampling(temperature=0), stop_at_eos=False)
-        km.fast.seconds[:] = 0
-        km.fast.steps = 0
-        result = generate(km, PROMPT, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False)
-        parts = km.fast.seconds / km.fast.steps
-    return result.decode_seconds / (len(result.generated_tokens) - 1), float(parts[:-1].sum()), float(parts[-1])
+        for _ in range(runs):
+            km.fast.seconds[:] = 0
+            km.fast.steps = 0
+            result = generate(km, PROMPT, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False)
+            parts = km.fast.seconds / km.fast.steps
+            got.append((result.decode_seconds / (len(result.generated_tokens) - 1), float(parts[:-1].sum()),
+                        float(parts[-1])))
+    return sorted(got)[len(got) // 2]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--new", type=int, default=48, help="generated tokens a measurement")
+    parser.add_argument("--new", type=int, default=48, help="generated tokens a decode")
+    parser.add_argument("--runs", type=int, default=3, help="decodes a measurement (their median)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
     args = parser.parse_args()
@@ -112,7 +121,7 @@ def main() -> int:
                     with open_bundle(path) as bundle:
                         costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
                     if side == "before":
-                        seconds, layers, head = measure(path, args.new)
+                        seconds, layers, head = measure(path, args.new, args.runs)
                 cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in
                         zip(costs[0].items(), costs[1].values())}
                 rows[name].append((cost["ms_per_token"] / 1e3, seconds, {**cost, "measured_layers_ms": 1e3 * layers,
