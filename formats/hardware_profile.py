@@ -96,6 +96,7 @@ def _total_ram() -> int:
 _CPU_FIXED = ("cpu_layer_seconds", "cpu_token_seconds", "cpu_vocab_seconds")
 _RATE_TABLES = (*(f"{path}{part}" for path in ("experts", "matrix") for part in ("", "_call_seconds", "_call_bytes")),
                 "matrix_row_seconds")
+_ROW_LENGTH_TABLE = re.compile(r"matrix@[1-9][0-9]*")  # a matrix rate at rows of that many values
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,9 @@ class HardwareProfile:
     cpu_prefill_ops: float = 0.0
     source: str = "defaults"
     # {"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
-    # {scheme: bytes}, the same three of "matrix", and "matrix_row_seconds": {scheme: s}},
-    # measured (``ktc doctor --calibrate``)
+    # {scheme: bytes}, the same three of "matrix", and "matrix@COLS": {scheme: bytes/s} for rows
+    # of COLS values}, measured (``ktc doctor --calibrate``); profiles written before the rates a
+    # row length may hold "matrix_row_seconds": {scheme: s} instead
     cpu_scheme_bandwidth: dict[str, dict[str, float]] | None = field(default=None, compare=False)
     cpu_layer_seconds: float = 0.0
     cpu_token_seconds: float = 0.0
@@ -134,10 +136,11 @@ class HardwareProfile:
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"hardware profile: {name} must be a finite number, at least 0")
         for path, rates in (self.cpu_scheme_bandwidth or {}).items():
-            if path not in _RATE_TABLES or not isinstance(rates, dict):
+            if not (path in _RATE_TABLES or _ROW_LENGTH_TABLE.fullmatch(path)) or not isinstance(rates, dict):
                 raise ConfigError(f"hardware profile: cpu_scheme_bandwidth has {path!r}; it holds 'experts' "
                                   "and 'matrix' tables of scheme: bytes per second, their '_call_seconds' "
-                                  "and '_call_bytes', and 'matrix_row_seconds'")
+                                  "and '_call_bytes', 'matrix@COLS' tables (rows of COLS values) and "
+                                  "'matrix_row_seconds'")
             for scheme, value in rates.items():
                 seconds = path.endswith("_seconds")
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

@@ -5,14 +5,16 @@ A step reads every non-expert matrix once (attention, routers, shared experts, d
 norms, ``lm_head``), one row of the input embedding, each layer's chosen experts and the KV
 cache, and pays fixed costs that do not scale with bytes. Its time is
 
-    sum over matrices of  call(scheme, matrix) + rows x row(scheme) + bytes / rate(scheme, matrix)
+    sum over matrices of  call(scheme, matrix) + bytes / rate(scheme, matrix, row length)
   + sum over MoE layers of  call(schemes, experts) + top_k x mean over experts of (expert bytes / rate(scheme, experts))
   + context x KV bytes a token / rate(f32, matrix)
   + layers x cpu_layer_seconds + cpu_token_seconds + vocabulary x cpu_vocab_seconds
 
 ``rate`` is the calibrated bytes per second of ktc's one-token kernels at the scheme
 (``HardwareProfile.cpu_scheme_bandwidth``, ``ktc doctor --calibrate``), through the fused
-experts call or a matrix-vector product, and ``call`` the fixed part of such a call (for a
+experts call or a matrix-vector product (there at the matrix's row length: between two lengths
+measured, interpolated in the length's logarithm; past the ends, the nearest), and ``call`` the
+fixed part of such a call (for a
 layer's experts the largest of its schemes'), fitted with the rate over two sizes of call and
 taken in proportion to a call's bytes below the smaller size: a tiny model's calls cost what
 the calibration's probe models measured as their layers' fixed cost. Without a calibration,
@@ -22,6 +24,7 @@ time): a layer's experts all have the same bytes in a CPU-only bundle of one sch
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -76,15 +79,35 @@ def call_seconds(hw: HardwareProfile, scheme: str, nbytes: float, path: str = "m
 
 
 def row_seconds(hw: HardwareProfile, scheme: str) -> float:
-    """The cost of a matrix row beside its bytes in a matrix-vector product (its reduction and
-    store; 0 without a calibration)."""
+    """The cost of a matrix row beside its bytes in a matrix-vector product, in a profile
+    calibrated before the rates at each row length (which hold it): 0 otherwise."""
+    if _row_length_rates(hw, scheme):
+        return 0.0
     return float((hw.cpu_scheme_bandwidth or {}).get("matrix_row_seconds", {}).get(scheme, 0.0))
 
 
-def rate(hw: HardwareProfile, scheme: str, path: str = "matrix") -> float:
+def _row_length_rates(hw: HardwareProfile, scheme: str) -> list[tuple[int, float]]:
+    """(row length, bytes/s) of ``scheme``'s matrix rates at each row length measured, shortest first."""
+    return sorted((int(path[len("matrix@"):]), float(rates[scheme]))
+                  for path, rates in (hw.cpu_scheme_bandwidth or {}).items()
+                  if path.startswith("matrix@") and rates.get(scheme))
+
+
+def rate(hw: HardwareProfile, scheme: str, path: str = "matrix", cols: int | None = None) -> float:
     """Bytes per second at which ktc's kernels read ``scheme`` through ``path`` ("experts" or
-    "matrix"): the calibrated figure, the matrix one where the fused experts call does not take
-    the scheme, else the profile's read bandwidth."""
+    "matrix"; for a matrix with rows of ``cols`` values, the rate at that length: see the
+    module's docstring): the calibrated figure, the matrix one where the fused experts call does
+    not take the scheme, else the profile's read bandwidth."""
+    if path == "matrix" and cols:
+        lengths = _row_length_rates(hw, scheme)
+        if lengths:
+            if cols <= lengths[0][0]:
+                return lengths[0][1]
+            for (c0, r0), (c1, r1) in zip(lengths, lengths[1:]):
+                if cols <= c1:
+                    t = math.log(cols / c0) / math.log(c1 / c0)
+                    return r0 + t * (r1 - r0)
+            return lengths[-1][1]
     table = hw.cpu_scheme_bandwidth or {}
     for where in ((path, "matrix") if path == "experts" else (path,)):
         value = table.get(where, {}).get(scheme)
@@ -127,9 +150,11 @@ def cpu_decode_cost(tensors: Iterable[Any], model: dict[str, Any], hw: HardwareP
             continue
         if t.role == "embeddings" and t.shape:
             vocab = max(vocab, int(t.shape[0]))
-        seconds = t.nbytes / rate(hw, t.scheme)
         if len(t.shape) == 2:  # a matrix: one call (a norm's vector is read inside another)
-            seconds += call_seconds(hw, t.scheme, t.nbytes) + t.shape[0] * row_seconds(hw, t.scheme)
+            seconds = (t.nbytes / rate(hw, t.scheme, cols=int(t.shape[1])) + call_seconds(hw, t.scheme, t.nbytes)
+                       + t.shape[0] * row_seconds(hw, t.scheme))
+        else:
+            seconds = t.nbytes / rate(hw, t.scheme)
         if t.role == "embeddings":
             head += seconds
         else:

@@ -35,11 +35,19 @@ from . import kernels, rows, vnni
 # K-quants) plus its bytes over a rate: many small experts pay the fixed part, large ones barely.
 EXPERT_SHAPES = ((8, 2048, 768), (2, 4096, 14336))
 MATRIX_COLS = 4096
-# Matrix calls (rows, columns): as many bytes as Qwen3-30B-A3B's attention projections, and
-# WORKING_SET bytes (lm_head's size) in rows of the whole and of a quarter the length. A
-# call's time is fitted as a fixed part, a cost a row (the row's reduction and store: Qwen3's
-# lm_head has 151936 rows of 2048) and bytes over a rate.
-MATRIX_CALLS = ((2048, MATRIX_COLS), (None, MATRIX_COLS), (None, MATRIX_COLS // 4))
+# Rows of these lengths are read at a rate each (the hidden sizes of the models ktc's figures
+# come from: Qwen3-30B-A3B's 2048, Mixtral-8x7B's 4096, DeepSeek-V3's 7168). The rate moves with
+# the row's length, and not in one direction: q8_0 from memory here, 128 MiB a call, medians of
+# 3 interleaved rounds, 1024-2048 columns 31 GB/s, 4096 29, 6144-7168 26-27, 8192-16384 28-29. One
+# rate at 4096 columns and a cost a row fitted from rows of 1024 (which usually came out
+# negative under the drift, and so zero) predicted Qwen3-30B-A3B's lm_head (151936 x 2048) 6-10%
+# slow and a DeepSeek-V3-shaped one (129280 x 7168) 8-10% fast; a rate at each length, 1% slow
+# and 11-13% fast (7168 was not among the lengths then).
+MATRIX_ROW_LENGTHS = (1024, 2048, 4096, 7168)
+# Matrix calls (rows, columns): as many bytes as Qwen3-30B-A3B's attention projections (the
+# fixed part of a call, fitted with the rate at MATRIX_COLS columns), and WORKING_SET bytes
+# (lm_head's size) in rows of each of MATRIX_ROW_LENGTHS.
+MATRIX_CALLS = ((2048, MATRIX_COLS), *((None, cols) for cols in MATRIX_ROW_LENGTHS))
 WORKING_SET = 128 * 1024 * 1024  # bytes a measurement cycles over at least: four times a 32 MiB L3
 _HALF_SCALE = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
 
@@ -217,15 +225,15 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
     """``{"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
     {scheme: bytes}, and the same three of "matrix"}``: what the one-token kernels reach on this
     machine (see the module's docstring) through the fused experts call (fitted over calls at
-    ``shapes``) and a matrix-vector product (over ``matrix_calls``, with ``"matrix_row_seconds"``
-    too): the rate, the fixed part of a call, and the bytes of the smaller call (where the fixed
-    part was measured).
+    ``shapes``) and a matrix-vector product (over ``matrix_calls``: the first the smaller call,
+    then larger ones at ``MATRIX_COLS`` columns and at other row lengths, each of whose rates is
+    ``"matrix@COLS"``): the rate, the fixed part of a call, and the bytes of the smaller call
+    (where the fixed part was measured).
     Schemes whose experts the fused call cannot take on this CPU are measured as a matrix only."""
     names = tuple(cpu_schemes() if schemes is None else schemes)
     working_set = working_set or probe_bytes()
     result: dict[str, dict[str, float]] = {f"{path}{part}": {} for path in ("experts", "matrix")
                                            for part in ("", "_call_seconds", "_call_bytes")}
-    result["matrix_row_seconds"] = {}
     fused = tuple(n for n in names if _fused(n))
     # A few schemes at a time: each holds its working set while the rounds interleave.
     for start in range(0, len(fused), 3):
@@ -256,8 +264,8 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
                     shared = probes[n, i].raw
         seconds = _median_seconds(probes, rounds, calls)
         for n in group:
-            _fit_rows(result, n, [(p.rows_per_call, p.bytes_per_call, seconds[n, i]) for i, p in
-                                  ((i, probes[n, i]) for i in range(len(matrix_calls)))])
+            _fit_lengths(result, n, [(cols, probes[n, i].bytes_per_call, seconds[n, i])
+                                     for i, (_, cols) in enumerate(matrix_calls)])
         del probes
     return result
 
@@ -275,25 +283,18 @@ def _fit(result: dict[str, dict[str, float]], path: str, name: str, b0: float, t
     result[path + "_call_bytes"][name] = float(b0)
 
 
-def _fit_rows(result: dict[str, dict[str, float]], name: str, calls: list[tuple[int, int, float]]) -> None:
-    """A matrix call's time as a fixed part, a cost a row and bytes over a rate, solved from
-    three calls (rows, bytes, seconds; the first the smallest) into ``result``; where the drift
-    makes a part negative, without a row cost (the first two calls, as ``_fit`` fits them)."""
-    a = np.array([[1.0, r, b] for r, b, _ in calls])
-    t = np.array([s for _, _, s in calls])
-    try:
-        fixed, row, slope = np.linalg.solve(a, t)
-    except np.linalg.LinAlgError:
-        fixed = row = slope = -1.0
-    if fixed >= 0 and row >= 0 and slope > 0:
-        result["matrix"][name] = 1.0 / slope
-        result["matrix_call_seconds"][name] = float(fixed)
-        result["matrix_call_bytes"][name] = float(calls[0][1])
-        result["matrix_row_seconds"][name] = float(row)
-        return
-    (_, b0, t0), (_, b1, t1) = calls[:2]
+def _fit_lengths(result: dict[str, dict[str, float]], name: str, calls: list[tuple[int, int, float]]) -> None:
+    """A matrix call's time as a fixed part plus bytes over a rate that depends on the rows'
+    length, from calls (columns, bytes, seconds): the first the smallest, whose fixed part is
+    fitted with the rate of the larger call at ``MATRIX_COLS`` columns (``_fit``:
+    ``result["matrix"]``), and each larger call's rate, that fixed part taken off, into
+    ``result["matrix@COLS"]``."""
+    (_, b0, t0), *larger = calls
+    b1, t1 = next((b, t) for cols, b, t in larger if cols == MATRIX_COLS)
     _fit(result, "matrix", name, b0, t0, b1, t1)
-    result["matrix_row_seconds"][name] = 0.0
+    fixed = result["matrix_call_seconds"][name]
+    for cols, b, t in larger:
+        result.setdefault(f"matrix@{cols}", {})[name] = b / (t - fixed) if t > fixed else b / t
 
 
 def _fused(name: str) -> bool:

@@ -79,10 +79,30 @@ def test_a_calls_fixed_part_in_proportion_below_the_calibrated_call():
     # lm_head in q4_0 (no call size: the whole fixed part); the norm and the embedding row: no call
     assert cost.matrices - base.matrices == pytest.approx(1e-5 * (1 + 0.5))
     assert cost.head - base.head == pytest.approx(2e-5)
-    rows = {**RATES, "matrix_row_seconds": {"q8_0": 1e-9}}
+    rows = {**RATES, "matrix_row_seconds": {"q8_0": 1e-9}}  # a profile calibrated before the rates a row length
     with_rows = cpu_decode_cost(model_tensors(), MODEL, HardwareProfile(vram_bytes=0, ram_bytes=1,
                                                                         cpu_scheme_bandwidth=rows))
     assert with_rows.matrices - base.matrices == pytest.approx(1e-9 * (64 + 16))  # q's and k's rows
+    lengths = {**rows, "matrix@64": {"q8_0": 10 * GB}}  # which hold the rows' cost: no cost a row then
+    assert cpu_decode_cost(model_tensors(), MODEL, HardwareProfile(
+        vram_bytes=0, ram_bytes=1, cpu_scheme_bandwidth=lengths)).matrices == pytest.approx(base.matrices)
+
+
+def test_a_matrix_reads_at_the_rate_of_its_row_length():
+    table = {**RATES, "matrix@1024": {"q8_0": 1 * GB}, "matrix@4096": {"q8_0": 3 * GB}, "matrix@2048": {"q4_0": 5 * GB}}
+    hw = HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_scheme_bandwidth=table)
+    assert rate(hw, "q8_0", cols=1024) == 1 * GB and rate(hw, "q8_0", cols=4096) == 3 * GB
+    assert rate(hw, "q8_0", cols=2048) == pytest.approx(2 * GB)  # halfway in the length's logarithm
+    assert rate(hw, "q8_0", cols=256) == 1 * GB and rate(hw, "q8_0", cols=16384) == 3 * GB  # the nearest past the ends
+    assert rate(hw, "q4_0", cols=64) == 5 * GB  # one length measured: that rate
+    assert rate(hw, "q8_0") == RATES["matrix"]["q8_0"] and rate(hw, "q8_0", "experts", cols=1024) == rate(hw, "q8_0", "experts")
+    assert rate(hw, "bf16", cols=1024) == hw.cpu_bandwidth  # no figure of the scheme
+    # every matrix of the model at its own length: q (4000 B) and k (1000 B) have rows of 64 values
+    at64 = {**RATES, "matrix@64": {"q8_0": 0.5 * GB}}
+    slower = cpu_decode_cost(model_tensors(), MODEL, HardwareProfile(vram_bytes=0, ram_bytes=1,
+                                                                     cpu_scheme_bandwidth=at64))
+    base = cpu_decode_cost(model_tensors(), MODEL, HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_scheme_bandwidth=RATES))
+    assert slower.matrices - base.matrices == pytest.approx(5000 / (0.5 * GB) - 5000 / RATES["matrix"]["q8_0"])
 
 
 def test_the_profile_keeps_the_calibration_and_refuses_a_bad_one(tmp_path):
@@ -96,3 +116,9 @@ def test_the_profile_keeps_the_calibration_and_refuses_a_bad_one(tmp_path):
         HardwareProfile.from_json({**hw.to_json(), "cpu_scheme_bandwidth": {"matrix": {"q8_0": -1}}})
     with pytest.raises(ConfigError, match="'gpu'"):
         HardwareProfile(vram_bytes=5, ram_bytes=7, cpu_scheme_bandwidth={"gpu": {}})
+    with_lengths = {**RATES, "matrix@2048": {"q8_0": 3e9}}
+    assert HardwareProfile.from_json({**hw.to_json(), "cpu_scheme_bandwidth": with_lengths}).cpu_scheme_bandwidth \
+        == with_lengths
+    for bad in ("matrix@", "matrix@0", "matrix@x", "experts@2048"):
+        with pytest.raises(ConfigError, match=bad):
+            HardwareProfile(vram_bytes=5, ram_bytes=7, cpu_scheme_bandwidth={bad: {}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ktc.formats.hardware_profile import HardwareProfile
 from ktc.formats.schemes import get_scheme
 from ktc.runtime import calibrate
 
@@ -19,11 +20,16 @@ def test_probe_weights_are_valid_rows_of_every_scheme(scheme):
 
 def test_rates_are_measured_for_both_paths():
     got = calibrate.scheme_bandwidths(("int8", "q4_0", "f32"), rounds=1, calls=1, working_set=1 << 20,
-                                      shapes=((2, 256, 128), (2, 512, 256)), matrix_calls=((64, 4096), (None, 4096), (None, 1024)))
+                                      shapes=((2, 256, 128), (2, 512, 256)),
+                                      matrix_calls=((64, 4096), (None, 1024), (None, 4096), (None, 7168)))
     assert set(got["matrix"]) == {"int8", "q4_0", "f32"}
     assert set(got["experts"]) <= {"int8", "q4_0"} and "int8" in got["experts"]  # f32 experts: no fused call
-    assert all(v > 0 for table in ("matrix", "experts") for v in got[table].values())
-    assert all(v >= 0 for path in ("experts_call", "matrix_call", "matrix_row") for v in got[path + "_seconds"].values())
+    # a rate at each row length of the larger calls (4096 columns' too, beside "matrix")
+    assert {path for path in got if path.startswith("matrix@")} == {"matrix@1024", "matrix@4096", "matrix@7168"}
+    assert all(set(got[path]) == {"int8", "q4_0", "f32"} for path in got if path.startswith("matrix@"))
+    assert all(v > 0 for table in ("matrix", "experts", "matrix@1024", "matrix@7168") for v in got[table].values())
+    assert all(v >= 0 for path in ("experts_call", "matrix_call") for v in got[path + "_seconds"].values())
+    HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_scheme_bandwidth=got)  # a profile takes every table
     assert got["matrix_call_bytes"]["q4_0"] == get_scheme("q4_0").matrix_bytes(64, 4096)
     int8 = get_scheme("int8")
     assert got["experts_call_bytes"]["int8"] == 2 * (int8.matrix_bytes(256, 256) + int8.matrix_bytes(256, 128))
