@@ -42,11 +42,11 @@ def set_threads(threads: int | None) -> int:
 
 
 def bench_bundle(path: str, tokens: tuple[int, ...] = (1, 16, 64), threads: int | None = None,
-                 steps: int = 5, seed: int = 0) -> dict[str, Any]:
+                 steps: int = 5, seed: int = 0, mapped: bool = True) -> dict[str, Any]:
     """Figures per token count: ms per step, weight GB/s, fraction of the read bandwidth, and
     what the plan's cost model predicts for the same weight bytes (at the plan's CPU bandwidth,
     when the bundle was planned). ``warnings`` says when the machine is busy or reads far slower
-    than the plan assumed."""
+    than the plan assumed. ``mapped=False``: the bundle read into memory (``open_bundle``)."""
     from .cpu_load import other_processes_cores
 
     used_threads = set_threads(threads)
@@ -58,7 +58,7 @@ def bench_bundle(path: str, tokens: tuple[int, ...] = (1, 16, 64), threads: int 
     if busy >= 0.5:
         result["warnings"].append(f"other processes keep {busy:.1f} cores busy: the figures are lower "
                                   "and noisier than on an idle machine (--threads sets how many to use)")
-    with open_bundle(path) as bundle:
+    with open_bundle(path, mapped=mapped) as bundle:
         hardware = (bundle.manifest.get("plan") or {}).get("hardware") or {}
         planned = hardware.get("cpu_bandwidth") if isinstance(hardware, dict) else None
         planned = float(planned) if isinstance(planned, (int, float)) and planned > 0 else None

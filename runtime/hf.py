@@ -450,7 +450,7 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
                 tokenizer: Any = None, cache_slots: int | None = None, cache_prior: Any = None,
-                prefetch: bool = False, prefill_offload: bool | None = None) -> KtcModel:
+                prefetch: bool = False, prefill_offload: bool | None = None, mapped: bool = True) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
@@ -473,11 +473,20 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     and CPU bandwidths), within the VRAM the plan and the cache slots leave free; the
     offload's counters are ``KtcModel.offload``. Left None, both follow the plan's
     ``streaming`` record (``ktc.streaming``: its cache slots, and the offload from its
-    threshold) on a device, and are off without one.
+    threshold) on a device, and are off without one. ``mapped=False`` reads the whole bundle
+    into the process's memory (huge pages where Linux gives them) instead of mapping it: the CPU
+    kernels read faster there (``formats.bundle.open_bundle``); refused for a plan that keeps
+    experts on disk (they are there because RAM cannot hold them).
     """
     transformers = require_transformers()
     dev = check_device(device)
-    bundle = open_bundle(path)
+    bundle = open_bundle(path, mapped=mapped)
+    if not mapped and any(p.startswith("disk:") for row in ((bundle.manifest.get("plan") or {}).get("placement")
+                                                            or {}).values() for p in row):
+        bundle.close()
+        raise KtcError("this bundle's plan keeps experts on disk, where RAM cannot hold them; reading the whole "
+                       "bundle into memory would need that RAM", path=os.fspath(path),
+                       hint="run it mapped (without --no-mmap)")
     streaming = (bundle.manifest.get("plan") or {}).get("streaming") or {}
     if cache_slots is None:
         cache_slots = int(streaming.get("cache_slots") or 0) if dev is not None else 0
@@ -489,6 +498,8 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
         bundle.close()
         raise
     try:
+        if km.fast is not None:  # its compiled step loaded now, not in the first decode step
+            km.fast.warm(km.experts)
         _stream(km, prefetch)
     except BaseException:
         km.close()

@@ -176,3 +176,40 @@ def test_unsupported_parts_leave_transformers_in_charge(tmp_path, monkeypatch):
     with from_bundle(path) as km:
         km.model.model.layers[0].input_layernorm = torch.nn.LayerNorm(km.model.config.hidden_size)
         assert fast_decode.fast_decoder(km) is None
+
+
+def test_the_step_is_loaded_at_load_and_leaves_nothing_behind(tmp_path):
+    """from_bundle runs one step and undoes it (the compiled step's first call loads it, which the
+    first decode step would otherwise pay): the caches empty, no time, no routing counted; and
+    the first generation gives what a second one does."""
+    path = _bundle(tmp_path, "qwen3_moe", "q4_0")
+    with from_bundle(path) as km:
+        assert km.fast is not None and km.fast.steps == 0 and not km.fast.seconds.any()
+        assert all(layer.length == 0 for layer in km.cache.layers)
+        assert all(not e.counts.any() for e in km.experts)
+        first = generate(km, _prompt(10), max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
+        routed = [e.counts.copy() for e in km.experts]
+        again = generate(km, _prompt(10), max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
+        # the second generation routed what the first did: the first counted nothing more
+        assert all(np.array_equal(e.counts, 2 * r) and r.any() for e, r in zip(km.experts, routed))
+    assert first.generated_tokens == again.generated_tokens
+
+
+def test_a_bundle_read_into_memory_runs_as_the_mapped_one(tmp_path):
+    """open_bundle(mapped=False) (ktc run --no-mmap): the same bytes, read-only as the map's, in
+    the process's own memory; the same greedy tokens."""
+    from ktc.formats.bundle import open_bundle
+
+    path = _bundle(tmp_path, "qwen3_moe", "q4_0")
+    with open_bundle(path) as mapped, open_bundle(path, mapped=False) as loaded:
+        assert loaded.in_memory and not mapped.in_memory
+        assert np.array_equal(loaded.file_view(), mapped.file_view()) and not loaded.file_view().flags.writeable
+        name = next(t.name for t in loaded.tensors.values() if t.role == "expert")
+        assert np.array_equal(loaded.tensor(name), mapped.tensor(name)) and not loaded.tensor(name).flags.writeable
+    want = [], []
+    for mapped_, out in ((True, want[0]), (False, want[1])):
+        with from_bundle(path, mapped=mapped_) as km:
+            assert km.bundle.in_memory is not mapped_
+            out += generate(km, _prompt(10), max_new_tokens=8, sampling=Sampling(temperature=0),
+                            stop_at_eos=False).generated_tokens
+    assert want[0] == want[1]

@@ -13,6 +13,7 @@ import pytest
 
 from ktc.compile import compile_bundle
 from ktc.demo import write_sparse_checkpoint
+from ktc.errors import KtcError
 from ktc.formats.bundle import open_bundle
 from ktc.runtime.experts import ExpertSet
 from ktc.runtime.prefetch import Prefetcher, expert_ranges, page_in, resident_share
@@ -142,6 +143,8 @@ def test_a_disk_tier_bundle_pins_its_ram_experts_and_prefetches_the_rest(demo_mo
         got = generate(km, list(range(5, 25)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
         assert km.prefetcher.asked > 0
     assert got.generated_tokens == want.generated_tokens
+    with pytest.raises(KtcError, match="keeps experts on disk"):  # ktc run --no-mmap: RAM cannot hold them
+        from_bundle(on_disk, mapped=False)
 
 
 def test_the_disk_read_bandwidth_is_measured_where_asked(tmp_path):
