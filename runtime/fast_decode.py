@@ -199,15 +199,20 @@ class FastDecode:
         from Numba's cache (a one-layer Qwen3-30B-A3B-shaped Q4_0 model: 930 ms, against 9-19 for
         the next steps), which ``ktc run`` would otherwise count as decode time (34 tokens/s
         reported for 48 tokens decoded at 136). The caches are emptied again, the timers and
-        ``experts``' (the layers' ``ExpertSet``s) routing counts put back."""
+        ``experts``' (the layers' ``ExpertSet``s) routing counts put back. A step the model
+        refuses on token 0 (non-finite hidden states) is left to the first real one."""
         counts = [e.counts.copy() for e in experts]
-        self.step(0)
-        for layer in self.layers:
-            layer.cache.reset()
-        for e, saved in zip(experts, counts):
-            e.counts[:] = saved
-        self.seconds[:] = 0
-        self.steps = 0
+        try:
+            self.step(0)
+        except KtcError:
+            pass
+        finally:
+            for layer in self.layers:
+                layer.cache.reset()
+            for e, saved in zip(experts, counts):
+                e.counts[:] = saved
+            self.seconds[:] = 0
+            self.steps = 0
 
     def step(self, token: int) -> np.ndarray:
         """The logits (float32 [vocab]) after ``token``, whose keys and values go into the cache
