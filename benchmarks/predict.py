@@ -20,7 +20,7 @@ Cases: the demo model (trained, every expert on the CPU at int8) and, where
 Mixtral-8x7B's and Qwen3-30B-A3B's shapes compiled from llama.cpp's GGUFs (Q8_0, Q4_0, MXFP4_MOE,
 Q4_K_M) and the 4-layer Qwen3 ones.
 
-    python benchmarks/predict.py [--rounds 5] [--new 48] [--runs 3] [--cases demo,qwen3-Q4_0-pure,...]
+    python benchmarks/predict.py [--rounds 5] [--new 48] [--runs 3] [--no-mmap] [--cases demo,qwen3-Q4_0-pure,...]
 """
 
 from __future__ import annotations
@@ -59,16 +59,17 @@ def in_page_cache(path: str) -> None:
             pass
 
 
-def measure(path: str, new: int, runs: int = 1) -> tuple[float, float, float]:
+def measure(path: str, new: int, runs: int = 1, mapped: bool = True) -> tuple[float, float, float]:
     """Seconds a decode step, as ``ktc run`` measures it (after a short warm-up run, the bundle
     in the page cache), and of that its layers' and its lm_head's (ktc's decode step times them):
-    those of the median of ``runs`` decodes, one after another."""
+    those of the median of ``runs`` decodes, one after another. ``mapped=False``: the bundle read
+    into memory, as ``ktc run --no-mmap`` reads it."""
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
 
     in_page_cache(path)
     got = []
-    with from_bundle(path) as km:
+    with from_bundle(path, mapped=mapped) as km:
         generate(km, PROMPT[:4], max_new_tokens=4, sampling=Sampling(temperature=0), stop_at_eos=False)
         for _ in range(runs):
             km.fast.seconds[:] = 0
@@ -85,6 +86,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=48, help="generated tokens a decode")
     parser.add_argument("--runs", type=int, default=3, help="decodes a measurement (their median)")
+    parser.add_argument("--no-mmap", action="store_true",
+                        help="measure with the bundle read into memory (ktc run --no-mmap), as the calibration's "
+                             "probes lie in the process's own memory")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
     args = parser.parse_args()
@@ -121,7 +125,7 @@ def main() -> int:
                     with open_bundle(path) as bundle:
                         costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
                     if side == "before":
-                        seconds, layers, head = measure(path, args.new, args.runs)
+                        seconds, layers, head = measure(path, args.new, args.runs, mapped=not args.no_mmap)
                 cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in
                         zip(costs[0].items(), costs[1].values())}
                 rows[name].append((cost["ms_per_token"] / 1e3, seconds, {**cost, "measured_layers_ms": 1e3 * layers,
@@ -129,7 +133,8 @@ def main() -> int:
             print(f"round {r + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s; last calibration: a layer "
                   f"{hw.cpu_layer_seconds * 1e6:.0f} us, a token {hw.cpu_token_seconds * 1e6:.0f} us "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
-    print(f"\nmedians over {args.rounds} rounds, calibrated before and after each measurement:")
+    print(f"\nmedians over {args.rounds} rounds, calibrated before and after each measurement"
+          f"{' (ktc run --no-mmap)' if args.no_mmap else ''}:")
     worst = 0.0
     for name, got in rows.items():
         errors = [p / m - 1 for p, m, _ in got]
