@@ -313,10 +313,11 @@ def _read_only(view: np.ndarray) -> np.ndarray:
 
 def _read_into_memory(path: str, size: int) -> mmap.mmap:
     """The whole file at ``path`` in anonymous memory, in huge pages where Linux gives them
-    (``MADV_HUGEPAGE``, asked before the pages are touched). The one-token kernels read weights
-    there faster than through the file's map: on a 2-core Xeon VM a one-layer Qwen3-30B-A3B-shaped
-    Q4_0 model decoded at 6.4 against 7.4 ms a token, Mixtral-8x7B-shaped 10.0 against 11.2, and
-    in 4 KiB pages 6.8-7.0 and 10.5-10.8 (medians of three decodes, interleaved; docs/runtime.md)."""
+    (``MADV_HUGEPAGE``, asked before the pages are touched). A file's cached pages can read slower
+    than the same bytes there: on a 2-core Xeon VM a one-layer Qwen3-30B-A3B-shaped Q8_0 model's
+    ``lm_head`` read at 25.7 GB/s through the map and 30.1 from a copy, and its decode ran 1.24x
+    as fast read into memory, other one-layer models 0.99-1.06x in the same rounds (1.11-1.16x
+    in an earlier pair of runs: it depends on where the file's pages lie; docs/runtime.md)."""
     buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -337,8 +338,8 @@ def _read_into_memory(path: str, size: int) -> mmap.mmap:
 def open_bundle(path: str | os.PathLike[str], *, mapped: bool = True) -> Bundle:
     """Open and validate a bundle's header and manifest. Maps nothing until a tensor is read.
     ``mapped=False``: the first tensor read reads the whole file into memory instead of mapping
-    it (``ktc run --no-mmap``: faster kernels, see ``_read_into_memory``; the memory is the
-    process's own, not the page cache's)."""
+    it (``ktc run --no-mmap``: faster kernels where the map reads slowly, see
+    ``_read_into_memory``; the memory is the process's own, not the page cache's)."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)

@@ -475,14 +475,13 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     ``streaming`` record (``ktc.streaming``: its cache slots, and the offload from its
     threshold) on a device, and are off without one. ``mapped=False`` reads the whole bundle
     into the process's memory (huge pages where Linux gives them) instead of mapping it: the CPU
-    kernels read faster there (``formats.bundle.open_bundle``); refused for a plan that keeps
-    experts on disk (they are there because RAM cannot hold them).
+    kernels read faster there where the map reads slowly (``formats.bundle.open_bundle``);
+    refused for a plan that keeps experts on disk (they are there because RAM cannot hold them).
     """
     transformers = require_transformers()
     dev = check_device(device)
     bundle = open_bundle(path, mapped=mapped)
-    if not mapped and any(p.startswith("disk:") for row in ((bundle.manifest.get("plan") or {}).get("placement")
-                                                            or {}).values() for p in row):
+    if not mapped and _disk_tier(bundle):
         bundle.close()
         raise KtcError("this bundle's plan keeps experts on disk, where RAM cannot hold them; reading the whole "
                        "bundle into memory would need that RAM", path=os.fspath(path),
@@ -507,6 +506,12 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     return km
 
 
+def _disk_tier(bundle: Any) -> bool:
+    """Whether the bundle's plan keeps experts on disk (``disk:SCHEME`` placements)."""
+    placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
+    return any(p.startswith("disk:") for row in placement.values() for p in row)
+
+
 def _stream(km: KtcModel, prefetch: bool) -> None:
     """A disk-tier plan's pinning (its RAM experts) and the pre-gating prefetcher (``prefetch``,
     a plan with experts on disk, or the prefill offload, whose copies it starts a layer ahead)."""
@@ -517,7 +522,7 @@ def _stream(km: KtcModel, prefetch: bool) -> None:
         prefetch = True
     bundle = km.bundle
     placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
-    if any(p.startswith("disk:") for row in placement.values() for p in row):
+    if _disk_tier(bundle):
         in_ram = [r for layer, row in placement.items()
                   for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
         km.pinning = pin(bundle, in_ram)
