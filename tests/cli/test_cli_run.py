@@ -54,6 +54,9 @@ def test_json_reports_tokens_text_and_timings(bundle):
     again = json.loads(run(bundle, "-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0",
                            "--json").stdout)
     assert again["generated_tokens"] == out["generated_tokens"]  # greedy is deterministic
+    in_memory = json.loads(run(bundle, "-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0",
+                               "--json", "--no-mmap").stdout)
+    assert in_memory["generated_tokens"] == out["generated_tokens"]  # the bundle read into memory: the same
     seeded = [json.loads(run(bundle, "-p", "Decoding", "-n", "8", "--seed", "3", "--json").stdout)["generated_tokens"]
               for _ in range(2)]
     assert seeded[0] == seeded[1]
