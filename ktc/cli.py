@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from ktc import __version__
-from ktc.errors import KtcError, Terminated, hold_signal
+from ktc.errors import KtcError, Terminated, hold_signal, written_outputs
 from ktc.formats.schemes import SCHEMES
 
 EXIT_USER_ERROR = 2
@@ -55,6 +55,7 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        written_outputs(clear=True)
         with _sigterm_raises():
             try:
                 return func(*args, **kwargs)
@@ -65,7 +66,12 @@ def _handle_errors(func: Callable[..., Any]) -> Callable[..., Any]:
                                           "path": exc.path, "tensor": exc.tensor, "hint": exc.hint})
                 sys.exit(EXIT_USER_ERROR)
             except Terminated as exc:
-                click.echo("error: stopped by SIGTERM; nothing half-written was left behind", err=True)
+                done = written_outputs()
+                if done:  # stopped after its output was renamed into place: that output is whole
+                    click.echo(f"error: stopped by SIGTERM after {', '.join(done)} was written whole "
+                               "(ktc verify checks it); nothing half-written was left behind", err=True)
+                else:
+                    click.echo("error: stopped by SIGTERM; nothing half-written was left behind", err=True)
                 sys.exit(128 + exc.signum)
 
     return wrapper

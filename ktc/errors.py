@@ -70,6 +70,24 @@ class Terminated(BaseException):
         super().__init__(f"stopped by signal {signum}")
 
 
+# Outputs a command has put in place whole (renamed from their temporary file): a stop that
+# arrives after that leaves them, and says so.
+_written: list[str] = []
+
+
+def mark_written(path: str) -> None:
+    """``path`` is in place and complete: a SIGTERM from now on does not make it half-written."""
+    _written[:] = [*_written[-7:], path]  # a long-lived process compiling many keeps the last few
+
+
+def written_outputs(*, clear: bool = False) -> list[str]:
+    """The outputs ``mark_written`` recorded (and, with ``clear``, none from now on)."""
+    got = list(_written)
+    if clear:
+        _written.clear()
+    return got
+
+
 # A SIGTERM that arrives while the process starts worker processes is held until they have
 # started (``signals_held``): a child that is still being spawned when its parent exits reads a
 # closed pipe and prints a traceback, and one the parent does not know of yet is not stopped.

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ktc.errors import InternalError, KtcError, signals_held
+from ktc.errors import InternalError, KtcError, mark_written, signals_held
 from ktc.formats.bundle import HEADER_SIZE, PAGE, BundleHeader, align, manifest_json, new_block_hasher
 from ktc.formats.dequant import to_float32, to_float32_rows
 from ktc.formats.quantize import check_finite, convert, dequantize, quantize
@@ -317,6 +317,7 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
             except OSError as exc:
                 raise _os_error(exc, tmp) from None
         os.replace(tmp, out_path)
+        mark_written(out_path)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -171,6 +171,12 @@ def test_killed_parallel_compile_leaves_no_process_and_its_temporary_is_removed(
         if proc.returncode == 0:
             out.unlink()  # finished before the signal: start again
             continue
+        if b"was written whole" in err:  # stopped after the bundle was renamed into place: it is whole
+            assert signum == signal.SIGTERM and proc.returncode == 128 + signal.SIGTERM
+            assert subprocess.run(KTC + ["verify", str(out)], capture_output=True).returncode == 0
+            assert _temp_files(tmp_path) == []
+            out.unlink()
+            continue
         assert not out.exists()
         assert "Traceback" not in _without_spawn_cut_short(err.decode(), signum)
         if signum == signal.SIGTERM:
@@ -288,3 +294,28 @@ def test_sigterm_asked_again_is_not_sent_once_the_command_is_done():
         assert seen == []
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_stop_after_the_output_is_in_place_says_it_is_whole(capsys):
+    """A SIGTERM that lands after the bundle was renamed into place (while the passes' checks
+    read it, or the summary prints) stops the command, and says the bundle is whole; the next
+    command starts with nothing written."""
+    from ktc import cli
+    from ktc.errors import Terminated, mark_written
+
+    @cli._handle_errors
+    def finished_then_stopped() -> None:
+        mark_written("out.ktb")
+        raise Terminated(signal.SIGTERM)
+
+    @cli._handle_errors
+    def stopped() -> None:
+        raise Terminated(signal.SIGTERM)
+
+    for command, words in ((finished_then_stopped, "after out.ktb was written whole"),
+                           (stopped, "stopped by SIGTERM; nothing half-written")):
+        with pytest.raises(SystemExit) as stop:
+            command()
+        assert stop.value.code == 128 + signal.SIGTERM
+        err = capsys.readouterr().err
+        assert words in err and (command is finished_then_stopped or "written whole" not in err)
