@@ -32,6 +32,14 @@ _Q2_K, _Q3_K = KQUANT + kquants.KINDS["q2_k"], KQUANT + kquants.KINDS["q3_k"]
 # bundle's whole map, which these rows would read as 16-bit words.
 BF16 = KQUANT + len(kquants.KINDS)
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call
+# A token's down rows in spans of every expert (``rows_combined``) where an expert's span is
+# this long or longer, else an expert at a time (``rows_many``, then ``combined``). Measured in
+# decode steps here, down regions, medians of interleaved runs: at Qwen3-30B-A3B's shape (768-value
+# rows: spans of 27-52 KB) an expert at a time took Q4_0 289-302 against 340-365 us, Q8_0 452-466
+# against 566-573, Q4_K_M 406-413 against 459-487 (plus the sum's 5-6 us); at Mixtral-8x7B's
+# (14336-value rows: spans of 476-975 KB) Q4_0 2640-2750 against 2290-2460 us, MXFP4 and Q4_K_M
+# 3% slower, Q8_0 3% faster.
+SPAN_BYTES = 128 * 1024
 
 
 def kind(scheme: str, *, plain: bool = False) -> int | None:
@@ -139,9 +147,8 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
     """out[r] = sum over e of weights[e] * (row r of expert e's matrix times its vector e of
     ``act``, plus bias[e, r]): the down matrices of a token's experts and their weighted sum in
     one parallel region, a work item ``ROWS_PER_ITEM`` rows of every expert
-    (``vnni.work_item``), so each thread sums the rows it has just computed. Summed after the
-    region instead, on one thread, the experts' outputs came from both cores' caches and the sum
-    took 8-9 us of a Qwen3-30B-A3B-shaped decode layer's 1.5 ms here."""
+    (``vnni.work_item``), so each thread sums the rows it has just computed: for long rows
+    (``SPAN_BYTES``)."""
     n_rows = out.shape[0]
     chunks = (n_rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     y = np.empty(n_rows, np.float32)  # an expert's rows, each item writing and reading its own
@@ -167,6 +174,28 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
                         out[r] += w * y[r]
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def combined(y, weights, bias, has_bias):  # pragma: no cover - compiled
+    """sum over e of weights[e] * (y[e] + bias[e]): a token's experts' outputs y [k, hidden]
+    (plus their down biases) weighted and summed, the experts in order (as ``rows_combined``
+    sums them), on one thread after the down rows' region (``SPAN_BYTES``). Summed inside that
+    region by each thread for its share of the rows once every item was computed (an atomic
+    count of them): 12 us against these 5-6 (Qwen3-30B-A3B's shape); by the thread that computed
+    a span's last expert: the down region 320 against 290 us (the span's counter crossed between
+    the cores at every item)."""
+    k, hidden = y.shape
+    out = np.zeros(hidden, np.float32)
+    for e in range(k):
+        w = weights[e]
+        if has_bias:
+            for r in range(hidden):
+                out[r] += w * (y[e, r] + bias[e, r])
+        else:
+            for r in range(hidden):
+                out[r] += w * y[e, r]
+    return out
+
+
 @njit(cache=True, nogil=True)
 def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows, x, weights,
                   inter, clamped, limit, alpha, gu_bias, has_gu_bias, dn_bias, has_dn_bias,
@@ -174,9 +203,11 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
     """One token x through k experts (their gate/up and down matrices' kinds, byte offsets in
     file and bytes a row), weighted by ``weights`` and summed, in one compiled call: x quantized,
     every gate/up in one parallel region, the activation (``vnni.activate``), it quantized, every
-    down and their weighted sum in another (``rows_combined``). With ``stamps`` of 7 or more
+    down and their weighted sum (``rows_combined``, or for short rows every down in a region,
+    then ``combined``: ``SPAN_BYTES``). With ``stamps`` of 7 or more
     (``vnni.STAMPS``), the cycle counter at the start, after quantizing x, after the gate/up rows,
-    after the activation, after quantizing it, and after the down rows and their sum (twice)."""
+    after the activation, after quantizing it, after the down rows, and after their sum (the same
+    count where the sum is inside the down rows' region)."""
     k = gu_kinds.shape[0]
     hidden = x.shape[0]
     timed = stamps.shape[0] >= 7
@@ -195,11 +226,20 @@ def experts_token(file, f32, f16, e8m0, gu_kinds, gu_offsets, gu_rows, dn_kinds,
     act_a = activations(a, k, inter, dn_kinds)
     if timed:
         stamps[4] = vnni._cycles()
-    out = np.empty(hidden, np.float32)
-    rows_combined(file, f32, f16, e8m0, dn_kinds, dn_offsets, dn_rows, inter, act_a, weights, dn_bias, has_dn_bias,
-                  out)
-    if timed:  # the combination is inside the down rows' region
-        stamps[5] = stamps[6] = vnni._cycles()
+    if dn_rows.max() * ROWS_PER_ITEM >= SPAN_BYTES:  # long rows: each thread's span of every expert
+        out = np.empty(hidden, np.float32)
+        rows_combined(file, f32, f16, e8m0, dn_kinds, dn_offsets, dn_rows, inter, act_a, weights, dn_bias,
+                      has_dn_bias, out)
+        if timed:  # the combination is inside the down rows' region
+            stamps[5] = stamps[6] = vnni._cycles()
+        return out
+    y = np.empty((k, hidden), np.float32)  # short rows: an expert at a time, then their sum
+    rows_many(file, f32, f16, e8m0, dn_kinds, dn_offsets, dn_rows, inter, act_a, y)
+    if timed:
+        stamps[5] = vnni._cycles()
+    out = combined(y, weights, dn_bias, has_dn_bias)
+    if timed:
+        stamps[6] = vnni._cycles()
     return out
 
 

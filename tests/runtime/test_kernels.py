@@ -568,6 +568,29 @@ def test_experts_token_equals_experts_one_by_one(scheme, activation):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("scheme,inter", [("q8_0", 2048), ("q4_0", 4096), ("int8", 128)])
+def test_experts_token_long_down_rows_equal_experts_one_by_one(scheme, inter):
+    """Down rows long enough for spans of every expert (``rows.SPAN_BYTES``: their sum inside
+    the down region), and short ones (an expert at a time, then the sum), equal the weighted sum
+    of each expert's own forward."""
+    from ktc.formats.schemes import get_scheme
+    from ktc.runtime import rows
+    from ktc.runtime.kernels import experts_token
+
+    if scheme != "int8" and not vnni.HAVE_VNNI:
+        pytest.skip("the fused path of this scheme needs AVX-512 VNNI")
+    long_rows = get_scheme(scheme).matrix_bytes(1, inter) * rows.ROWS_PER_ITEM >= rows.SPAN_BYTES
+    assert long_rows == (inter > 128)
+    rng = np.random.default_rng(13)
+    k, hidden = 3, 64
+    experts, file, gate_up_offsets, down_offsets = _experts_file(rng, [(scheme, scheme)] * k, hidden, inter)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    weights = rng.uniform(0.1, 1, k).astype(np.float32)
+    got = experts_token(file, scheme, gate_up_offsets, down_offsets, hidden, inter, x, weights)
+    want = sum(weights[e] * expert_forward(gu, dn, scheme, x) for e, (gu, dn) in enumerate(experts))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="the pairs' one call needs AVX-512 VNNI")
 @pytest.mark.parametrize("scheme,activation", [("q4_0", "silu"), ("q4_k+q6_k", "silu"),
                                                (("q8_0", "q4_0", "mxfp4", "q4_k"), "swiglu_clamped")])
