@@ -303,10 +303,12 @@ def moe_parts_line(rows: list[dict[str, float]]) -> str:
         return "MoE block's parts: not stamped (its experts do not run as one compiled call)"
     got = {name: median([r[name] for r in rows]) for name in rows[0]}
     beside = median([1 - r["kernels"] / r["block"] for r in rows])
+    # long down rows are summed inside their region (rows.SPAN_BYTES), short ones after it
+    inside = " (inside the down rows' region)" if got["combine"] == 0 else ""
     return (f"MoE block {1e6 * got['block']:.0f} us: kernels {1e6 * got['kernels']:.0f}; beside them routing "
             f"{1e6 * got['routing']:.0f}, activations' quantization {1e6 * got['quantize']:.0f}, activation "
-            f"{1e6 * got['activation']:.0f}, combination {1e6 * got['combine']:.0f} us (0: inside the down rows' "
-            f"region): {100 * beside:.1f}% of the block (target under 5%; no worker-thread hand-off: every expert "
+            f"{1e6 * got['activation']:.0f}, combination {1e6 * got['combine']:.0f} us"
+            f"{inside}: {100 * beside:.1f}% of the block (target under 5%; no worker-thread hand-off: every expert "
             "on the CPU)")
 
 
