@@ -269,8 +269,8 @@ def main() -> int:
                 print(f"          kernels {1e3 * got['kernels']:.3f} ms; beside them routing "
                       f"{1e3 * got['routing']:.3f}, "
                       f"activation quantization {1e3 * got['quantize']:.3f}, activation function "
-                      f"{1e3 * got['activation']:.3f}, combination {1e3 * got['combine']:.3f} (0: inside the down rows' "
-                      f"region), the rest (checks, "
+                      f"{1e3 * got['activation']:.3f}, combination {1e3 * got['combine']:.3f}"
+                      f"{' (inside the down rows region)' if got['combine'] == 0 else ''}, the rest (checks, "
                       f"calls) {1e3 * got['rest']:.3f} ms; no worker-thread hand-off (every expert on the CPU): "
                       f"{100 * overhead:.1f}% of the layer (target under 5%)")
                 layer.close()
