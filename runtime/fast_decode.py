@@ -512,32 +512,81 @@ def _rope_into(q, k, v, cos, sin, keys, values, position):  # pragma: no cover -
             values[r, position, j] = v[r, j]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+_ATTEND_SPAN = 256  # cache positions a work item of _attend
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
 def _attend(q, keys, values, start, end, scaling):  # pragma: no cover - compiled
     # softmax(q K^T * scaling) V over cache positions start..end-1, each query head h with key
     # head h // (heads / kv heads), as transformers' repeat_kv pairs them; [heads * D].
+    #
+    # A work item is a key head's span of _ATTEND_SPAN positions for all the query heads that
+    # share it: each key and value row is read once for the group (a query head at a time read
+    # them once a head: at 4096 positions a key head's 4 MB of keys and values, eight times over,
+    # from L3), and the spans of one head run on both threads; each item keeps its span's
+    # largest score and sum, and the spans are combined after (the flash-decoding split). The
+    # spans are fixed by the positions, not the threads: the same result however the items are
+    # shared. Qwen3-30B-A3B's shape (32 query heads, 4 key heads, 128 values), two threads,
+    # from the caches: 96 positions 37.5 against 44.4 us, 1024 301 against 397, 4096 1175
+    # against 2917.
     heads, dim = q.shape
-    group = heads // keys.shape[0]
-    out = np.zeros((heads, values.shape[2]), np.float32)
-    for h in prange(heads):
-        g = h // group
-        scores = np.empty(end - start, np.float32)
-        top = -np.inf
-        for t in range(start, end):
-            s = np.float32(0.0)
-            for j in range(dim):
-                s += q[h, j] * keys[g, t, j]
-            s *= scaling
-            scores[t - start] = s
-            top = max(top, s)
-        total = np.float32(0.0)
-        for t in range(end - start):
-            scores[t] = np.exp(scores[t] - top)
-            total += scores[t]
-        for t in range(start, end):
-            w = scores[t - start] / total
-            for j in range(values.shape[2]):
-                out[h, j] += w * values[g, t, j]
+    kv = keys.shape[0]
+    group = heads // kv
+    dv = values.shape[2]
+    chunks = (end - start + _ATTEND_SPAN - 1) // _ATTEND_SPAN
+    items = kv * chunks
+    tops = np.empty((items, group), np.float32)
+    sums = np.empty((items, group), np.float32)
+    acc = np.zeros((items, group, dv), np.float32)
+    for it in prange(items):
+        g = it // chunks
+        t0 = start + (it - g * chunks) * _ATTEND_SPAN
+        t1 = min(end, t0 + _ATTEND_SPAN)
+        kg, vg = keys[g], values[g]
+        scores = np.empty((group, t1 - t0), np.float32)
+        for t in range(t0, t1):
+            kt = kg[t]
+            for i in range(group):
+                qi = q[g * group + i]
+                d = np.float32(0.0)
+                for j in range(dim):
+                    d += qi[j] * kt[j]
+                scores[i, t - t0] = d * scaling
+        for i in range(group):
+            row = scores[i]
+            top = row[0]
+            for u in range(1, t1 - t0):
+                top = max(top, row[u])
+            total = np.float32(0.0)
+            for u in range(t1 - t0):
+                e = np.exp(row[u] - top)
+                row[u] = e
+                total += e
+            tops[it, i] = top
+            sums[it, i] = total
+        a = acc[it]
+        for t in range(t0, t1):
+            vt = vg[t]
+            for i in range(group):
+                w = scores[i, t - t0]
+                ai = a[i]
+                for j in range(dv):
+                    ai[j] += w * vt[j]
+    out = np.zeros((heads, dv), np.float32)
+    for g in range(kv):
+        for i in range(group):
+            top = tops[g * chunks, i]
+            for c in range(1, chunks):
+                top = max(top, tops[g * chunks + c, i])
+            total = np.float32(0.0)
+            for c in range(chunks):
+                total += sums[g * chunks + c, i] * np.exp(tops[g * chunks + c, i] - top)
+            oh = out[g * group + i]
+            for c in range(chunks):
+                f = np.exp(tops[g * chunks + c, i] - top) / total
+                ac = acc[g * chunks + c, i]
+                for j in range(dv):
+                    oh[j] += f * ac[j]
     return out.reshape(-1)
 
 

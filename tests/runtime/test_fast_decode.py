@@ -213,3 +213,24 @@ def test_a_bundle_read_into_memory_runs_as_the_mapped_one(tmp_path):
             out += generate(km, _prompt(10), max_new_tokens=8, sampling=Sampling(temperature=0),
                             stop_at_eos=False).generated_tokens
     assert want[0] == want[1]
+
+
+@pytest.mark.parametrize("heads,kv_heads,start,end", [(8, 2, 0, 1), (8, 2, 0, 37), (4, 4, 3, 300), (6, 1, 10, 700)])
+def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end):
+    """A decode step's attention (``_attend``: a key head's spans of positions for the query
+    heads that share it, their softmaxes combined after) equals softmax(q K^T * scaling) V over
+    the cache positions start..end-1, query head h reading key head h // (heads / kv heads):
+    one span and several, a window that starts past 0, grouped, multi-head and one key head."""
+    rng = np.random.default_rng(end)
+    dim = 16
+    q = rng.standard_normal((heads, dim)).astype(np.float32)
+    keys = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
+    values = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
+    scaling = np.float32(dim ** -0.5)
+    got = fast_decode._attend(q, keys, values, start, end, scaling).reshape(heads, dim)
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        scores = keys[g, start:end].astype(np.float64) @ q[h] * scaling
+        weights = np.exp(scores - scores.max())
+        weights /= weights.sum()
+        np.testing.assert_allclose(got[h], weights @ values[g, start:end], rtol=1e-5, atol=1e-5)
