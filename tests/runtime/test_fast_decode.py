@@ -234,3 +234,17 @@ def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end):
         weights = np.exp(scores - scores.max())
         weights /= weights.sum()
         np.testing.assert_allclose(got[h], weights @ values[g, start:end], rtol=1e-5, atol=1e-5)
+
+
+def test_fast_steps_past_one_span_of_positions_equal_transformers_steps(tmp_path):
+    """Past two spans of the attention's positions (``_ATTEND_SPAN``), and with a sliding window
+    longer than a span (the spans then start at the window's first position): the spans'
+    softmaxes combined equal transformers' attention."""
+    span = fast_decode._ATTEND_SPAN
+    for overrides in ({}, {"use_sliding_window": True, "sliding_window": span + 37, "max_window_layers": 0}):
+        path = _bundle(tmp_path, "qwen3_moe", "f32", max_position_embeddings=4096, **overrides)
+        prompt, tokens = _prompt(2 * span + 20), _prompt(2 * span + 24)[2 * span + 20:]
+        with from_bundle(path) as km:
+            fast = _steps(km, prompt, tokens, fast=True)
+            slow = _steps(km, prompt, tokens, fast=False)
+        assert _relative(fast, slow) < 1e-5
