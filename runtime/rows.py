@@ -165,13 +165,7 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
                 out[r] = 0.0
             for e in range(kinds.shape[0]):
                 rows(kinds[e], flat, f32, f16, e8m0, offsets[e], row_bytes[e], first, last, cols, act, e, y)
-                w = weights[e]
-                if has_bias:
-                    for r in range(first, last):
-                        out[r] += w * (y[r] + bias[e, r])
-                else:
-                    for r in range(first, last):
-                        out[r] += w * y[r]
+                add_weighted(out, y, weights[e], bias[e if has_bias else 0], has_bias, first, last)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -186,14 +180,21 @@ def combined(y, weights, bias, has_bias):  # pragma: no cover - compiled
     k, hidden = y.shape
     out = np.zeros(hidden, np.float32)
     for e in range(k):
-        w = weights[e]
-        if has_bias:
-            for r in range(hidden):
-                out[r] += w * (y[e, r] + bias[e, r])
-        else:
-            for r in range(hidden):
-                out[r] += w * y[e, r]
+        add_weighted(out, y[e], weights[e], bias[e if has_bias else 0], has_bias, 0, hidden)
     return out
+
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def add_weighted(out, y, w, bias, has_bias, first, last):  # pragma: no cover - compiled
+    """out[r] += w * (y[r] + bias[r]) (without bias where not ``has_bias``) for r in
+    first..last: an expert's output rows weighted into a sum (``rows_combined``, ``combined``,
+    ``_into_tokens``), one loop each way so that both vectorize."""
+    if has_bias:
+        for r in range(first, last):
+            out[r] += w * (y[r] + bias[r])
+    else:
+        for r in range(first, last):
+            out[r] += w * y[r]
 
 
 @njit(cache=True, nogil=True)
@@ -272,15 +273,8 @@ def _into_tokens(y, experts, tokens, weights, dn_bias, has_dn_bias, n):  # pragm
     # that expert's down bias where present, weighted by weights[i] and added to its token's row
     out = np.zeros((n, y.shape[1]), np.float32)
     for i in range(y.shape[0]):
-        w = weights[i]
-        row = out[tokens[i]]
-        if has_dn_bias:
-            bias = dn_bias[experts[i]]
-            for r in range(y.shape[1]):
-                row[r] += w * (y[i, r] + bias[r])
-        else:
-            for r in range(y.shape[1]):
-                row[r] += w * y[i, r]
+        add_weighted(out[tokens[i]], y[i], weights[i], dn_bias[experts[i] if has_dn_bias else 0], has_dn_bias, 0,
+                     y.shape[1])
     return out
 
 
