@@ -123,7 +123,7 @@ class StepClock:
             setattr(owner, name, self._wrap(fn, part))
         self.per_cycle = 0.0
         if vnni.HAVE_VNNI:
-            vnni.STAMPS = np.zeros(9, dtype=np.int64)
+            vnni.STAMPS = np.zeros(vnni.STAMP_COUNT, dtype=np.int64)
             self.per_cycle = vnni.seconds_per_cycle()
 
     def _wrap(self, fn, part):  # type: ignore[no-untyped-def]

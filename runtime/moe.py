@@ -179,11 +179,11 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
                dn_bias, has_dn_bias, counts, x, stamps):  # pragma: no cover - compiled
     # One token through the layer: its router (softmax, top k), then rows' one call over the
     # chosen experts. Empty when x is not finite. Stamps 7 and 8 (vnni.STAMPS) bracket the
-    # routing.
+    # routing, 9 the end of the router's product.
     for j in range(x.shape[0]):
         if not np.isfinite(x[j]):
             return np.empty(0, dtype=np.float32)
-    timed = stamps.shape[0] == 9
+    timed = stamps.shape[0] == vnni.STAMP_COUNT
     if timed:
         stamps[7] = vnni._cycles()
     logits = np.empty(router.shape[0], dtype=np.float32)
@@ -191,6 +191,8 @@ def _moe_token(router, router_bias, has_router_bias, k, normalize, scaling, file
         _matvec_bf16(router, x, logits)
     else:
         _matvec_f32(router, x, logits)
+    if timed:
+        stamps[9] = vnni._cycles()
     if has_router_bias:
         logits += router_bias
     idx, weights = _softmax_top_k(logits, k, normalize)

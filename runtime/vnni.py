@@ -905,10 +905,12 @@ def _tables() -> tuple[np.ndarray, np.ndarray]:
     return _F16_TO_F32, _E8M0
 
 
-# Set to an int64 array of 9 (benchmarks/expert_kernels.py does) to have each compiled one-token call
-# stamp the cycle counter at its start, after quantizing x, after the gate/up kernel, after the
-# activation, after quantizing it, after the down kernel and at its end; the MoE layer's call
-# (``moe._moe_token``) stamps its routing's start and end too (7 and 8).
+# Set to an int64 array of STAMP_COUNT (benchmarks/expert_kernels.py does) to have each compiled
+# one-token call stamp the cycle counter at its start, after quantizing x, after the gate/up kernel,
+# after the activation, after quantizing it, after the down kernel and at its end; the MoE layer's
+# call (``moe._moe_token``) stamps its routing's start and end too (7 and 8), and the end of the
+# router's product (9).
+STAMP_COUNT = 10
 STAMPS: np.ndarray | None = None
 _NO_STAMPS = np.zeros(0, dtype=np.int64)
 
@@ -926,15 +928,16 @@ def seconds_per_cycle() -> float:
 def stamp_parts(stamps: np.ndarray, per_cycle: float) -> dict[str, float]:
     """Seconds of the parts of the last one-token expert call that filled ``stamps`` (STAMPS):
     the activations' quantization (x's and the activation's), the two kernels, the activation
-    function and the combination; with the MoE layer's stamps (7 and 8), its routing and the
-    whole block from the routing's start to the combination's end. Empty when nothing stamped."""
+    function and the combination; with the MoE layer's stamps (7 to 9), its routing, of that the
+    router's product, and the whole block from the routing's start to the combination's end.
+    Empty when nothing stamped."""
     if stamps.shape[0] < 7 or not stamps[0]:
         return {}
     s = (stamps - stamps[0]) * per_cycle
     parts = {"quantize": s[1] + s[4] - s[3], "kernels": s[2] - s[1] + s[5] - s[4], "activation": s[3] - s[2],
              "combine": s[6] - s[5]}
-    if stamps.shape[0] == 9 and stamps[7]:
-        parts |= {"routing": s[8] - s[7], "block": s[6] - s[7]}
+    if stamps.shape[0] == STAMP_COUNT and stamps[7]:
+        parts |= {"routing": s[8] - s[7], "router": s[9] - s[7], "block": s[6] - s[7]}
     return parts
 
 

@@ -151,6 +151,34 @@ def test_one_token_reads_a_bf16_router_as_bf16(tiny_models, tmp_path):
         moe.close()
 
 
+def test_one_token_call_stamps_its_parts_in_order(tiny_models, tmp_path):
+    """With ``vnni.STAMPS`` set, a decode step's one compiled MoE call stamps its parts in the
+    order they run (routing's start, the router's product, routing's end, the activations'
+    quantization, the kernels, the sum): the parts the benchmarks print are each >= 0, the
+    router's product within the routing, and the parts add up to the block."""
+    from ktc.runtime import vnni
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("the one-token call needs AVX-512 VNNI")
+    path = tmp_path / "m.ktb"
+    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme="q4_0")
+    with open_bundle(str(path)) as bundle:
+        moe = MoELayer(bundle, mf.FAMILIES["qwen3_moe"].moe_layers[-1])
+        vnni.STAMPS = np.zeros(vnni.STAMP_COUNT, dtype=np.int64)
+        try:
+            moe.forward(np.random.default_rng(4).standard_normal((1, mf.HIDDEN)).astype(np.float32))
+            stamps = vnni.STAMPS.copy()
+        finally:
+            vnni.STAMPS = None
+        moe.close()
+    order = stamps[[7, 9, 8, 0, 1, 2, 3, 4, 5, 6]]
+    assert (order > 0).all() and (np.diff(order) >= 0).all()
+    parts = vnni.stamp_parts(stamps, 1.0)
+    assert 0 <= parts["router"] <= parts["routing"] <= parts["block"]
+    beside = parts["routing"] + parts["quantize"] + parts["activation"] + parts["combine"]
+    assert parts["kernels"] + beside <= parts["block"]
+
+
 def fused_against_plain(moe: MoELayer, rng: np.random.Generator):  # type: ignore[no-untyped-def]
     """Three tokens through the layer's fused one-token path, each checked against the experts
     run one by one (per 32 values the fused kernels quantize activations as the one-token
