@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -128,18 +130,29 @@ def test_one_token_fused_path(family, scheme, hf_models, tiny_models, tmp_path):
         moe.close()
 
 
-def test_one_token_reads_a_bf16_router_as_bf16(tiny_models, tmp_path):
-    """A router whose values are all bf16 (as models publish them) goes to the one-token call as
-    bf16 bit patterns, half the bytes, with the routing and output of the f32 router's batched
-    path; one with a value bf16 cannot hold stays f32."""
+@contextlib.contextmanager
+def one_call_layer(tiny_models, tmp_path, scheme: str):  # type: ignore[no-untyped-def]
+    """The tiny Qwen3-MoE's last MoE layer with its experts compiled at ``scheme``, for the
+    one-token compiled call (the test skipped on a CPU without AVX-512 VNNI)."""
     from ktc.runtime import vnni
 
     if not vnni.HAVE_VNNI:
         pytest.skip("the one-token call needs AVX-512 VNNI")
     path = tmp_path / "m.ktb"
-    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme="q8_0")
+    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme=scheme)
     with open_bundle(str(path)) as bundle:
         moe = MoELayer(bundle, mf.FAMILIES["qwen3_moe"].moe_layers[-1])
+        try:
+            yield moe
+        finally:
+            moe.close()
+
+
+def test_one_token_reads_a_bf16_router_as_bf16(tiny_models, tmp_path):
+    """A router whose values are all bf16 (as models publish them) goes to the one-token call as
+    bf16 bit patterns, half the bytes, with the routing and output of the f32 router's batched
+    path; one with a value bf16 cannot hold stays f32."""
+    with one_call_layer(tiny_models, tmp_path, "q8_0") as moe:
         assert moe._one_call()[0].dtype == np.float32  # the tiny model's f32 initialisation
         bits = moe.router.view(np.uint32) & np.uint32(0xFFFF0000)
         moe.router = bits.view(np.float32)
@@ -148,7 +161,6 @@ def test_one_token_reads_a_bf16_router_as_bf16(tiny_models, tmp_path):
         np.testing.assert_array_equal((router.astype(np.uint32) << np.uint32(16)).view(np.float32), moe.router)
         for _ in fused_against_plain(moe, np.random.default_rng(2)):
             pass
-        moe.close()
 
 
 def test_one_token_call_stamps_its_parts_in_order(tiny_models, tmp_path):
@@ -158,19 +170,13 @@ def test_one_token_call_stamps_its_parts_in_order(tiny_models, tmp_path):
     router's product within the routing, and the parts add up to the block."""
     from ktc.runtime import vnni
 
-    if not vnni.HAVE_VNNI:
-        pytest.skip("the one-token call needs AVX-512 VNNI")
-    path = tmp_path / "m.ktb"
-    compile_bundle(tiny_models["qwen3_moe"]["safetensors"], str(path), cpu_scheme="q4_0")
-    with open_bundle(str(path)) as bundle:
-        moe = MoELayer(bundle, mf.FAMILIES["qwen3_moe"].moe_layers[-1])
+    with one_call_layer(tiny_models, tmp_path, "q4_0") as moe:
         vnni.STAMPS = np.zeros(vnni.STAMP_COUNT, dtype=np.int64)
         try:
             moe.forward(np.random.default_rng(4).standard_normal((1, mf.HIDDEN)).astype(np.float32))
             stamps = vnni.STAMPS.copy()
         finally:
             vnni.STAMPS = None
-        moe.close()
     order = stamps[[7, 9, 8, 0, 1, 2, 3, 4, 5, 6]]
     assert (order > 0).all() and (np.diff(order) >= 0).all()
     parts = vnni.stamp_parts(stamps, 1.0)
