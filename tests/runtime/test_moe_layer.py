@@ -167,7 +167,8 @@ def test_one_token_call_stamps_its_parts_in_order(tiny_models, tmp_path):
     """With ``vnni.STAMPS`` set, a decode step's one compiled MoE call stamps its parts in the
     order they run (routing's start, the router's product, routing's end, the activations'
     quantization, the kernels, the sum): the parts the benchmarks print are each >= 0, the
-    router's product within the routing, and the parts add up to the block."""
+    router's product within the routing, and the parts together no longer than the block (the
+    counting and the tables' copies between the routing and the experts' call are in no part)."""
     from ktc.runtime import vnni
 
     with one_call_layer(tiny_models, tmp_path, "q4_0") as moe:
