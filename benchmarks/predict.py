@@ -55,12 +55,9 @@ def in_page_cache(path: str) -> None:
     row of a token not seen since the bundle was written took 0.5 ms here, an expert a few ms),
     and the measurement should find the file's pages as a first run after reading it does. Its
     cached pages (those no process maps) are dropped first: the rate of reading a file through a
-    map follows where the page cache put its pages, which the calibration's probes (in the
-    process's own memory) do not see. Measured on the 2-core Intel VM, a plain 2-thread sum over
-    the map: a one-layer Qwen3 Q8_0 bundle 19.5-20.6 GB/s after its pages came in as random
-    4 KiB reads, 27-33 after a read in order; a Q4_0 bundle faulted in as random 1 MB pieces 27
-    GB/s, and 17 when its map asked for huge pages (2 MB folios, mapped whole): not the pages'
-    size, then, but where they lie (a virtual machine's memory)."""
+    map follows where the page cache put its pages (19.5-20.6 against 27-33 GB/s here, measured
+    in docs/runtime.md), which the calibration's probes, in the process's own memory, do not
+    see."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
