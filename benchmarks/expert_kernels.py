@@ -3,12 +3,13 @@ interleaved rounds, each round measuring the bandwidth first).
 
 1. One token through one expert at Mixtral-8x7B's shape (hidden 4096, expert 14336), per scheme:
    weight bytes read per second as a fraction of the roofline (targets: int8 and q8_0 75%,
-   int4, q4_0, mxfp4 and the K-quants q4_k, q5_k, q6_k and iq4_xs 60%; iq4_xs, which ktc does
-   not quantize to, from random blocks: its speed does not depend on the values).
+   int4, q4_0, mxfp4 and the K-quants q4_k, q5_k, q6_k and iq4_xs 60%; fp8_e4m3 without one;
+   iq4_xs, which ktc does not quantize to, from random blocks: its speed does not depend on the
+   values).
 2. A whole MoE layer at Qwen3-30B-A3B's shape (hidden 2048, expert 768, 8 of 128 experts), int8,
-   q8_0, q4_0 and q4_k, routing and dispatch included (target 60%), with the time beside the kernels
-   (routing, activation quantization and function, combination, the rest) timed separately
-   (target: under 5% of the layer).
+   q8_0, q4_0 and q4_k (and fp8_e4m3, without one), routing and dispatch included (target 60%),
+   with the time beside the kernels (routing, activation quantization and function,
+   combination, the rest) timed separately (target: under 5% of the layer).
 3. 64 and 256 tokens through one expert against torch bf16 ``F.linear`` on the same weights
    dequantized (int8, q8_0, q4_0, mxfp4, iq4_nl, q4_k, q5_k, q6_k, iq4_xs; iq4_nl and iq4_xs from random blocks;
    target: at least 1.5x torch's throughput), with
@@ -174,8 +175,9 @@ def main() -> int:
     w_gate_up = (rng.standard_normal((2 * inter, hidden), dtype=np.float32) * 0.02)
     w_down = (rng.standard_normal((hidden, inter), dtype=np.float32) * 0.02)
     x = rng.standard_normal(hidden).astype(np.float32)
-    targets = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60,
-               "q4_k": 0.60, "q5_k": 0.60, "q6_k": 0.60, "iq4_xs": 0.60}
+    targets: dict[str, float | None] = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60,
+                                        "q4_k": 0.60, "q5_k": 0.60, "q6_k": 0.60, "iq4_xs": 0.60,
+                                        "fp8_e4m3": None}  # DeepSeek-V3's FP8 passed through: no target set
 
     def stored(w: np.ndarray, scheme: str) -> np.ndarray:
         from ktc.formats.schemes import get_scheme
@@ -208,11 +210,11 @@ def main() -> int:
             fraction = median([r[0] for r in rows[scheme]])
             seconds = median([r[1] for r in rows[scheme]])
             bandwidth = median([r[2] for r in rows[scheme]])
-            met &= fraction >= target
+            met &= target is None or fraction >= target
             rate = (gate_up.nbytes + down.nbytes) / seconds
             print(f"   {scheme:<10} {1e3 * seconds:7.2f} ms, {rate / 1e9:5.1f} GB/s; "
-                  f"{100 * fraction:3.0f}% of its round's bandwidth (median {bandwidth / 1e9:.1f} GB/s; target "
-                  f"{100 * target:.0f}%)")
+                  f"{100 * fraction:3.0f}% of its round's bandwidth (median {bandwidth / 1e9:.1f} GB/s; "
+                  + ("no target)" if target is None else f"target {100 * target:.0f}%)"))
         del experts
 
     if "2" in sections:
@@ -227,7 +229,7 @@ def main() -> int:
                   "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 1,
                   "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
                   "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 1024}
-        layer_schemes = ("int8", "q8_0", "q4_0", "q4_k")
+        layer_schemes = ("int8", "q8_0", "q4_0", "q4_k", "fp8_e4m3")  # fp8_e4m3: no target set
         with tempfile.TemporaryDirectory() as tmp:
             write_sparse_checkpoint(config, os.path.join(tmp, "src"), dtype="F32")
             layers = {}
@@ -262,10 +264,11 @@ def main() -> int:
                 got = {part: median([r[part] for r in results[scheme]]) for part in results[scheme][0]}
                 fraction = median([read / r["total"] / r["bandwidth"] for r in results[scheme]])
                 overhead = median([1 - r["kernels"] / r["total"] for r in results[scheme]])
-                met &= fraction >= 0.60 and overhead < 0.05
+                targeted = scheme != "fp8_e4m3"
+                met &= not targeted or (fraction >= 0.60 and overhead < 0.05)
                 print(f"   {scheme:<6} {1e3 * got['total']:6.3f} ms per token, {read / got['total'] / 1e9:5.1f} GB/s; "
                       f"{100 * fraction:3.0f}% of its round's bandwidth (median {got['bandwidth'] / 1e9:.1f} GB/s; "
-                      "target 60%)")
+                      + ("target 60%)" if targeted else "no target)"))
                 print(f"          kernels {1e3 * got['kernels']:.3f} ms; beside them routing "
                       f"{1e3 * got['routing']:.3f}, "
                       f"activation quantization {1e3 * got['quantize']:.3f}, activation function "

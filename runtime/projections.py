@@ -55,7 +55,7 @@ class Projections:
     @classmethod
     def of(cls, linears: Sequence[Any]) -> Projections | None:
         """The set, or None where one call cannot take them: no VNNI, a scheme outside the block
-        kinds, the K-quants and bf16, inputs of different lengths, rows not C-contiguous uint8 (or,
+        kinds, the K-quants, fp8_e4m3 and bf16, inputs of different lengths, rows not C-contiguous uint8 (or,
         bf16's, uint16) arrays, biases, more than ``STACK`` matrices."""
         if not vnni.HAVE_VNNI or not linears or len(linears) > STACK:
             return None
@@ -67,7 +67,8 @@ class Projections:
         if any(not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or not r.flags.c_contiguous
                for r in raws):
             return None
-        if cols % 32 or (any(rows.KQUANT <= k < rows.BF16 for k in kinds) and cols % 256):  # type: ignore[operator]
+        if cols % 32 or (any(rows.KQUANT <= k < rows.BF16 for k in kinds) and cols % 256) or (  # type: ignore[operator]
+                rows.FP8 in kinds and cols % 128):
             return None
         if any(k == 0 and r.size % 4 for k, r in zip(kinds, raws)):
             return None

@@ -31,6 +31,11 @@ _Q2_K, _Q3_K = KQUANT + kquants.KINDS["q2_k"], KQUANT + kquants.KINDS["q3_k"]
 # default. Projections only (``kind(..., plain=True)``): an expert's rows are read through the
 # bundle's whole map, which these rows would read as 16-bit words.
 BF16 = KQUANT + len(kquants.KINDS)
+# fp8_e4m3 rows (blocks of 128 codes after a float32 scale) read as they are by ``vnni.fp8_rows``
+# times the float32 activations: DeepSeek-V3's and Kimi-K2's FP8 experts and projections passed
+# through (before, an expert at a time, its codes looked up in a table one by one: a tenth of
+# the read bandwidth).
+FP8 = BF16 + 1
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call
 # A token's down rows in spans of every expert (``rows_combined``) where an expert's span is
 # this long or longer, else an expert at a time (``rows_many``, then ``combined``). Measured in
@@ -51,6 +56,8 @@ def kind(scheme: str, *, plain: bool = False) -> int | None:
         return KQUANT + kquants.KINDS[scheme]
     if plain and scheme == "bf16":
         return BF16
+    if scheme == "fp8_e4m3":
+        return FP8
     return None
 
 
@@ -108,6 +115,9 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
     if code < KQUANT:
         vnni._block_rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, quads[v] if code >= 2 else xq[v],
                          dx[v], sums[v], lanes[v], out)
+        return
+    if code == FP8:
+        vnni.fp8_rows(flat, base + first * row_bytes, row_bytes, last - first, cols // 128, xs[v], out, first)
         return
     if code == BF16:  # 16-bit words from an even byte (a projection's own matrix: base 0)
         words = flat.view(np.uint16)

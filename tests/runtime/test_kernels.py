@@ -18,7 +18,7 @@ from ktc.formats.quantize import dequantize, quantize
 from ktc.runtime import vnni
 from ktc.runtime.kernels import expert_forward, expert_forward_batch, matvec
 
-SCHEMES = ["f32", "bf16", "f16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128"]
+SCHEMES = ["f32", "bf16", "f16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128", "fp8_e4m3"]
 SHAPES = [(8, 128), (40, 256), (3, 384)]
 
 
@@ -44,6 +44,33 @@ def test_matvec_matches_numpy(scheme, shape, seed):
     got = matvec(stored(raw, scheme, cols), scheme, x)
     tolerance = one_token_tolerance(scheme)
     np.testing.assert_allclose(got, reference, rtol=tolerance, atol=tolerance * np.abs(reference).max())
+
+
+def test_fp8_rows_read_every_code_exactly():
+    """fp8_e4m3's one-token kernel (``vnni.fp8_rows``: each code made a float32 from its bits, not
+    looked up) gives every finite code's value times its block's scale exactly, subnormals and
+    negative zero included, read one column at a time; and a row's sum over several blocks as
+    float64 does within float32's rounding."""
+    from ktc.formats.codec_fp8 import pack
+    from ktc.formats.dequant import FP8_E4M3_VALUES
+
+    codes = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # the NaN codes (ktc's import refuses or replaces them)
+    scales = np.array([[0.75], [3.0e-3]], dtype=np.float32)
+    raw = pack(codes, scales)
+    want = FP8_E4M3_VALUES[codes].astype(np.float32) * scales
+    for j in range(128):
+        x = np.zeros(128, np.float32)
+        x[j] = 1.0
+        np.testing.assert_array_equal(matvec(raw, "fp8_e4m3", x), want[:, j])
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 256, (5, 640), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    scales = rng.uniform(1e-3, 2, (5, 5)).astype(np.float32)
+    x = rng.standard_normal(640).astype(np.float32)
+    want = (FP8_E4M3_VALUES[codes].reshape(5, 5, 128) * scales[:, :, None]).reshape(5, 640).astype(np.float64) @ x
+    np.testing.assert_allclose(matvec(pack(codes, scales), "fp8_e4m3", x), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
 
 
 VNNI_SCHEMES = ("int4_g32", "int4_g64", "int4_g128", "q4_0", "mxfp4", "q8_0", "int8")
@@ -537,7 +564,7 @@ def _experts_file(rng, parts, hidden, inter):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "q4_k", "q5_k", "q4_k+q6_k",
-                                    ("q4_0", "q4_k+q6_k", "q8_0")])
+                                    ("q4_0", "q4_k+q6_k", "q8_0"), "fp8_e4m3", ("fp8_e4m3", "q4_0", "q4_k+q6_k")])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
 def test_experts_token_equals_experts_one_by_one(scheme, activation):
     """One token through k experts of a layer at once (the fused decode path: int8's float
