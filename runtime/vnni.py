@@ -123,6 +123,96 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
 _group16, _group32, _group64 = _group_intrinsic(16), _group_intrinsic(32), _group_intrinsic(64)
 
 
+def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
+    """``row(flat, base, groups, xq, dx, xsum, words, params) -> float32``: a whole row of int4
+    in groups of 2 * nbytes values (codes at byte ``base`` of flat, nbytes a group, value k in
+    byte k's low nibble and value nbytes + k in its high one; bf16 scales at words[params + g],
+    minimums at words[params + groups + g]) times x quantized per group (xq, dx, xsum): the sum
+    over groups of scale * dx * (codes . xq) + minimum * xsum. The sums stay in registers over
+    the row, two of each (every other group's), so that a group's additions do not wait on the
+    last one's (the group intrinsics kept them in memory between calls: a chain of a load, an
+    add and a store for every 16 to 64 bytes of codes), and the row is asked for
+    ``_PREFETCH_BYTES`` ahead."""
+    from llvmlite import ir
+
+    lanes = nbytes // 4
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    bytes_t, words_t, floats_t = ir.VectorType(i8, nbytes), ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+    name = {16: "llvm.x86.avx512.vpdpbusd.128", 32: "llvm.x86.avx512.vpdpbusd.256",
+            64: "llvm.x86.avx512.vpdpbusd.512"}[nbytes]
+
+    @intrinsic
+    def row(typingctx, flat, base, groups, xq, dx, xsum, words, params):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, xq_a, dx_a, xsum_a, words_a = _arrays(context, builder, signature, args, (0, 3, 4, 5, 6))
+            base_v, groups_v, params_v = _indices(context, builder, signature, args, (1, 2, 7))
+            index_t = base_v.type
+            dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats_t, [floats_t] * 3),
+                                                 f"llvm.fma.v{lanes}f32")
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def load(array, index, t, align=1):  # type: ignore[no-untyped-def]
+                return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=align)
+
+            def bf16(index):  # type: ignore[no-untyped-def]
+                wide = builder.shl(builder.zext(load(words_a, index, i16, 2), i32), ir.Constant(i32, 16))
+                return builder.bitcast(wide, f32)
+
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(floats_t, [0.0] * lanes)) for _ in range(2)]
+            minimums = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(2)]
+
+            def group(g, acc_p, minimum):  # type: ignore[no-untyped-def]
+                at = builder.add(base_v, builder.mul(g, const(nbytes)))
+                ahead = builder.gep(flat_a.data, [builder.add(at, const(_PREFETCH_BYTES))])
+                builder.call(prefetch, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+                packed = load(flat_a, at, bytes_t)
+                low = builder.and_(packed, ir.Constant(bytes_t, [15] * nbytes))
+                high = builder.lshr(packed, ir.Constant(bytes_t, [4] * nbytes))
+                xat = builder.mul(g, const(2 * nbytes))
+                dot = ir.Constant(words_t, [0] * lanes)
+                for codes, xbase in ((low, xat), (high, builder.add(xat, const(nbytes)))):
+                    dot = builder.call(dot_fn, [dot, builder.bitcast(codes, words_t),
+                                                builder.bitcast(load(xq_a, xbase, bytes_t), words_t)])
+                s = builder.fmul(bf16(builder.add(params_v, g)), load(dx_a, g, f32, 4))
+                one = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s, ir.Constant(i32, 0))
+                scale = builder.shuffle_vector(one, one, ir.Constant(words_t, [0] * lanes))
+                builder.store(builder.call(fma, [builder.sitofp(dot, floats_t), scale, builder.load(acc_p)]), acc_p)
+                m = builder.fmul(bf16(builder.add(builder.add(params_v, groups_v), g)), load(xsum_a, g, f32, 4))
+                builder.store(builder.fadd(builder.load(minimum), m), minimum)
+
+            pairs = builder.udiv(groups_v, const(2))
+            with cgutils.for_range(builder, pairs) as loop:
+                first = builder.mul(loop.index, const(2))
+                group(first, accs[0], minimums[0])
+                group(builder.add(first, const(1)), accs[1], minimums[1])
+            with cgutils.for_range(builder, builder.sub(groups_v, builder.mul(pairs, const(2)))) as loop:
+                group(builder.add(builder.mul(pairs, const(2)), loop.index), accs[0], minimums[0])
+            total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            return builder.fadd(_reduce_lanes(builder, total, builder.fadd),
+                                builder.fadd(builder.load(minimums[0]), builder.load(minimums[1])))
+
+        return types.float32(flat, base, groups, xq, dx, xsum, words, params), codegen
+
+    return row
+
+
+_int4_row16, _int4_row32, _int4_row64 = _int4_row_intrinsic(16), _int4_row_intrinsic(32), _int4_row_intrinsic(64)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _int4_row(half, flat, base, groups, xq, dx, xsum, words, params):  # pragma: no cover - compiled
+    if half == 64:
+        return _int4_row64(flat, base, groups, xq, dx, xsum, words, params)
+    if half == 32:
+        return _int4_row32(flat, base, groups, xq, dx, xsum, words, params)
+    return _int4_row16(flat, base, groups, xq, dx, xsum, words, params)
+
+
 def _signed_bytes_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
     """``bytes_dot(acc, codes, cbase, xq, xbase, s)``: lane by lane, acc += s * sum of
     (codes[cbase + k] + 128) * xq[xbase + k] for k < nbytes, where the codes are int8 weights:
@@ -686,16 +776,9 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
     groups = cols // group
     half = group // 2
     for chunk in prange((rows + 63) // 64):
-        acc = np.zeros(16, np.float32)
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
             base = r * row_bytes
-            params = (base + cols // 2) // 2
-            minimum = np.float32(0.0)
-            for g in range(groups):
-                minimum += bf16_value(words[params + groups + g]) * xsum[g]
-                _group(half, acc, flat, base + g * half, xq, g * group, bf16_value(words[params + g]) * dx[g])
-            out[r] = acc.sum() + minimum
+            out[r] = _int4_row(half, flat, base, groups, xq, dx, xsum, words, (base + cols // 2) // 2)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -725,17 +808,10 @@ def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pr
         e = item // chunks
         chunk = item - e * chunks
         v = 0 if shared else e
-        xe = xq[v]
-        acc = np.zeros(16, np.float32)
+        xe, dxe, xsume = xq[v], dx[v], xsum[v]
         for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            acc[:] = 0
             base = offsets[e] + r * row_bytes
-            params = (base + cols // 2) // 2
-            minimum = np.float32(0.0)
-            for g in range(groups):
-                minimum += bf16_value(words[params + groups + g]) * xsum[v, g]
-                _group(half, acc, flat, base + g * half, xe, g * group, bf16_value(words[params + g]) * dx[v, g])
-            out[e, r] = acc.sum() + minimum
+            out[e, r] = _int4_row(half, flat, base, groups, xe, dxe, xsume, words, (base + cols // 2) // 2)
 
 
 @njit(cache=True, nogil=True, inline="always")  # inlined into the parallel kernels that call it
