@@ -27,7 +27,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ktc.formats.dequant import FP8_E4M3_VALUES
-from ktc.formats.float_bits import bf16_value
 from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import get_scheme
 
@@ -120,7 +119,7 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
     return _dot_intrinsic(nbytes, nibbles)
 
 
-_group16, _group32, _group64 = _group_intrinsic(16), _group_intrinsic(32), _group_intrinsic(64)
+_group16 = _group_intrinsic(16)  # q4_0's blocks past a row's whole steps
 
 
 def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
@@ -755,16 +754,6 @@ def work_item(counters, t, threads, total):  # pragma: no cover - compiled
 def cycles():  # pragma: no cover - compiled
     """The cycle counter, from Python (to scale ``STAMPS`` to seconds)."""
     return _cycles()
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _group(half, acc, flat, cbase, xq, xbase, s):  # pragma: no cover - compiled
-    if half == 64:
-        _group64(acc, flat, cbase, xq, xbase, s)
-    elif half == 32:
-        _group32(acc, flat, cbase, xq, xbase, s)
-    else:
-        _group16(acc, flat, cbase, xq, xbase, s)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)

@@ -46,6 +46,12 @@ def evicted(path: str) -> None:
         os.close(fd)
 
 
+# What the kernel's read-ahead for MADV_WILLNEED must have brought in. It is best effort: in a
+# whole test run here one page of 245 was still out after 5 s (0.996), alone every page is in.
+# Without the prefetcher none is.
+PAGED_IN = 0.99
+
+
 def wait_resident(bundle, ranges, seconds: float = 5.0) -> float:  # type: ignore[no-untyped-def]
     """The resident share once it reaches 1, or when ``seconds`` have passed (the reads that
     MADV_WILLNEED starts run in the background)."""
@@ -66,7 +72,7 @@ def test_page_in_makes_evicted_experts_resident(bundle_path):
             pytest.skip("this file system keeps the file's pages after POSIX_FADV_DONTNEED")
         others = expert_ranges(bundle, 1, [3])
         assert page_in(bundle, ranges) >= sum(n for _, n in ranges)
-        assert wait_resident(bundle, ranges) == 1.0
+        assert wait_resident(bundle, ranges) >= PAGED_IN
         assert resident_share(bundle, others) == 0.0  # only what was asked for
 
 
@@ -96,7 +102,7 @@ def test_prefetch_pages_in_the_next_layers_guessed_experts_before_it_runs(bundle
         assert [layer for layer, _ in prefetcher.guesses] == [1]
         np.testing.assert_array_equal(prefetcher.guesses[0][1], guess)
         assert prefetcher.asked >= sum(n for _, n in ranges)
-        assert wait_resident(bundle, ranges) == 1.0
+        assert wait_resident(bundle, ranges) >= PAGED_IN
         # scored against what layer 1 then uses: one of its two experts was guessed
         assert prefetcher.accuracy is None  # layer 1 has not run
         outside = [e for e in range(8) if e not in guess]
