@@ -123,8 +123,9 @@ class KernelClock:
     """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the compiled
     one-token expert calls, which include the activations' quantization and the activation
     function, the GEMMs and decoders of the batched paths, the embedding row decode, the fast
-    decode step's compiled layer calls with the few lines of Python around each, and its MoE
-    call where the layer is not one call) and in torch's attention, accumulated by wrapping
+    decode step's compiled layer calls, or its one call of every layer, with the few lines of
+    Python around each, and its MoE call where the layer is not one call) and in torch's
+    attention, accumulated by wrapping
     those functions where the runtime looks them up from Python (never a function that compiled
     code calls: Numba could not compile a caller against the wrapper). ktc's own Python around
     them (dispatching experts, the activation between gate/up and down where it is not compiled,
@@ -192,6 +193,8 @@ class KernelClock:
             return (timed_layer if layer.compiled is not None else layer_step)(layer, *args)
 
         fast_decode.FastDecode._layer_step = staticmethod(fast_layer)
+        # the whole stack in one compiled call, where every layer takes it (FastDecode._every_layer)
+        fast_decode.FastDecode._layers_step = self.wrap(fast_decode.FastDecode._layers_step)
         ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = self.wrap(sdpa_attention_forward)
 
 
