@@ -131,7 +131,10 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
     the row, two of each (every other group's), so that a group's additions do not wait on the
     last one's (the group intrinsics kept them in memory between calls: a chain of a load, an
     add and a store for every 16 to 64 bytes of codes), and the row is asked for
-    ``_PREFETCH_BYTES`` ahead."""
+    ``_PREFETCH_BYTES`` ahead. For g32 and g64 sixteen groups' scales and minimums are read and
+    multiplied as vectors (one token through a Mixtral-8x7B-shaped expert, three interleaved
+    pairs of runs: g64 67-69% of the read bandwidth against 52-53% a group at a time, g32 53-54%
+    against 46-48%; g128 the same either way, so a group at a time)."""
     from llvmlite import ir
 
     lanes = nbytes // 4
@@ -163,9 +166,9 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
                 return builder.bitcast(wide, f32)
 
             accs = [cgutils.alloca_once_value(builder, ir.Constant(floats_t, [0.0] * lanes)) for _ in range(2)]
-            minimums = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(2)]
+            minimums = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))]
 
-            def group(g, acc_p, minimum):  # type: ignore[no-untyped-def]
+            def group(g, acc_p, minimum, s=None):  # type: ignore[no-untyped-def]
                 at = builder.add(base_v, builder.mul(g, const(nbytes)))
                 ahead = builder.gep(flat_a.data, [builder.add(at, const(_PREFETCH_BYTES))])
                 builder.call(prefetch, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
@@ -177,23 +180,39 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
                 for codes, xbase in ((low, xat), (high, builder.add(xat, const(nbytes)))):
                     dot = builder.call(dot_fn, [dot, builder.bitcast(codes, words_t),
                                                 builder.bitcast(load(xq_a, xbase, bytes_t), words_t)])
-                s = builder.fmul(bf16(builder.add(params_v, g)), load(dx_a, g, f32, 4))
+                if s is None:  # a group past the row's whole sixteens: its scale and minimum alone
+                    s = builder.fmul(bf16(builder.add(params_v, g)), load(dx_a, g, f32, 4))
+                    m = builder.fmul(bf16(builder.add(builder.add(params_v, groups_v), g)), load(xsum_a, g, f32, 4))
+                    builder.store(builder.fadd(builder.load(minimum), m), minimum)
                 one = builder.insert_element(ir.Constant(floats_t, ir.Undefined), s, ir.Constant(i32, 0))
                 scale = builder.shuffle_vector(one, one, ir.Constant(words_t, [0] * lanes))
                 builder.store(builder.call(fma, [builder.sitofp(dot, floats_t), scale, builder.load(acc_p)]), acc_p)
-                m = builder.fmul(bf16(builder.add(builder.add(params_v, groups_v), g)), load(xsum_a, g, f32, 4))
-                builder.store(builder.fadd(builder.load(minimum), m), minimum)
 
-            pairs = builder.udiv(groups_v, const(2))
-            with cgutils.for_range(builder, pairs) as loop:
-                first = builder.mul(loop.index, const(2))
-                group(first, accs[0], minimums[0])
-                group(builder.add(first, const(1)), accs[1], minimums[1])
-            with cgutils.for_range(builder, builder.sub(groups_v, builder.mul(pairs, const(2)))) as loop:
-                group(builder.add(builder.mul(pairs, const(2)), loop.index), accs[0], minimums[0])
+            sixteen_f, sixteen_w = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+
+            def bf16_16(index):  # type: ignore[no-untyped-def]
+                wide = builder.zext(load(words_a, index, ir.VectorType(i16, 16), 2), sixteen_w)
+                return builder.bitcast(builder.shl(wide, ir.Constant(sixteen_w, [16] * 16)), sixteen_f)
+
+            # g32 and g64: sixteen groups at a time, their scales times dx and their minimums times
+            # xsum in vectors (a group at a time, its scalar steps were as many as its vector ones
+            # at g32). g128 a group at a time: the sixteens read no faster there.
+            mins16 = cgutils.alloca_once_value(builder, ir.Constant(sixteen_f, [0.0] * 16))
+            whole = builder.udiv(groups_v, const(16 if nbytes < 64 else 1 << 30))  # g128: a group at a time
+            with cgutils.for_range(builder, whole) as loop:
+                g0 = builder.mul(loop.index, const(16))
+                scales = builder.fmul(bf16_16(builder.add(params_v, g0)), load(dx_a, g0, sixteen_f, 4))
+                mins = builder.fmul(bf16_16(builder.add(builder.add(params_v, groups_v), g0)),
+                                    load(xsum_a, g0, sixteen_f, 4))
+                builder.store(builder.fadd(builder.load(mins16), mins), mins16)
+                for j in range(16):
+                    group(builder.add(g0, const(j)), accs[j % 2], None,
+                          builder.extract_element(scales, ir.Constant(i32, j)))
+            with cgutils.for_range(builder, builder.sub(groups_v, builder.mul(whole, const(16)))) as loop:
+                group(builder.add(builder.mul(whole, const(16)), loop.index), accs[0], minimums[0])
             total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            return builder.fadd(_reduce_lanes(builder, total, builder.fadd),
-                                builder.fadd(builder.load(minimums[0]), builder.load(minimums[1])))
+            rest = builder.fadd(_reduce_lanes(builder, builder.load(mins16), builder.fadd), builder.load(minimums[0]))
+            return builder.fadd(_reduce_lanes(builder, total, builder.fadd), rest)
 
         return types.float32(flat, base, groups, xq, dx, xsum, words, params), codegen
 

@@ -85,10 +85,12 @@ def one_token_tolerance(scheme: str) -> float:
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("shape", [(9, 256), (64, 1024), (3, 384), (5, 352), (4, 320), (2, 64)])
+@pytest.mark.parametrize("shape", [(9, 256), (64, 1024), (3, 384), (5, 352), (4, 320), (2, 64), (5, 1216)])
 def test_int4_vnni_matches_its_definition(group, shape):
     """The VNNI kernel computes sum_g scale_g dx_g (codes . xq)_g + min_g dx_g sum(xq_g) exactly,
-    with xq, dx the activations quantized per group (vnni.quantize_activations)."""
+    with xq, dx the activations quantized per group (vnni.quantize_activations); rows of fewer
+    than sixteen groups, whole sixteens (g32, g64: their scales in vectors) and sixteens with
+    groups past them (1216 values: 38 and 19 groups)."""
     rows, cols = shape
     if cols % group:
         pytest.skip("row not whole groups")
