@@ -278,7 +278,7 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
                 group = builder.sdiv(xbase_v, ir.Constant(xbase_v.type, 32))  # activation group of 32
                 # Ask for the weights 4 KB ahead, every cache line of a super-block (as the other block
                 # kinds' rows do: long rows read a third faster with it here).
-                _prefetch_ahead(builder, flat_a, at_v, block_bytes)
+                vnni._prefetch_ahead(builder, flat_a, at_v, block_bytes)
                 dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                         "llvm.x86.avx512.vpdpbusd.512")
                 total = builder.load(total_p)
@@ -404,20 +404,6 @@ def _superblock_ops(builder, fn, vec):  # type: ignore[no-untyped-def]
             fn("llvm.fma.v16f32", f16v, [f16v] * 3), fn("llvm.x86.avx2.pmadd.wd", vec(i32, 8), [vec(i16, 16)] * 2))
 
 
-def _prefetch_ahead(builder, flat_a, at, nbytes):  # type: ignore[no-untyped-def]
-    """Ask for every cache line of the ``nbytes`` at ``at`` of flat_a ``vnni._PREFETCH_BYTES``
-    ahead (into L2), as the other row loops do."""
-    from llvmlite import ir
-
-    i8, i32 = ir.IntType(8), ir.IntType(32)
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-    for line in range(0, nbytes, 64):
-        ahead = builder.add(at, ir.Constant(at.type, vnni._PREFETCH_BYTES + line))
-        builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
-                                ir.Constant(i32, 1)])
-
-
 def _k_intrinsic(emit, tokens: int, rows: int):  # type: ignore[no-untyped-def]
     """The intrinsic around a per-256 K-quant loop ``emit(builder, flat, yk, dk, bsum, at_list,
     blocks, y_bases, d_bases, b_bases) -> sums[row][token]`` (q4_k, q5_k, q6_k). Without
@@ -504,7 +490,7 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
         def unpack(at):  # type: ignore[no-untyped-def]
             # a super-block's d and dmin (float), its scales and minimums (sc 0-7, mn 8-15 as
             # int16 lanes) and its codes: (codes, activations' offset, the two sub-blocks)
-            _prefetch_ahead(builder, flat_a, at, size)
+            vnni._prefetch_ahead(builder, flat_a, at, size)
             d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 0), ir.HalfType()), f32)
             dmin = builder.fpext(builder.bitcast(load(flat_a, at, i16, 2), ir.HalfType()), f32)
             # The 12 bytes of 6-bit scales and minimums unpacked in 64-bit integer registers (as
@@ -594,7 +580,7 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         def unpack(at):  # type: ignore[no-untyped-def]
             # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
             # offset, the scales of their lanes)
-            _prefetch_ahead(builder, flat_a, at, 210)
+            vnni._prefetch_ahead(builder, flat_a, at, 210)
             d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32)
             sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
             codes = []

@@ -152,8 +152,6 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
             dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats_t, [floats_t] * 3),
                                                  f"llvm.fma.v{lanes}f32")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
 
             def const(k):  # type: ignore[no-untyped-def]
                 return ir.Constant(index_t, k)
@@ -166,12 +164,11 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
                 return builder.bitcast(wide, f32)
 
             accs = [cgutils.alloca_once_value(builder, ir.Constant(floats_t, [0.0] * lanes)) for _ in range(2)]
-            minimums = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))]
+            minimum = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))  # the groups past the sixteens'
 
-            def group(g, acc_p, minimum, s=None):  # type: ignore[no-untyped-def]
+            def group(g, acc_p, s=None):  # type: ignore[no-untyped-def]
                 at = builder.add(base_v, builder.mul(g, const(nbytes)))
-                ahead = builder.gep(flat_a.data, [builder.add(at, const(_PREFETCH_BYTES))])
-                builder.call(prefetch, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+                _prefetch_ahead(builder, flat_a, at, nbytes)
                 packed = load(flat_a, at, bytes_t)
                 low = builder.and_(packed, ir.Constant(bytes_t, [15] * nbytes))
                 high = builder.lshr(packed, ir.Constant(bytes_t, [4] * nbytes))
@@ -206,12 +203,11 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
                                     load(xsum_a, g0, sixteen_f, 4))
                 builder.store(builder.fadd(builder.load(mins16), mins), mins16)
                 for j in range(16):
-                    group(builder.add(g0, const(j)), accs[j % 2], None,
-                          builder.extract_element(scales, ir.Constant(i32, j)))
+                    group(builder.add(g0, const(j)), accs[j % 2], builder.extract_element(scales, ir.Constant(i32, j)))
             with cgutils.for_range(builder, builder.sub(groups_v, builder.mul(whole, const(16)))) as loop:
-                group(builder.add(builder.mul(whole, const(16)), loop.index), accs[0], minimums[0])
+                group(builder.add(builder.mul(whole, const(16)), loop.index), accs[0])
             total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            rest = builder.fadd(_reduce_lanes(builder, builder.load(mins16), builder.fadd), builder.load(minimums[0]))
+            rest = builder.fadd(_reduce_lanes(builder, builder.load(mins16), builder.fadd), builder.load(minimum))
             return builder.fadd(_reduce_lanes(builder, total, builder.fadd), rest)
 
         return types.float32(flat, base, groups, xq, dx, xsum, words, params), codegen
@@ -282,6 +278,20 @@ def _reduce_lanes(builder, value, op):  # type: ignore[no-untyped-def]
         value = op(*halves)
         width //= 2
     return builder.extract_element(value, ir.Constant(i32, 0))
+
+
+def _prefetch_ahead(builder, flat_a, at, nbytes):  # type: ignore[no-untyped-def]
+    """Ask for every cache line of the ``nbytes`` at ``at`` of flat_a ``_PREFETCH_BYTES`` ahead
+    (into L2), as the row loops do."""
+    from llvmlite import ir
+
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+    for line in range(0, nbytes, 64):
+        ahead = builder.add(at, ir.Constant(at.type, _PREFETCH_BYTES + line))
+        builder.call(prefetch, [builder.gep(flat_a.data, [ahead]), ir.Constant(i32, 0), ir.Constant(i32, 1),
+                                ir.Constant(i32, 1)])
 
 
 def _arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
@@ -587,8 +597,6 @@ def _fp8_rows_intrinsic(count: int):  # type: ignore[no-untyped-def]
             index_t = at_v.type
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
                                                  "llvm.fma.v16f32")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
 
             def const(k):  # type: ignore[no-untyped-def]
                 return ir.Constant(index_t, k)
@@ -601,9 +609,7 @@ def _fp8_rows_intrinsic(count: int):  # type: ignore[no-untyped-def]
                 bases = [builder.add(builder.add(at_v, builder.mul(stride_v, const(r))), builder.mul(loop.index, const(132)))
                          for r in range(count)]
                 for base in bases:
-                    for line in (0, 64, 128):  # the block's lines, _PREFETCH_BYTES ahead
-                        ahead = builder.gep(flat_a.data, [builder.add(base, const(_PREFETCH_BYTES + line))])
-                        builder.call(prefetch, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+                    _prefetch_ahead(builder, flat_a, base, 132)  # the block's lines
                 accs: list[list] = [[None] * chains for _ in range(count)]  # type: ignore[type-arg]
                 for step in range(8):
                     xat = builder.add(builder.mul(loop.index, const(128)), const(16 * step))
