@@ -8,10 +8,10 @@ it. AMX's int8 product (``tdpbusd``) has the same limit: a block's sums must lea
 (stored, reloaded, scaled) before the next block's, and such a kernel measured 1.1x ``lanes``.
 Here the weights are decoded instead, a chunk of rows at a time, to bf16 (values times their
 block's scale, then AVX-512 BF16's conversion: the block kinds straight from their blocks, the
-K-quants and iq4_xs from ``lanes``' unpacked codes), and the tokens
+K-quants, iq4_xs and int4 from ``lanes``' unpacked codes), and the tokens
 rounded to bf16 once a call; the sums then stay in the tiles over a whole row, 2 x 2 tiles of
 16 rows by 16 tokens at a time (2 x 1 for a last group of 16 tokens or fewer). The decoding costs the same whatever the tokens: below
-``kernels.AMX_MIN_TOKENS`` tokens (16 or 24) ``lanes`` is faster (figures in ``docs/runtime.md``).
+``kernels.AMX_MIN_TOKENS`` tokens (16 to 32) ``lanes`` is faster (figures in ``docs/runtime.md``).
 Products differ from ``lanes``' by the rounding of weights and tokens to bf16 (about 0.2%
 relative) instead of the tokens' to int8 per 32 values.
 
@@ -366,7 +366,7 @@ def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, 
         lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0, f16)
         if kind == lanes._HALVES:
             _row_halves(w, 0, sc, mn, 0, blocks, offset, wb, oat)
-        elif kind == 5 or kind == 6:
+        elif lanes.has_minimums(kind):
             _row_minimums(w, 0, sc, mn, 0, blocks, offset, wb, oat)
         else:
             _row_plain(w, 0, sc, mn, 0, blocks, offset, wb, oat)

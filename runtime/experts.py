@@ -61,7 +61,7 @@ Work = list[tuple[int, np.ndarray, np.ndarray]]  # (expert, token rows, routing 
 
 # rows' kind codes of the schemes multiplied in place, and their names (rows.groups_fit says which
 # of them have the row tiles of rows.experts_groups)
-_IN_PLACE_NAMES = {rows.kind(name): name for name in LANES_MIN_TOKENS}
+_IN_PLACE_NAMES = {rows.kind(name): name for name in LANES_MIN_TOKENS if rows.kind(name) is not None}
 
 
 class ExpertSet:

@@ -654,7 +654,7 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # (``benchmarks/expert_kernels.py``), so these schemes never take the decode-to-bf16 path where they
 # fit.
 LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
-                    "iq4_xs": 4}
+                    "iq4_xs": 4, "int4_g32": 5, "int4_g64": 5, "int4_g128": 5}
 # On a CPU with AMX (``amx.HAVE_AMX``) these schemes' products of this many tokens or more decode
 # the rows to bf16 a chunk at a time and multiply through AMX (``amx.matmul``). The decoding costs
 # the same whatever the tokens, so below this lanes.matmul is faster. lanes/amx time (medians of 7
@@ -664,9 +664,13 @@ LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12
 # 1.15 / 1.40 / 1.23 / 1.46 / 1.78; q8_0 1.00-1.05 at 12, 1.04-1.15 at 16, 1.21-1.28 at 17 (17 to
 # 32 tokens take two 16-token tiles, 16 or fewer one); the K-quants and iq4_xs, whose rows are
 # unpacked then converted (the block kinds' in one pass), 0.76-1.03 at 16, 0.97-1.21 at 17,
-# 0.98-1.20 at 24 (q4_k, q6_k, iq4_xs; ``docs/runtime.md``).
+# 0.98-1.20 at 24 (q4_k, q6_k, iq4_xs; ``docs/runtime.md``). int4 (unpacked, then converted),
+# lanes/amx at 24 / 32 / 48 / 64 tokens, medians of 5-7: Mixtral's gate/up (14336 x 4096) g128
+# 0.86 / 0.91-0.99 / 1.01 / 1.27, g32 0.94 / 0.98-1.01 / 1.04 / 1.03; Qwen3-30B-A3B's gate/up
+# (1536 x 2048) g128 1.09 / 1.18 / 1.20, g32 0.98 / 1.07 / 1.07; its down (2048 x 768) g128 0.88 /
+# 0.93 / 1.00, g32 1.08 / 1.04 / 1.12.
 AMX_MIN_TOKENS = {"q8_0": 16, "q4_0": 16, "mxfp4": 16, "iq4_nl": 16, "q4_k": 24, "q5_k": 24, "q6_k": 24,
-                  "iq4_xs": 24}
+                  "iq4_xs": 24, "int4_g32": 32, "int4_g64": 32, "int4_g128": 32}
 
 
 def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndarray]) -> tuple[
@@ -863,9 +867,17 @@ register_cpu("q4_0", CpuKernels(_matvec_ggml("q4_0", lambda raw, x, out: _matvec
     in_place=_BLOCKS_IN_PLACE))
 register_cpu("mxfp4", CpuKernels(_matvec_ggml("mxfp4", lambda raw, x, out: _matvec_mxfp4(raw, x, _E8M0, out)),
                                  block_decoder(_decode_mxfp4, _FP4, _E8M0), in_place=_BLOCKS_IN_PLACE))
+# int4 has no row tiles for a few tokens: below LANES_MIN_TOKENS its one-token kernel token by
+# token (on a VNNI CPU; elsewhere ``linear``'s usual paths). stepwise/lanes time at 4 / 5 / 6 / 8
+# tokens (medians of 5-7, two threads): Mixtral's gate/up g128 0.79 / 1.02 / 1.12 / 1.29, g32
+# 0.84 / 0.99 / 1.11 / 1.41; Qwen3-30B-A3B's gate/up g128 0.95 / - / 1.13 / 1.22, its down g128
+# 1.17 / - / 1.27 / 1.45. Before the lanes took int4, GEMM_MIN_TOKENS tokens or more decoded the
+# matrix to bf16 for torch's GEMM: at Mixtral's gate/up 39-41 ms at 16 tokens, 44-47 at 48
+# (mostly the decoding), against the lanes' 5.3-7.7 and AMX's 11.5-13.7.
+_INT4_IN_PLACE = in_place(lambda scheme, cols: vnni.HAVE_VNNI, stepwise)
 for _group in (32, 64, 128):
-    register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group),
-                                               block_decoder(_decode_int4, _group)))
+    register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group), block_decoder(_decode_int4, _group),
+                                               in_place=_INT4_IN_PLACE))
 
 # the VNNI kernels, used above; the K-quants and fp8 register themselves
 from . import amx, fp8, kquants, lanes, rows, vnni  # noqa: E402,F401

@@ -13,8 +13,9 @@ conversion and one multiply-add for its 16 tokens. The codes are unpacked to byt
 the scales beside them), kept in the cache while every token goes over them, and the next chunk's
 bytes are prefetched meanwhile. ``vpdpbusd`` multiplies unsigned bytes by signed ones: the
 codes are stored unsigned (plus their kind's offset), and the offset times each block's sum of
-activations is where the int32 sums start. q4_k's and q5_k's minimums add one multiply-add a
-block; q6_k's 16-value scales split a block's sums in two. ``kernels.in_place`` sends a matrix
+activations is where the int32 sums start. q4_k's, q5_k's and int4's minimums add one
+multiply-add a block (int4's scale and minimum, one per group of 32-128 values, repeated for each
+block of 32 of the group); q6_k's 16-value scales split a block's sums in two. ``kernels.in_place`` sends a matrix
 here from ``kernels.LANES_MIN_TOKENS`` tokens on.
 
 Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and torch's bf16
@@ -27,6 +28,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ktc.formats.float_bits import bf16_value
 from ktc.formats.kernel_args import read_only, writable
 
 from . import vnni
@@ -42,14 +44,23 @@ TILE_ROWS, TILE_GROUPS = 4, 2
 CHUNK_ROWS = 16  # rows unpacked at a time; 16: 960 GOP/s, 32: 870, 64: 775 (4 x 2, as above)
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
-KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8}
-_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128)
+KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8,
+         "int4_g32": 9, "int4_g64": 10, "int4_g128": 11}
+_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128, 0, 0, 0)
 # Per kind: bytes of a block (or super-block), values it holds, and where the block kinds'
-# codes start.
-_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136)
-_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256)
-_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0)
-_HALVES = 7  # q6_k: 16-value scales, two a block; q4_k and q5_k (5, 6): minimums
+# codes start. int4's rows are not blocks (all codes, then all scales, then all minimums): its
+# size is that of a group's codes, its values the group's.
+_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136, 16, 32, 64)
+_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256, 32, 64, 128)
+_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0, 0, 0, 0)
+_HALVES = 7  # q6_k: 16-value scales, two a block
+_INT4 = 9  # kinds from here on: int4_g32, g64, g128
+
+
+@njit(cache=True, nogil=True, inline="always")
+def has_minimums(kind):  # pragma: no cover - compiled
+    """Whether a kind's blocks add a minimum to their scaled codes: q4_k, q5_k and int4."""
+    return kind == 5 or kind == 6 or kind >= _INT4
 
 
 def _unpack_intrinsic(kind: int):  # type: ignore[no-untyped-def]
@@ -184,6 +195,36 @@ def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return codes
 
 
+def _int4_codes_intrinsic(group: int):  # type: ignore[no-untyped-def]
+    """``codes(flat, at, w, wat)``: the ``group`` codes of one int4 group at byte ``at`` of
+    ``flat`` (byte k: value k in its low nibble, value k + group / 2 in its high) as unsigned
+    bytes at w[wat:wat + group], in order."""
+    from llvmlite import ir
+
+    i8 = ir.IntType(8)
+    width = min(group // 2, 32)  # bytes a load: 16 for 32-value groups, else 32
+
+    @intrinsic
+    def codes(typingctx, flat, at, w, wat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, w_a = vnni._arrays(context, builder, signature, args, (0, 2))
+            at_v, wat_v = vnni._indices(context, builder, signature, args, (1, 3))
+            load = _loader(builder)
+            for k in range(0, group // 2, width):
+                low, high = _nibbles(builder, load(flat_a, builder.add(at_v, ir.Constant(at_v.type, k)),
+                                                   ir.VectorType(i8, width)))
+                if width == 16:  # a 32-value group: both halves one 32-byte store
+                    _store(builder, _joined(builder, low, high), w_a, wat_v)
+                    continue
+                for value, first in ((low, k), (high, group // 2 + k)):
+                    _store(builder, value, w_a, builder.add(wat_v, ir.Constant(wat_v.type, first)))
+            return context.get_dummy_value()
+
+        return types.void(flat, at, w, wat), codegen
+
+    return codes
+
+
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # type: ignore[no-untyped-def]
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
     dstride, out, obase, ostride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r at
@@ -283,6 +324,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
 
 _unpack_q8_0, _unpack_q4_0, _unpack_mxfp4, _unpack_iq4_nl = (_unpack_intrinsic(kind) for kind in range(1, 5))
 _codes_q4_k, _codes_q5_k, _codes_q6_k, _codes_iq4_xs = (_superblock_intrinsic(kind) for kind in range(5, 9))
+_codes_int4_g32, _codes_int4_g64, _codes_int4_g128 = (_int4_codes_intrinsic(group) for group in (32, 64, 128))
 _tile_pair, _tile_one = _tile_intrinsic(TILE_GROUPS), _tile_intrinsic(1)
 _tile_pair_minimums, _tile_one_minimums = _tile_intrinsic(TILE_GROUPS, minimums=True), _tile_intrinsic(1, minimums=True)
 _tile_pair_halves, _tile_one_halves = _tile_intrinsic(TILE_GROUPS, halves=2), _tile_intrinsic(1, halves=2)
@@ -336,6 +378,23 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
     # Row ``row`` of raw: its codes at w[wat:], its blocks' scales (and minimums) from sc/mn[p].
     size, values = _SIZE[kind], _VALUES[kind]
     base = row * raw.shape[1]
+    if kind >= _INT4:  # int4: the groups' codes, then their bf16 scales, then their bf16 minimums
+        groups = raw.shape[1] * 2 // (values + 8)  # a group's bytes: values / 2 of codes, 4 of parameters
+        scales_at = base + groups * size
+        for g in range(groups):
+            if kind == _INT4:
+                _codes_int4_g32(flat, base + g * size, w, wat + g * values)
+            elif kind == _INT4 + 1:
+                _codes_int4_g64(flat, base + g * size, w, wat + g * values)
+            else:
+                _codes_int4_g128(flat, base + g * size, w, wat + g * values)
+        params = flat.view(np.uint16)  # the row's bytes from its codes' end are bf16 values
+        first, per = scales_at // 2, values // 32
+        for g in range(groups):
+            for j in range(per):
+                sc[p + g * per + j] = bf16_value(params[first + g])
+                mn[p + g * per + j] = bf16_value(params[first + groups + g])
+        return
     for b in range(raw.shape[1] // size):
         at = base + b * size
         at_w = wat + b * values
@@ -418,7 +477,7 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
                             _tile_pair_halves(*args)
                         else:
                             _tile_one_halves(*args)
-                    elif kind == 5 or kind == 6:  # q4_k, q5_k: minimums
+                    elif has_minimums(kind):  # q4_k, q5_k, int4
                         if pair:
                             _tile_pair_minimums(*args)
                         else:

@@ -293,7 +293,7 @@ def _blocks_case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.nda
 
 
 TILED = ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"]  # row tiles for a few tokens
-IN_PLACE = TILED + ["iq4_xs"]
+IN_PLACE = TILED + ["iq4_xs", "int4_g32", "int4_g64", "int4_g128"]
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
