@@ -109,7 +109,7 @@ class StepClock:
     the layer's compiled one-token call (``vnni.STAMPS``): routing (the router's product and
     top-k), the activations' quantization, the two multi-expert kernels, the activation function
     between them, the weighted sum of the experts' outputs. Where that call
-    does not run (no VNNI, int4) the Python functions doing those parts are wrapped instead. The
+    does not run (no VNNI) the Python functions doing those parts are wrapped instead. The
     rest is the layer's own checks and calls."""
 
     def __init__(self, layer) -> None:  # type: ignore[no-untyped-def]
@@ -117,7 +117,7 @@ class StepClock:
 
         self.vnni = vnni
         self.seconds: dict[str, float] = {}
-        self.patched = [(vnni, "quantize_activations", "quantize"), (vnni, "_rows_many", "kernels"),
+        self.patched = [(vnni, "quantize_activations", "quantize"), (vnni, "rows_many", "kernels"),
                         (kernels, "_act", "activation"),
                         (kernels, "_combine", "combine"), (type(layer), "route", "routing")]
         self.saved = [getattr(owner, name) for owner, name, _ in self.patched]

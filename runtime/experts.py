@@ -113,8 +113,7 @@ class ExpertSet:
         # Every CPU expert in a scheme that has a multi-expert kernel (int8; on a VNNI CPU any
         # mix of int8, q8_0, q4_0, mxfp4, int4, the K-quants and iq4_xs, gate/up and down in
         # different ones too) and uncompressed: one token takes a fused path that runs all its
-        # experts in two parallel regions (more where int4 group sizes mix with the others)
-        # instead of two per expert.
+        # experts in two parallel regions instead of two per expert.
         self._fused = None
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         self._one_call: tuple | None = None  # type: ignore[type-arg]
@@ -452,8 +451,8 @@ class ExpertSet:
     def one_call_tables(self) -> tuple | None:  # type: ignore[type-arg]
         """The per-expert tables (and counts) of ``rows.chosen_experts_token`` for this layer, or
         None where one token does not take that path: every expert on the CPU in the fused path,
-        its gate/up and down in kinds of ``rows`` (the block kinds, the K-quants, iq4_xs), on a
-        VNNI CPU. Built once per fused setup."""
+        its gate/up and down in kinds of ``rows`` (the block kinds, the K-quants, iq4_xs, fp8_e4m3,
+        int4), on a VNNI CPU. Built once per fused setup."""
         fused = self._fused
         if fused is None or self._on_device or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
             return None

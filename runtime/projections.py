@@ -5,7 +5,7 @@ one parallel region, 64 rows a work item over all of them, so both threads finis
 Separate ``HostLinear.matvec`` calls quantized the same input three times and woke the kernels'
 threads three times a layer; the Python between them ran among streaming weights that had
 evicted it from the caches (a key projection of 590 KB took 45 us, about twice its read time).
-For matrices of ``vnni.BLOCK_KINDS``, the K-quants and bf16 (``rows.BF16``) on a VNNI CPU;
+For matrices of ``vnni.BLOCK_KINDS``, the K-quants, fp8_e4m3, int4 and bf16 (``rows.BF16``) on a VNNI CPU;
 ``Projections.of`` says None for anything else, and the caller runs each matrix's own kernel.
 """
 
@@ -55,7 +55,7 @@ class Projections:
     @classmethod
     def of(cls, linears: Sequence[Any]) -> Projections | None:
         """The set, or None where one call cannot take them: no VNNI, a scheme outside the block
-        kinds, the K-quants, fp8_e4m3 and bf16, inputs of different lengths, rows not C-contiguous uint8 (or,
+        kinds, the K-quants, fp8_e4m3, int4 and bf16, inputs of different lengths, rows not C-contiguous uint8 (or,
         bf16's, uint16) arrays, biases, more than ``STACK`` matrices."""
         if not vnni.HAVE_VNNI or not linears or len(linears) > STACK:
             return None
@@ -68,7 +68,8 @@ class Projections:
                for r in raws):
             return None
         if cols % 32 or (any(rows.KQUANT <= k < rows.BF16 for k in kinds) and cols % 256) or (  # type: ignore[operator]
-                rows.FP8 in kinds and cols % 128):
+                rows.FP8 in kinds and cols % 128) or any(k >= rows.INT4 and cols % (32 << (k - rows.INT4))
+                                                         for k in kinds):  # type: ignore[operator]
             return None
         if any(k == 0 and r.size % 4 for k, r in zip(kinds, raws)):
             return None

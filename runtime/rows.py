@@ -1,6 +1,7 @@
 """One token's rows of every VNNI kind at once, mixed in one parallel region: the block kinds
-(``vnni.BLOCK_KINDS``: int8, q8_0, q4_0, mxfp4, iq4_nl) and the K-quants and iq4_xs
-(``kquants.KINDS``), with the activations quantized once in every form the kinds present read.
+(``vnni.BLOCK_KINDS``: int8, q8_0, q4_0, mxfp4, iq4_nl), the K-quants and iq4_xs
+(``kquants.KINDS``), fp8_e4m3, int4 (g32, g64, g128) and, for projections, bf16, with the
+activations quantized once in every form the kinds present read.
 
 Two users: a layer's projections that share their input (``projections.py``), and one token
 through a layer's experts (``experts_token``; ``chosen_experts_token`` also counts the chosen
@@ -36,6 +37,10 @@ BF16 = KQUANT + len(kquants.KINDS)
 # through (before, an expert at a time, its codes looked up in a table one by one: a tenth of
 # the read bandwidth).
 FP8 = BF16 + 1
+# int4_g32, int4_g64 and int4_g128 rows (``vnni._int4_row``: codes, then bf16 scales and minimums
+# a group) times the activations quantized per group of the kind's own size: INT4 + 0, 1, 2.
+INT4 = FP8 + 1
+INT4_GROUPS = {"int4_g32": 0, "int4_g64": 1, "int4_g128": 2}
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call
 # A token's down rows in spans of every expert (``rows_combined``) where an expert's span is
 # this long or longer, else an expert at a time (``rows_many``, then ``combined``). Measured in
@@ -58,6 +63,8 @@ def kind(scheme: str, *, plain: bool = False) -> int | None:
         return BF16
     if scheme == "fp8_e4m3":
         return FP8
+    if scheme in INT4_GROUPS:
+        return INT4 + INT4_GROUPS[scheme]
     return None
 
 
@@ -73,14 +80,19 @@ def layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]
 @njit(cache=True, nogil=True)
 def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized for the matrices of ``kinds``: (xq, quads, dx,
-    sums, lanes, isum16, dsum16, yk, dk, bsum, xs), each [n, ...]: int8 values per 32 in order (int8,
+    sums, lanes, isum16, dsum16, yk, dk, bsum, xs, iq, idx, isum), each [n, ...]: int8 values per 32 in order (int8,
     q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4, iq4_nl), their scales and dequantized
     sums, the block kinds' per-lane terms (``vnni.lanes_into``, the parts those present read),
     the int8 and dequantized sums per 16 (q3_k's offsets, q2_k's minimums), and the activations
-    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``), and the vectors as they
-    are (``BF16`` reads them). What no kind present reads is left unfilled, or empty."""
+    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``), the vectors as they
+    are (``BF16`` reads them), and int4's (int8 values [3, n * cols], scales and dequantized sums
+    [3, n * cols // 32]: per 32, 64 and 128 values, those of group g in the first n * cols / (32
+    << g) places). What no kind present reads is left unfilled, or empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
+    int4 = np.zeros(3, np.bool_)
     for code in kinds:
+        if code >= INT4:
+            int4[code - INT4] = True
         in_order |= code < 2 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K and code != _Q6_K)
         in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
@@ -103,7 +115,14 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         kquants._sums16(xq.reshape(-1), dx.reshape(-1), isum16.reshape(-1), dsum16.reshape(-1))
     yk, dk, bsum = kquants.superblock_activations(x, n, cols, ((kinds == _Q4_K) | (kinds == _Q5_K)).any(),
                                                   (kinds == _Q6_K).any())
-    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, x.reshape(n, cols)
+    width = n * cols if int4.any() else 0
+    iq, idx, isum = np.empty((3, width), np.int8), np.empty((3, width // 32), np.float32), np.empty((3, width // 32),
+                                                                                                   np.float32)
+    for g in range(3):
+        if int4[g]:  # groups never straddle two vectors: cols is a multiple of the group
+            count = width // (32 << g)
+            vnni._quantize_groups(x, 32 << g, 0, iq[g], idx[g, :count], isum[g, :count])
+    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, x.reshape(n, cols), iq, idx, isum
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -111,7 +130,18 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
     """out[r] for rows first..last of the matrix of kind ``code`` at byte ``base`` of flat (f32: a
     float32 view of the same bytes, where int8 rows keep their scales) times vector v of ``act``
     (``activations``)."""
-    xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs = act
+    xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs, iq, idx, isum = act
+    if code >= INT4:
+        g = code - INT4
+        group = 32 << g
+        groups = cols // group
+        xe = iq[g, v * cols:(v + 1) * cols]
+        dxe, sume = idx[g, v * groups:(v + 1) * groups], isum[g, v * groups:(v + 1) * groups]
+        words = flat.view(np.uint16)
+        for r in range(first, last):
+            at = base + r * row_bytes
+            out[r] = vnni._int4_row(group // 2, flat, at, groups, xe, dxe, sume, words, (at + cols // 2) // 2)
+        return
     if code < KQUANT:
         vnni._block_rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, quads[v] if code >= 2 else xq[v],
                          dx[v], sums[v], lanes[v], out)

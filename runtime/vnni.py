@@ -8,7 +8,8 @@ weights (32 for ggml's blocks), with one float32 scale each, as llama.cpp does f
 activations (about 0.5% relative error, far below 4-bit weights' own). Kernels: a whole row of
 int8, q8_0, q4_0, mxfp4 or iq4_nl as one LLVM loop (``_row_intrinsic``: two or four blocks a
 512-bit step, mxfp4's e2m1 codes and iq4_nl's levels made unsigned integers with one
-``pshufb``); int4 (codes then scale/minimum pairs) a group at a time; each for one matrix, for
+``pshufb``); int4 (codes, then bf16 scales and minimums) as one LLVM loop too
+(``_int4_row_intrinsic``); each for one matrix, for
 the same matrix of all the selected experts of a layer at once (``rows_many``, schemes mixed),
 for one token through a layer's experts in one call (``rows.experts_token``, with the
 K-quants), and for several tokens at once in tiles of rows x tokens (``matmul_blocks``). Used
@@ -807,27 +808,6 @@ def _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq, dx, xsum, out):  # pragma
                     xq, dx, xsum, lanes, out)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _rows_many(flat, words, group, offsets, row_bytes, xq, dx, xsum, out):  # pragma: no cover - compiled
-    # out[e, r] = row r of the int4 matrix at byte offsets[e] of flat . the activations xq[e]
-    # (quantized per group: dx[e], xsum[e]). One parallel region for the same matrix of every
-    # selected expert of a layer.
-    k, rows = out.shape
-    cols = xq.shape[1]
-    chunks = (rows + 63) // 64
-    groups = cols // group
-    half = group // 2
-    shared = xq.shape[0] == 1  # one activation vector for every expert (gate/up of one token)
-    for item in prange(k * chunks):
-        e = item // chunks
-        chunk = item - e * chunks
-        v = 0 if shared else e
-        xe, dxe, xsume = xq[v], dx[v], xsum[v]
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            base = offsets[e] + r * row_bytes
-            out[e, r] = _int4_row(half, flat, base, groups, xe, dxe, xsume, words, (base + cols // 2) // 2)
-
-
 @njit(cache=True, nogil=True, inline="always")  # inlined into the parallel kernels that call it
 def _lanes(dx, xsum):  # pragma: no cover - compiled
     """The activations' side of ``_row_intrinsic``'s steps, lane by lane, for n vectors quantized
@@ -1032,12 +1012,11 @@ def matmul_blocks(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     return out
 
 
-# Schemes with a multi-expert kernel: int4 by groups of its own size, the others by blocks of 32.
-FUSED_GROUPS = {"int4_g32": 32, "int4_g64": 64, "int4_g128": 128}
+# Schemes with a multi-expert kernel (``rows``' kinds).
 BLOCK_KINDS = {"int8": 0, "q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4}
 # ggml's K-quants and iq4_xs: rows_many runs them with the block kinds (``rows.rows_many``).
 KQUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"})
-FUSED = set(FUSED_GROUPS) | set(BLOCK_KINDS) | KQUANTS | {"fp8_e4m3"}
+FUSED = set(BLOCK_KINDS) | KQUANTS | {"fp8_e4m3", "int4_g32", "int4_g64", "int4_g128"}
 
 
 def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray, rows: int,
@@ -1045,58 +1024,28 @@ def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray
     """[k, rows]: the matrix stored at byte ``offsets[e]`` of ``file`` (the bundle mapped as
     uint8, of a length that is a multiple of 4) times x[e], for the k selected experts of a layer
     at once; ``x`` of one row is every expert's (quantized once). ``scheme``: one of ``FUSED``
-    for all k, or one each: the block kinds, mixed, share one parallel region, so do the
-    K-quants; each int4 group size takes one of its own."""
+    for all k, or one each, mixed in one parallel region (``rows.rows_many``)."""
+    from . import rows as kinds_rows
+
     vectors, cols = x.shape
     k = offsets.shape[0]
     file = read_only(file)
+    kinds, row_bytes = _fused_layout((scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols)
+    f16, e8m0 = _tables()
+    act = kinds_rows.activations(writable(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1), vectors, cols, kinds)
     out = np.empty((k, rows), dtype=np.float32)
-    for part, picked, kinds, row_bytes in split_schemes((scheme,) * k if isinstance(scheme, str) else tuple(scheme),
-                                                        cols):
-        whole = picked is None
-        offs = offsets if whole else offsets[picked]
-        xs = x if whole or vectors == 1 else x[picked]
-        n = xs.shape[0]
-        dest = out if whole else np.empty((len(picked), rows), dtype=np.float32)
-        if part == "rows":  # the block kinds and the K-quants, mixed: one region
-            from . import rows as kinds_rows
-
-            f16, e8m0 = _tables()
-            act = kinds_rows.activations(writable(np.ascontiguousarray(xs, dtype=np.float32)).reshape(-1), n, cols,
-                                         kinds)
-            kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offs, row_bytes, cols, act, dest)
-        else:
-            group = FUSED_GROUPS[part]
-            xq, dx, xsum = quantize_activations(xs.reshape(-1), group)  # groups never straddle two rows
-            _rows_many(file, file.view(np.uint16), group, offs, int(row_bytes[0]),
-                       xq.reshape(n, cols), dx.reshape(n, -1), xsum.reshape(n, -1), dest)
-        if not whole:
-            out[picked] = dest
+    kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offsets, row_bytes, cols, act, out)
     return out
 
 
 @functools.lru_cache(maxsize=4096)
-def split_schemes(schemes: tuple[str, ...], cols: int) -> tuple[tuple[str, np.ndarray | None, np.ndarray,
-                                                              np.ndarray], ...]:
-    """The selected experts' schemes split into the calls rows_many makes: the block kinds and
-    the K-quants together (``rows``), each int4 scheme apart; per call the experts (None: all of
-    them), their kind codes (``rows.kind``) and row sizes. Kept per selection: a decode step's
-    Python runs among streaming weights that evict it from the caches, where each of these steps
-    costs microseconds."""
+def _fused_layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows.layout`` of the selected experts' schemes, each checked to be one of ``FUSED``."""
     from . import rows as kinds_rows
 
-    members: dict[str, list[int]] = {}
-    for e, name in enumerate(schemes):
-        members.setdefault("rows" if kinds_rows.kind(name) is not None else name, []).append(e)
-    parts = []
-    for part, picked in members.items():
-        names = tuple(schemes[e] for e in picked)
-        kinds, row_bytes = kinds_rows.layout(names, cols) if part == "rows" else (
-            np.full(len(picked), -1, dtype=np.int64),
-            np.array([get_scheme(name).matrix_bytes(1, cols) for name in names], dtype=np.int64))
-        parts.append((part, None if len(picked) == len(schemes) else np.asarray(picked, dtype=np.int64), kinds,
-                      row_bytes))
-    return tuple(parts)
+    if not set(schemes) <= FUSED:
+        raise ValueError(f"no multi-expert kernel for {sorted(set(schemes) - FUSED)}")
+    return kinds_rows.layout(schemes, cols)
 
 
 @functools.lru_cache(maxsize=1)

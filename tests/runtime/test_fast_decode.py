@@ -53,7 +53,8 @@ CASES = [("mixtral", "f32", {}), ("mixtral", "q4_0", {}), ("qwen3_moe", "f32", {
          ("qwen3_moe", "f32", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
          ("qwen3_moe", "int8", {"mlp_only_layers": [1]}),  # a dense MLP layer between MoE layers
          ("olmoe", "f32", {}), ("olmoe", "q4_0", {"clip_qkv": 0.05}),  # norms over all heads; clipped
-         ("qwen3_moe", "fp8_e4m3", {"hidden_size": 128, "moe_intermediate_size": 128})]  # rows of 128-value blocks
+         ("qwen3_moe", "fp8_e4m3", {"hidden_size": 128, "moe_intermediate_size": 128}),  # rows of 128-value blocks
+         ("qwen3_moe", "int4_g128", {"hidden_size": 128, "moe_intermediate_size": 128}), ("mixtral", "int4_g32", {})]
 
 
 @pytest.mark.parametrize("family,scheme,overrides", CASES)

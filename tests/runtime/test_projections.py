@@ -28,6 +28,7 @@ def _linear(rng: np.random.Generator, scheme: str, rows: int, cols: int) -> Host
     (("q4_k", "q8_0", "q6_k", "q4_0"), 768),  # both families in one region
     (("bf16", "bf16", "bf16"), 256),  # a checkpoint's attention as ktc keeps it: the floats as they are
     (("bf16", "q8_0", "q4_k"), 512),  # bf16 beside quantized activations of both families
+    (("int4_g128", "q4_0", "int4_g32", "int4_g64"), 512),  # int4, each group size its own activations
 ])
 def test_one_call_equals_each_matrix_alone(schemes, cols):
     rng = np.random.default_rng(len(schemes) + cols)
@@ -47,7 +48,6 @@ def test_sets_one_call_cannot_take_are_refused():
     rng = np.random.default_rng(0)
     q4 = _linear(rng, "q4_0", 8, 256)
     assert Projections.of([q4, _linear(rng, "f32", 8, 256)]) is None  # a float matrix
-    assert Projections.of([q4, _linear(rng, "int4_g32", 8, 256)]) is None  # int4: its own kernel
     assert Projections.of([q4, _linear(rng, "q4_0", 8, 512)]) is None  # inputs of other lengths
     assert Projections.of([q4, HostLinear(q4.raw, "q4_0", 256, 8, bias=torch.ones(8))]) is None
     assert Projections.of([q4, _linear(rng, "q8_0", 8, 256)]) is not None
