@@ -12,8 +12,7 @@ interleaved rounds, each round measuring the bandwidth first).
    combination, the rest) timed separately (target: under 5% of the layer).
 3. 64 and 256 tokens through one expert against torch bf16 ``F.linear`` on the same weights
    dequantized (int8, q8_0, q4_0, mxfp4, iq4_nl, q4_k, q5_k, q6_k, iq4_xs, int4_g32/g64/g128; iq4_nl and iq4_xs
-   from random blocks;
-   target: at least 1.5x torch's throughput), with
+   from random blocks; target: at least 1.5x torch's throughput; fp8_e4m3 too, without one), with
    each side's operations a second against this CPU's int8 and bf16 peaks, measured here as
    independent ``vpdpbusd`` and ``vdpbf16ps`` instructions on registers, on every thread (the
    fastest of 9 runs: a capacity, not a speed claim).
@@ -297,7 +296,8 @@ def main() -> int:
             from ktc.runtime.kernels import AMX_MIN_TOKENS
 
             ours = (f"ktc's products of {AMX_MIN_TOKENS['q4_0']} tokens or more ({AMX_MIN_TOKENS['q4_k']} for the "
-                    f"K-quants, {AMX_MIN_TOKENS['int4_g128']} for int4) take AMX too (bf16, the weights decoded a "
+                    f"K-quants, {AMX_MIN_TOKENS['int4_g128']} for int4, {AMX_MIN_TOKENS['fp8_e4m3']} for fp8_e4m3) "
+                    "take AMX too (bf16, the weights decoded a "
                     "chunk of rows at a time), fewer AVX-512 VNNI" if amx.HAVE_AMX else
                     "ktc's batched kernels use AVX-512 VNNI here (AMX off: KTC_NO_AMX, or Linux refused it)")
             print("   this CPU has AMX, which torch's bf16 products take (oneDNN's AMX kernels; ONEDNN_VERBOSE=1 "
@@ -306,7 +306,8 @@ def main() -> int:
             xs = rng.standard_normal((count, hidden)).astype(np.float32)
             ops = 2 * count * 3 * hidden * inter
             for scheme in ("int8", "q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "int4_g32",
-                           "int4_g64", "int4_g128"):
+                           "int4_g64", "int4_g128", "fp8_e4m3"):
+                target = None if scheme == "fp8_e4m3" else 1.5  # fp8: no issue sets one
                 gate_up, down = stored(w_gate_up, scheme), stored(w_down, scheme)
                 wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)
                 wd = torch.from_numpy(dequantize(down, scheme, inter)).to(torch.bfloat16)
@@ -325,12 +326,13 @@ def main() -> int:
                 pairs = [(timed(ours_fn), timed(reference)) for _ in range(max(3, repeat))]  # interleaved
                 ours, theirs = median([p[0] for p in pairs]), median([p[1] for p in pairs])
                 ratio = median([t / o for o, t in pairs])
-                met &= ratio >= 1.5
+                met &= target is None or ratio >= target
                 print(f"   {count:>3} tokens, {scheme:<9} ktc {1e3 * ours:8.1f} ms ({ops / ours / 1e9:4.0f} GOP/s, "
                       f"{100 * ops / ours / peaks['int8']:3.0f}% of the int8 peak), torch bf16 {1e3 * theirs:8.1f} ms "
                       f"({ops / theirs / 1e9:4.0f} GOP/s, {100 * ops / theirs / peaks['bf16']:3.0f}% of the bf16 "
                       "peak): "
-                      f"{ratio:.2f}x torch's throughput, median of the rounds' ratios (target at least 1.5x)")
+                      f"{ratio:.2f}x torch's throughput, median of the rounds' ratios "
+                      + ("(no target)" if target is None else f"(target at least {target}x)"))
     print("targets met" if met else "targets NOT met")
     return 0 if met else 1
 

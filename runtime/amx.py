@@ -224,6 +224,61 @@ def blocks_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return decode
 
 
+def fp8_intrinsic():  # type: ignore[no-untyped-def]
+    """``decode(flat, at, blocks, out, oat)``: ``blocks`` blocks of fp8_e4m3 (a float32 scale, then
+    128 e4m3 codes) from byte ``at`` of ``flat`` as bf16 bits at out[oat:]: each code made the
+    float32 of its value times 2^-120 from its bits (sign-extended, shifted 20, masked, as
+    ``vnni._fp8_rows_intrinsic`` reads them: subnormal codes become float32 denormals, exact), times
+    2^60 and by the scale times 2^60 (the same single rounding as the value times the scale), then
+    AVX-512 BF16's conversion."""
+    from llvmlite import ir
+
+    _BFloat = _bfloat_type()
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    bytes16, words, floats, pairs = (ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16),
+                                     ir.VectorType(i16, 32))
+
+    @intrinsic
+    def decode(typingctx, flat, at, blocks, out, oat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            if not HAVE_AMX:
+                return context.get_dummy_value()
+            flat_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3))
+            at_v, blocks_v, oat_v = vnni._indices(context, builder, signature, args, (1, 2, 4))
+            index_t = at_v.type
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def load(index, t):  # type: ignore[no-untyped-def]
+                return builder.load(builder.bitcast(builder.gep(flat_a.data, [index]), t.as_pointer()), align=1)
+
+            both = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_BFloat(), 32),
+                                                                                  [floats, floats]),
+                                                  "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+            up = ir.Constant(floats, [2.0 ** 60] * 16)
+            with cgutils.for_range(builder, blocks_v) as loop:
+                base = builder.add(at_v, builder.mul(loop.index, const(132)))
+                scale = builder.fmul(load(base, f32), ir.Constant(f32, 2.0 ** 60))
+                one = builder.insert_element(ir.Constant(floats, ir.Undefined), scale, ir.Constant(i32, 0))
+                scale = builder.shuffle_vector(one, ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * 16))
+                for step in range(4):
+                    values = []
+                    for half in range(2):
+                        codes = load(builder.add(base, const(4 + 32 * step + 16 * half)), bytes16)
+                        bits = builder.and_(builder.shl(builder.sext(codes, words), ir.Constant(words, [20] * 16)),
+                                            ir.Constant(words, [-(1 << 31) | (0x7F << 20)] * 16))
+                        values.append(builder.fmul(builder.fmul(builder.bitcast(bits, floats), up), scale))
+                    o = builder.add(oat_v, builder.add(builder.mul(loop.index, const(128)), const(32 * step)))
+                    builder.store(builder.bitcast(builder.call(both, [values[1], values[0]]), pairs),
+                                  builder.bitcast(builder.gep(out_a.data, [o]), pairs.as_pointer()), align=2)
+            return context.get_dummy_value()
+
+        return types.void(flat, at, blocks, out, oat), codegen
+
+    return decode
+
+
 def tiles_intrinsic(groups: int, product: str = "tdpbf16ps"):  # type: ignore[no-untyped-def]
     """``tiles(cfg, wb, wstride, xb, xat, steps, sums, sat)``: 32 rows of bf16 weights (row r at
     byte r * wstride of wb, ``steps`` x 32 values) times ``groups`` (2, or 1 for a last group of
@@ -345,6 +400,7 @@ def activations(x, n, cols, groups):  # pragma: no cover - compiled
 _row_plain, _row_minimums, _row_halves = bf16_row_intrinsic(1, False), bf16_row_intrinsic(1, True), \
     bf16_row_intrinsic(2, False)
 _blocks_q8_0, _blocks_q4_0, _blocks_mxfp4, _blocks_iq4_nl = (blocks_intrinsic(kind) for kind in range(1, 5))
+_blocks_fp8 = fp8_intrinsic()
 _tiles_pair, _tiles_one = tiles_intrinsic(2), tiles_intrinsic(1)
 _int8_pair, _int8_one = tiles_intrinsic(2, "tdpbssd"), tiles_intrinsic(1, "tdpbssd")
 
@@ -362,6 +418,8 @@ def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, 
         _blocks_mxfp4(flat, at, blocks, e8m0, wb, oat)
     elif kind == 4:
         _blocks_iq4_nl(flat, at, blocks, e8m0, wb, oat)
+    elif kind == lanes._FP8:
+        _blocks_fp8(flat, at, blocks // 4, wb, oat)
     else:
         lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0, f16)
         if kind == lanes._HALVES:
@@ -433,13 +491,18 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
                 _put_tiles(sums, used, first, count, g, n, out, flat_out)
 
 
+# The schemes ``matmul`` takes: ``lanes``' kinds, and fp8_e4m3, decoded from its blocks too.
+KINDS = {**lanes.KINDS, "fp8_e4m3": lanes._FP8}
+
+
 def fits(scheme: str, cols: int) -> bool:
     """Whether ``matmul`` takes matrices of ``scheme`` with rows of ``cols`` values here."""
-    return HAVE_AMX and lanes.fits(scheme, cols)
+    kind = KINDS.get(scheme)
+    return HAVE_AMX and vnni._COMPILED and kind is not None and cols % lanes._VALUES[kind] == 0
 
 
 def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
-    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``lanes.KINDS``
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``KINDS``
     stored as C-contiguous uint8 rows ``raw`` (``fits``): the weights decoded to bf16 32 rows at
     a time, the tokens rounded to bf16, the products summed in float32 by AMX."""
     x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
@@ -448,7 +511,7 @@ def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     out = np.empty((n, raw.shape[0]), dtype=np.float32)
     workers, per_chunk = _chunking(raw.shape[0], 2 * (cols + PAD))
     f16, e8m0 = vnni._tables()
-    _matmul(raw, lanes.KINDS[scheme], e8m0, f16, xb, n, cols, workers, per_chunk, tile_config(), out)
+    _matmul(raw, KINDS[scheme], e8m0, f16, xb, n, cols, workers, per_chunk, tile_config(), out)
     return out
 
 

@@ -1,8 +1,9 @@
 """Kernels for ``fp8_e4m3`` (e4m3 codes in blocks of 128 with a float32 scale each; layout in
 ``ktc.formats.codec_fp8``): the CPU's one-token kernel (``vnni.fp8_rows``, also what a MoE
-layer's fused call and a layer's projections read fp8 rows with: ``rows.FP8``), its decode kernel
-(Numba, a table of the 256 code values) and the device decoder (torch's ``float8_e4m3fn``),
-registered under the scheme's name."""
+layer's fused call and a layer's projections read fp8 rows with: ``rows.FP8``), several tokens
+through AMX where the CPU has it (``amx.matmul``), its decode kernel (Numba, a table of the 256
+code values) and the device decoder (torch's ``float8_e4m3fn``), registered under the scheme's
+name."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from ktc.formats.codec_fp8 import BLOCK, BLOCK_BYTES
 from ktc.formats.dequant import FP8_E4M3_VALUES
 from ktc.formats.kernel_args import read_only
 
-from . import vnni
+from . import amx, vnni
 from .device import register_device
-from .kernels import CpuKernels, _put, block_decoder, register_cpu
+from .kernels import AMX_MIN_TOKENS, CpuKernels, _put, block_decoder, register_cpu, stepwise
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -59,5 +60,20 @@ def _device_decode(raw: Any, cols: int) -> Any:
     return (blocks[..., 4:].contiguous().view(torch.float8_e4m3fn).float() * scales).reshape(raw.shape[0], cols)
 
 
-register_cpu("fp8_e4m3", CpuKernels(_matvec_rows, block_decoder(_decode, FP8_E4M3_VALUES)))
+def _amx_fits(scheme: str, cols: int) -> bool:
+    return amx.fits(scheme, cols)
+
+
+def _amx_multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    """Several tokens: through AMX from ``kernels.AMX_MIN_TOKENS`` (each worker decodes a chunk of
+    rows to bf16, ``amx.fp8_intrinsic``), fewer token by token."""
+    if x.shape[0] >= AMX_MIN_TOKENS[scheme]:
+        return amx.matmul(x, raw, scheme)
+    return stepwise(x, raw, scheme)
+
+
+# On a CPU with AMX, several tokens multiply in place (``CpuKernels.in_place``); elsewhere 16 or
+# more decode the matrix to bf16 for torch's GEMM and fewer go token by token.
+register_cpu("fp8_e4m3", CpuKernels(_matvec_rows, block_decoder(_decode, FP8_E4M3_VALUES),
+                                    in_place=(_amx_fits, _amx_multiply)))
 register_device("fp8_e4m3", _device_decode)

@@ -669,8 +669,12 @@ LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12
 # 0.86 / 0.91-0.99 / 1.01 / 1.27, g32 0.94 / 0.98-1.01 / 1.04 / 1.03; Qwen3-30B-A3B's gate/up
 # (1536 x 2048) g128 1.09 / 1.18 / 1.20, g32 0.98 / 1.07 / 1.07; its down (2048 x 768) g128 0.88 /
 # 0.93 / 1.00, g32 1.08 / 1.04 / 1.12.
+# fp8_e4m3 has no VNNI path (its values are no integers): from 3 tokens AMX, below them its one-token
+# kernel token by token (stepwise/amx at Mixtral's gate/up 0.98 at 2 tokens, 1.53 at 3, 2.06 at 4;
+# Qwen3-30B-A3B's 0.76, 1.00, 1.24), where 16 tokens or more decoded the matrix to bf16 for torch's
+# GEMM (at Mixtral's gate/up 42 ms at 16 tokens, 48 at 64, 63 at 256, against AMX's 4.9, 10.2, 29.2).
 AMX_MIN_TOKENS = {"q8_0": 16, "q4_0": 16, "mxfp4": 16, "iq4_nl": 16, "q4_k": 24, "q5_k": 24, "q6_k": 24,
-                  "iq4_xs": 24, "int4_g32": 32, "int4_g64": 32, "int4_g128": 32}
+                  "iq4_xs": 24, "int4_g32": 32, "int4_g64": 32, "int4_g128": 32, "fp8_e4m3": 3}
 
 
 def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndarray]) -> tuple[

@@ -46,13 +46,15 @@ CHUNK_ROWS = 16  # rows unpacked at a time; 16: 960 GOP/s, 32: 870, 64: 775 (4 x
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
 KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8,
          "int4_g32": 9, "int4_g64": 10, "int4_g128": 11}
-_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128, 0, 0, 0)
+_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128, 0, 0, 0, 0)
 # Per kind: bytes of a block (or super-block), values it holds, and where the block kinds'
 # codes start. int4's rows are not blocks (all codes, then all scales, then all minimums): its
-# size is that of a group's codes, its values the group's.
-_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136, 16, 32, 64)
-_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256, 32, 64, 128)
-_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0, 0, 0, 0)
+# size is that of a group's codes, its values the group's. The last, fp8_e4m3 (``_FP8``), is
+# AMX's alone (``amx.KINDS``): its values are no integers for ``vpdpbusd``.
+_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136, 16, 32, 64, 132)
+_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256, 32, 64, 128, 128)
+_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0, 0, 0, 0, 4)
+_FP8 = 12
 _HALVES = 7  # q6_k: 16-value scales, two a block
 _INT4 = 9  # kinds from here on: int4_g32, g64, g128
 
@@ -60,7 +62,7 @@ _INT4 = 9  # kinds from here on: int4_g32, g64, g128
 @njit(cache=True, nogil=True, inline="always")
 def has_minimums(kind):  # pragma: no cover - compiled
     """Whether a kind's blocks add a minimum to their scaled codes: q4_k, q5_k and int4."""
-    return kind == 5 or kind == 6 or kind >= _INT4
+    return kind == 5 or kind == 6 or _INT4 <= kind < _FP8
 
 
 def _unpack_intrinsic(kind: int):  # type: ignore[no-untyped-def]
@@ -378,7 +380,7 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
     # Row ``row`` of raw: its codes at w[wat:], its blocks' scales (and minimums) from sc/mn[p].
     size, values = _SIZE[kind], _VALUES[kind]
     base = row * raw.shape[1]
-    if kind >= _INT4:  # int4: the groups' codes, then their bf16 scales, then their bf16 minimums
+    if _INT4 <= kind < _FP8:  # int4: the groups' codes, then their bf16 scales, then their bf16 minimums
         groups = raw.shape[1] * 2 // (values + 8)  # a group's bytes: values / 2 of codes, 4 of parameters
         scales_at = base + groups * size
         for g in range(groups):

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from numba import njit
 
 from ktc.formats.float_bits import f32_to_bf16_bits
 from ktc.formats.quantize import dequantize, quantize
@@ -32,7 +33,7 @@ def _case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.ndarray, n
 
 
 @needs_amx
-@pytest.mark.parametrize("scheme", sorted(lanes.KINDS))
+@pytest.mark.parametrize("scheme", sorted(amx.KINDS))
 @pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 5), (64, 512, 32), (200, 768, 50), (16, 1024, 17),
                                               (96, 512, 40)])
 def test_amx_products_are_the_bf16_products(scheme, rows, cols, tokens):
@@ -66,6 +67,54 @@ def test_linear_takes_amx_from_its_token_count(monkeypatch):
     through_lanes = kernels.linear(x[: least - 1], raw, "q4_0")
     assert taken == ["ktc.runtime.amx", "ktc.runtime.lanes"]
     np.testing.assert_allclose(through_amx[: least - 1], through_lanes, rtol=2e-2, atol=2e-2 * np.abs(through_lanes).max())
+
+
+def test_fp8_rows_decode_to_their_values_in_bf16():
+    """fp8_e4m3 rows decoded for AMX (codes to float32 by their bits, times the block's scale,
+    rounded to bf16): every one of the 254 finite codes, under block scales small and large,
+    gives the bf16 of its value times the scale, as ``dequantize`` makes it."""
+    if not amx.HAVE_AMX:
+        pytest.skip("this CPU has no AMX (or Linux keeps it off, or the JIT is off)")
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)  # 0x7F, 0xFF: NaN
+    rows = []
+    for scale in (np.float32(1.0), np.float32(3.7e-5), np.float32(1234.5), np.float32(2.0 ** -30)):
+        row = np.zeros(2 * 132, np.uint8)
+        for b in range(2):
+            block = np.resize(np.roll(codes, 128 * b), 128)
+            row[132 * b: 132 * b + 4] = np.frombuffer(scale.tobytes(), np.uint8)
+            row[132 * b + 4: 132 * (b + 1)] = block
+        rows.append(row)
+    raw = np.stack(rows)
+
+    @njit
+    def decoded(flat, rows, row_bytes, out):  # the intrinsic, called from compiled code as amx's rows are
+        for r in range(rows):
+            amx._blocks_fp8(flat, r * row_bytes, 2, out, r * 256)
+
+    out = np.zeros(raw.shape[0] * 256, np.uint16)
+    decoded(raw.reshape(-1), raw.shape[0], raw.shape[1], out)
+    want = f32_to_bf16_bits(np.ascontiguousarray(dequantize(raw, "fp8_e4m3", 256), dtype=np.float32))
+    np.testing.assert_array_equal(out.reshape(raw.shape[0], 256), want.reshape(raw.shape[0], 256))
+
+
+@needs_amx
+def test_linear_takes_amx_for_fp8_from_its_token_count(monkeypatch):
+    """fp8_e4m3 products of ``AMX_MIN_TOKENS`` tokens or more go through AMX (where they decoded
+    the whole matrix to bf16 for torch's GEMM from 16 tokens), fewer token by token through the
+    one-token kernel; the two agree within the bf16 rounding of weights and tokens."""
+    from ktc.runtime import kernels
+
+    taken = []
+    real = amx.matmul
+    monkeypatch.setattr(amx, "matmul", lambda *args: taken.append(len(args[0])) or real(*args))
+    least = kernels.AMX_MIN_TOKENS["fp8_e4m3"]
+    raw, x = _case("fp8_e4m3", 70, 384, 40)
+    through_amx = kernels.linear(x, raw, "fp8_e4m3")
+    one_by_one = kernels.linear(x[: least - 1], raw, "fp8_e4m3")
+    assert taken == [40]
+    np.testing.assert_allclose(through_amx[: least - 1], one_by_one, rtol=2e-2, atol=2e-2 * np.abs(one_by_one).max())
+    exact = x.astype(np.float64) @ dequantize(raw, "fp8_e4m3", 384).astype(np.float64).T
+    assert np.linalg.norm(through_amx - exact) / np.linalg.norm(exact) < 1e-2
 
 
 @needs_amx

@@ -223,7 +223,7 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
 @pytest.mark.parametrize("family, scheme, width", [("qwen3_moe", "q4_0", 128), ("mixtral", "q8_0", 128),
                                                    ("gpt_oss", "mxfp4", 128), ("qwen3_moe", "q4_k", 256),
                                                    ("olmoe", "q6_k", 256), ("qwen3_moe", "int4_g128", 256),
-                                                   ("mixtral", "int4_g32", 128)])
+                                                   ("mixtral", "int4_g32", 128), ("qwen3_moe", "fp8_e4m3", 256)])
 @pytest.mark.parametrize("tokens", [24, 160])
 def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tmp_path):
     """Many tokens through a layer at once (each expert's tokens multiplied in place: row tiles
@@ -234,7 +234,8 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
     within the activations' rounding for the K-quants, whose one-token kernels quantize them
     per 256 (about 1% a product, two products; the lanes against their definition: the kernel
     tests), and for int4, per group (int4 has no row tiles and no call for experts of a few
-    tokens: below LANES_MIN_TOKENS its one-token kernels token by token); on a CPU with AMX, experts of ``AMX_MIN_TOKENS`` tokens or more multiply bf16 values
+    tokens: below LANES_MIN_TOKENS its one-token kernels token by token); fp8_e4m3 within bf16's
+    rounding from AMX_MIN_TOKENS on a CPU with AMX (else from 16, torch's bf16 GEMM); on a CPU with AMX, experts of ``AMX_MIN_TOKENS`` tokens or more multiply bf16 values
     (``runtime/amx.py``), within the activations' rounding too."""
     from ktc.runtime import amx, vnni
     from ktc.runtime.kernels import AMX_MIN_TOKENS, LANES_MIN_TOKENS
@@ -260,12 +261,13 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
         h = rng.standard_normal((tokens, width)).astype(np.float32)
         batched = moe.forward(h)
         most = int(moe.experts.counts.max())  # the most tokens an expert took in the batch
-        if tokens == 24 and not scheme.startswith("int4"):  # experts of a few tokens each: in one call
+        if tokens == 24 and not scheme.startswith(("int4", "fp8")):  # experts of a few tokens each: in one call
             assert sum(grouped) >= 2
         alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(tokens)])
         moe.close()
-    assert tokens == 24 or most >= LANES_MIN_TOKENS[scheme]  # the larger batch reaches the lanes
+    assert tokens == 24 or most >= LANES_MIN_TOKENS.get(scheme, 16)  # the larger batch reaches the lanes
     if ((scheme in ("q4_k", "q6_k") and tokens > 24) or (scheme.startswith("int4") and most >= LANES_MIN_TOKENS[scheme])
+            or (scheme == "fp8_e4m3" and most >= (AMX_MIN_TOKENS[scheme] if amx.HAVE_AMX else 16))
             or (amx.HAVE_AMX and most >= AMX_MIN_TOKENS[scheme])):
         assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) < 3e-2
     else:
