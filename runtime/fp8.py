@@ -14,16 +14,12 @@ from numba import njit, prange
 
 from ktc.formats.codec_fp8 import BLOCK, BLOCK_BYTES
 from ktc.formats.dequant import FP8_E4M3_VALUES
+from ktc.formats.float_bits import bf16_bits
 from ktc.formats.kernel_args import read_only
 
 from . import amx, vnni
 from .device import register_device
-from .kernels import AMX_MIN_TOKENS, CpuKernels, _put, block_decoder, register_cpu, stepwise
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _scale(raw, r, at):  # pragma: no cover - compiled
-    return raw[r, at: at + 4].copy().view(np.float32)[0]
+from .kernels import AMX_MIN_TOKENS, CpuKernels, block_decoder, register_cpu, stepwise
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -38,13 +34,34 @@ def _matvec(raw, x, out):  # pragma: no cover - compiled
         vnni.fp8_rows(flat, first * row_bytes, row_bytes, min(16, rows - first), blocks, x, out, first)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _value(code):  # pragma: no cover - compiled
+    # An e4m3 code's value from its bits, no table (a look-up a value kept LLVM from vectorizing
+    # the decoder's loop): a normal code's exponent and mantissa are float32's shifted by 20 with
+    # 120 added to the exponent; a subnormal's (exponent 0) is its mantissa times 2^-9. NaN codes
+    # (0x7F, 0xFF; ktc's import refuses or replaces them) read as 480, as the one-token kernel's.
+    magnitude = np.int32(code) & np.int32(0x7F)
+    normal = np.int32((magnitude << np.int32(20)) + np.int32(120 << 23)).view(np.float32)
+    value = normal if magnitude >= 8 else np.float32(magnitude) * np.float32(2.0 ** -9)
+    return -value if code & np.uint8(0x80) else value
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _decode(raw, cols, table, bf16, out32, out16):  # pragma: no cover - compiled
+    # ``table`` (the 256 values) is unused: kept for ``block_decoder``'s call. A block's scale from
+    # its four bytes (a copy of them, viewed, allocated an array a block), each output's loop apart.
     for r in prange(raw.shape[0]):
         for b in range(cols // 128):
-            s = _scale(raw, r, b * 132)
-            for j in range(128):
-                _put(bf16, out32, out16, r, b * 128 + j, table[raw[r, b * 132 + 4 + j]] * s)
+            at = b * 132
+            s = np.uint32(np.uint32(raw[r, at]) | (np.uint32(raw[r, at + 1]) << np.uint32(8))
+                          | (np.uint32(raw[r, at + 2]) << np.uint32(16))
+                          | (np.uint32(raw[r, at + 3]) << np.uint32(24))).view(np.float32)
+            if bf16:
+                for j in range(128):
+                    out16[r, b * 128 + j] = bf16_bits(_value(raw[r, at + 4 + j]) * s)
+            else:
+                for j in range(128):
+                    out32[r, b * 128 + j] = _value(raw[r, at + 4 + j]) * s
 
 
 def _matvec_rows(raw, x, out, scales):  # type: ignore[no-untyped-def]

@@ -49,8 +49,8 @@ def test_matvec_matches_numpy(scheme, shape, seed):
 def test_fp8_rows_read_every_code_exactly():
     """fp8_e4m3's one-token kernel (``vnni.fp8_rows``: each code made a float32 from its bits, not
     looked up) gives every finite code's value times its block's scale exactly, subnormals and
-    negative zero included, read one column at a time; and a row's sum over several blocks as
-    float64 does within float32's rounding."""
+    negative zero included, read one column at a time, and so does its decoder; and a row's sum
+    over several blocks as float64 does within float32's rounding."""
     from ktc.formats.codec_fp8 import pack
     from ktc.formats.dequant import FP8_E4M3_VALUES
 
@@ -63,6 +63,12 @@ def test_fp8_rows_read_every_code_exactly():
         x = np.zeros(128, np.float32)
         x[j] = 1.0
         np.testing.assert_array_equal(matvec(raw, "fp8_e4m3", x), want[:, j])
+    # its decoder (the bf16 GEMM's path): the codes' values from their bits too, float32 and bf16
+    from ktc.formats.quantize import f32_to_bf16_bits
+    from ktc.runtime.kernels import decode
+
+    np.testing.assert_array_equal(decode(raw, "fp8_e4m3", 128), want)
+    np.testing.assert_array_equal(decode(raw, "fp8_e4m3", 128, bf16=True), f32_to_bf16_bits(want))
     rng = np.random.default_rng(3)
     codes = rng.integers(0, 256, (5, 640), dtype=np.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0
