@@ -89,10 +89,10 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     [3, n * cols // 32]: per 32, 64 and 128 values, those of group g in the first n * cols / (32
     << g) places). What no kind present reads is left unfilled, or empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
-    int4 = np.zeros(3, np.bool_)
+    int4 = 0  # a bit for each int4 group size present
     for code in kinds:
         if code >= INT4:
-            int4[code - INT4] = True
+            int4 |= 1 << (code - INT4)
         in_order |= code < 2 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K and code != _Q6_K)
         in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
@@ -115,11 +115,11 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         kquants._sums16(xq.reshape(-1), dx.reshape(-1), isum16.reshape(-1), dsum16.reshape(-1))
     yk, dk, bsum = kquants.superblock_activations(x, n, cols, ((kinds == _Q4_K) | (kinds == _Q5_K)).any(),
                                                   (kinds == _Q6_K).any())
-    width = n * cols if int4.any() else 0
+    width = n * cols if int4 else 0
     iq, idx, isum = np.empty((3, width), np.int8), np.empty((3, width // 32), np.float32), np.empty((3, width // 32),
                                                                                                    np.float32)
     for g in range(3):
-        if int4[g]:  # groups never straddle two vectors: cols is a multiple of the group
+        if int4 & (1 << g):  # groups never straddle two vectors: cols is a multiple of the group
             count = width // (32 << g)
             vnni._quantize_groups(x, 32 << g, 0, iq[g], idx[g, :count], isum[g, :count])
     return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, x.reshape(n, cols), iq, idx, isum
