@@ -86,8 +86,8 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     the int8 and dequantized sums per 16 (q3_k's offsets, q2_k's minimums), and the activations
     per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``), the vectors as they
     are (``BF16`` reads them), and int4's (int8 values [3, n * cols], scales and dequantized sums
-    [3, n * cols // 32]: per 32, 64 and 128 values, those of group g in the first n * cols / (32
-    << g) places). What no kind present reads is left unfilled, or empty."""
+    [3, n * cols // 32]: per 32 (in quad_layout), 64 and 128 values, those of group g in the first
+    n * cols / (32 << g) places). What no kind present reads is left unfilled, or empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
     int4 = 0  # a bit for each int4 group size present
     for code in kinds:
@@ -120,8 +120,8 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
                                                                                                    np.float32)
     for g in range(3):
         if int4 & (1 << g):  # groups never straddle two vectors: cols is a multiple of the group
-            count = width // (32 << g)
-            vnni._quantize_groups(x, 32 << g, 0, iq[g], idx[g, :count], isum[g, :count])
+            count = width // (32 << g)  # int4_g32 reads its activations in quad_layout, as q4_0
+            vnni._quantize_groups(x, 32 << g, cols if g == 0 else 0, iq[g], idx[g, :count], isum[g, :count])
     return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, x.reshape(n, cols), iq, idx, isum
 
 
