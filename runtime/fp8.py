@@ -1,8 +1,8 @@
 """Kernels for ``fp8_e4m3`` (e4m3 codes in blocks of 128 with a float32 scale each; layout in
 ``ktc.formats.codec_fp8``): the CPU's one-token kernel (``vnni.fp8_rows``, also what a MoE
 layer's fused call and a layer's projections read fp8 rows with: ``rows.FP8``), several tokens
-through AMX where the CPU has it (``amx.matmul``), its decode kernel (Numba, a table of the 256
-code values) and the device decoder (torch's ``float8_e4m3fn``), registered under the scheme's
+through AMX where the CPU has it (``amx.matmul``), its decode kernel (Numba, each code's value
+from its bits) and the device decoder (torch's ``float8_e4m3fn``), registered under the scheme's
 name."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import numpy as np
 from numba import njit, prange
 
 from ktc.formats.codec_fp8 import BLOCK, BLOCK_BYTES
-from ktc.formats.dequant import FP8_E4M3_VALUES
 from ktc.formats.float_bits import bf16_bits
 from ktc.formats.kernel_args import read_only
 
@@ -47,9 +46,9 @@ def _value(code):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _decode(raw, cols, table, bf16, out32, out16):  # pragma: no cover - compiled
-    # ``table`` (the 256 values) is unused: kept for ``block_decoder``'s call. A block's scale from
-    # its four bytes (a copy of them, viewed, allocated an array a block), each output's loop apart.
+def _decode(raw, cols, bf16, out32, out16):  # pragma: no cover - compiled
+    # A block's scale from its four bytes (a copy of them, viewed, allocated an array a block),
+    # each output's loop apart.
     for r in prange(raw.shape[0]):
         for b in range(cols // 128):
             at = b * 132
@@ -91,6 +90,6 @@ def _amx_multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
 
 # On a CPU with AMX, several tokens multiply in place (``CpuKernels.in_place``); elsewhere 16 or
 # more decode the matrix to bf16 for torch's GEMM and fewer go token by token.
-register_cpu("fp8_e4m3", CpuKernels(_matvec_rows, block_decoder(_decode, FP8_E4M3_VALUES),
+register_cpu("fp8_e4m3", CpuKernels(_matvec_rows, block_decoder(_decode),
                                     in_place=(_amx_fits, _amx_multiply)))
 register_device("fp8_e4m3", _device_decode)
