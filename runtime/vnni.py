@@ -231,7 +231,6 @@ def _int4_g32_row_intrinsic():  # type: ignore[no-untyped-def]
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-    b64, b16 = ir.VectorType(i8, 64), ir.VectorType(i8, 16)
     w16, f16x, w4, f4 = ir.VectorType(i32, 16), ir.VectorType(f32, 16), ir.VectorType(i32, 4), ir.VectorType(f32, 4)
 
     @intrinsic
@@ -262,18 +261,22 @@ def _int4_g32_row_intrinsic():  # type: ignore[no-untyped-def]
             acc4 = cgutils.alloca_once_value(builder, ir.Constant(f4, [0.0] * 4))
             fours = builder.udiv(groups_v, const(4))
 
+            def nibble_dots(at, xat, count, fn):  # type: ignore[no-untyped-def]
+                # ``count`` bytes of codes at flat[at]: their low nibbles times xq[xat:], their high
+                # ones times the next ``count`` activations, summed four products a 32-bit lane
+                b_t, w_t = ir.VectorType(i8, count), ir.VectorType(i32, count // 4)
+                packed = load(flat_a, at, b_t)
+                dot = ir.Constant(w_t, [0] * (count // 4))
+                for part, x_at in ((builder.and_(packed, ir.Constant(b_t, [15] * count)), xat),
+                                   (builder.lshr(packed, ir.Constant(b_t, [4] * count)), builder.add(xat, const(count)))):
+                    dot = builder.call(fn, [dot, builder.bitcast(part, w_t), builder.bitcast(load(xq_a, x_at, b_t), w_t)])
+                return dot
+
             def four(c, acc_p):  # type: ignore[no-untyped-def]
                 g0 = builder.mul(c, const(4))
                 at = builder.add(base_v, builder.mul(c, const(64)))
                 _prefetch_ahead(builder, flat_a, at, 64)
-                packed = load(flat_a, at, b64)
-                low = builder.and_(packed, ir.Constant(b64, [15] * 64))
-                high = builder.lshr(packed, ir.Constant(b64, [4] * 64))
-                xat = builder.mul(c, const(128))
-                dot = builder.call(dot16, [ir.Constant(w16, [0] * 16), builder.bitcast(low, w16),
-                                           builder.bitcast(load(xq_a, xat, b64), w16)])
-                dot = builder.call(dot16, [dot, builder.bitcast(high, w16),
-                                           builder.bitcast(load(xq_a, builder.add(xat, const(64)), b64), w16)])
+                dot = nibble_dots(at, builder.mul(c, const(128)), 64, dot16)
                 scales = builder.fmul(bf16_4(builder.add(params_v, g0)), load(dx_a, g0, f4, 4))
                 lowest = builder.fmul(bf16_4(builder.add(builder.add(params_v, groups_v), g0)), load(xsum_a, g0, f4, 4))
                 builder.store(builder.fadd(builder.load(mins), lowest), mins)
@@ -289,14 +292,7 @@ def _int4_g32_row_intrinsic():  # type: ignore[no-untyped-def]
                 four(builder.sub(fours, const(1)), accs[0])
             with cgutils.for_range(builder, builder.sub(groups_v, builder.mul(fours, const(4)))) as loop:
                 g = builder.add(builder.mul(fours, const(4)), loop.index)  # in order: 16 codes, 32 values
-                packed = load(flat_a, builder.add(base_v, builder.mul(g, const(16))), b16)
-                low = builder.and_(packed, ir.Constant(b16, [15] * 16))
-                high = builder.lshr(packed, ir.Constant(b16, [4] * 16))
-                xat = builder.mul(g, const(32))
-                dot = builder.call(dot4, [ir.Constant(w4, [0] * 4), builder.bitcast(low, w4),
-                                          builder.bitcast(load(xq_a, xat, b16), w4)])
-                dot = builder.call(dot4, [dot, builder.bitcast(high, w4),
-                                          builder.bitcast(load(xq_a, builder.add(xat, const(16)), b16), w4)])
+                dot = nibble_dots(builder.add(base_v, builder.mul(g, const(16))), builder.mul(g, const(32)), 16, dot4)
                 s = builder.fmul(builder.bitcast(builder.shl(builder.zext(load(words_a, builder.add(params_v, g), i16, 2),
                                                                            i32), ir.Constant(i32, 16)), f32),
                                  load(dx_a, g, f32, 4))
