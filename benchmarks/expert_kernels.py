@@ -175,7 +175,8 @@ def main() -> int:
     w_gate_up = (rng.standard_normal((2 * inter, hidden), dtype=np.float32) * 0.02)
     w_down = (rng.standard_normal((hidden, inter), dtype=np.float32) * 0.02)
     x = rng.standard_normal(hidden).astype(np.float32)
-    targets: dict[str, float | None] = {"int8": 0.75, "q8_0": 0.75, "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60,
+    targets: dict[str, float | None] = {"int8": 0.75, "q8_0": 0.75, "int4_g32": 0.60, "int4_g64": 0.60,
+                                        "int4_g128": 0.60, "q4_0": 0.60, "mxfp4": 0.60,
                                         "q4_k": 0.60, "q5_k": 0.60, "q6_k": 0.60, "iq4_xs": 0.60,
                                         "fp8_e4m3": None}  # DeepSeek-V3's FP8 passed through: no target set
 
