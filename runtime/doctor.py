@@ -68,7 +68,8 @@ def diagnose() -> dict[str, Any]:
                "float kernels for every scheme (no AVX-512 VNNI, another compile target, or KTC_NO_VNNI=1)")
     if HAVE_AMX:
         kernels += (f"; prefill products of {AMX_MIN_TOKENS['q4_0']} tokens or more (the block schemes; "
-                    f"{AMX_MIN_TOKENS['q4_k']} the K-quants) through AMX (bf16), int8's from "
+                    f"{AMX_MIN_TOKENS['q4_k']} the K-quants, {AMX_MIN_TOKENS['int4_g128']} int4, "
+                    f"{AMX_MIN_TOKENS['fp8_e4m3']} fp8_e4m3) through AMX (bf16), int8's from "
                     f"{AMX_INT8_MIN_TOKENS} tokens through AMX's int8 product")
     elif cpu["features"]["amx"] and HAVE_VNNI:
         kernels += "; AMX unused (KTC_NO_AMX=1, no AMX-BF16, or Linux refused the tile state)"
