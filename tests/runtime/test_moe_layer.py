@@ -235,7 +235,8 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
     per 256 (about 1% a product, two products; the lanes against their definition: the kernel
     tests), and for int4, per group (int4 has no row tiles and no call for experts of a few
     tokens: below LANES_MIN_TOKENS its one-token kernels token by token); fp8_e4m3 within bf16's
-    rounding from AMX_MIN_TOKENS on a CPU with AMX (else from 16, torch's bf16 GEMM); on a CPU with AMX, experts of ``AMX_MIN_TOKENS`` tokens or more multiply bf16 values
+    rounding from AMX_MIN_TOKENS on a CPU with AMX (else from 16, torch's bf16 GEMM); on a CPU
+    with AMX, experts of ``AMX_MIN_TOKENS`` tokens or more multiply bf16 values
     (``runtime/amx.py``), within the activations' rounding too."""
     from ktc.runtime import amx, vnni
     from ktc.runtime.kernels import AMX_MIN_TOKENS, LANES_MIN_TOKENS
