@@ -28,6 +28,7 @@ def _matvec(raw, x, out):  # pragma: no cover - compiled
     blocks = x.shape[0] // 128
     flat = raw.reshape(-1)
     rows, row_bytes = raw.shape
+    x = vnni.without_denormals(x)  # the rows multiply x as floats: no denormal operands
     for item in prange((rows + 15) // 16):
         first = 16 * item
         vnni.fp8_rows(flat, first * row_bytes, row_bytes, min(16, rows - first), blocks, x, out, first)

@@ -84,8 +84,8 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     q8_0, q2_k, q3_k, iq4_xs) and in quad_layout (q4_0, mxfp4, iq4_nl), their scales and dequantized
     sums, the block kinds' per-lane terms (``vnni.lanes_into``, the parts those present read),
     the int8 and dequantized sums per 16 (q3_k's offsets, q2_k's minimums), and the activations
-    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``), the vectors as they
-    are (``BF16`` reads them), and int4's (int8 values [3, n * cols], scales and dequantized sums
+    per 256 of q4_k, q5_k and q6_k (``kquants.superblock_activations``), the vectors as floats,
+    denormals made zeros (``FP8`` and ``BF16`` read them: ``vnni.without_denormals``), and int4's (int8 values [3, n * cols], scales and dequantized sums
     [3, n * cols // 32]: per 32 (in quad_layout), 64 and 128 values, those of group g in the first
     n * cols / (32 << g) places). What no kind present reads is left unfilled, or empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
@@ -122,7 +122,11 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         if int4 & (1 << g):  # groups never straddle two vectors: cols is a multiple of the group
             count = width // (32 << g)  # int4_g32 reads its activations in quad_layout, as q4_0
             vnni._quantize_groups(x, 32 << g, cols if g == 0 else 0, iq[g], idx[g, :count], isum[g, :count])
-    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, x.reshape(n, cols), iq, idx, isum
+    floats = False  # a kind that multiplies the activations as floats: fp8's and bf16's rows
+    for code in kinds:
+        floats |= code == FP8 or code == BF16
+    xs = vnni.without_denormals(x) if floats else x
+    return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs.reshape(n, cols), iq, idx, isum
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -46,6 +46,25 @@ def test_matvec_matches_numpy(scheme, shape, seed):
     np.testing.assert_allclose(got, reference, rtol=tolerance, atol=tolerance * np.abs(reference).max())
 
 
+def test_fp8_rows_take_denormal_activations_as_zeros():
+    """fp8_e4m3's rows multiply the activations as floats, so denormal ones (the SiLU of gates
+    below about -87) are made zeros first (each had cost a microcode assist: a Mixtral-shaped down
+    matrix 21 ms instead of 1.8 with half of them denormal): one matrix and the multi-expert rows
+    give exactly what the activations with those values zeroed give."""
+    rng = np.random.default_rng(4)
+    raw = quantize(rng.standard_normal((70, 384)).astype(np.float32), "fp8_e4m3")
+    x = rng.standard_normal(384).astype(np.float32)
+    x[::3] = np.float32(1e-40) * rng.choice([-1, 1], 128)
+    zeroed = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
+    np.testing.assert_array_equal(vnni.without_denormals(x), zeroed)
+    assert (vnni.without_denormals(x)[1::3] == x[1::3]).all()  # the rest as they are
+    np.testing.assert_array_equal(matvec(raw, "fp8_e4m3", x), matvec(raw, "fp8_e4m3", zeroed))
+    file = np.zeros(raw.nbytes + 8, np.uint8)
+    file[4:4 + raw.nbytes] = raw.reshape(-1)
+    both = [vnni.rows_many(file, "fp8_e4m3", np.array([4], dtype=np.int64), 70, v[None, :]) for v in (x, zeroed)]
+    np.testing.assert_array_equal(both[0], both[1])
+
+
 def test_fp8_rows_read_every_code_exactly():
     """fp8_e4m3's one-token kernel (``vnni.fp8_rows``: each code made a float32 from its bits, not
     looked up) gives every finite code's value times its block's scale exactly, subnormals and
