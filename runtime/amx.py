@@ -227,8 +227,8 @@ def blocks_intrinsic(kind: int):  # type: ignore[no-untyped-def]
 def fp8_intrinsic():  # type: ignore[no-untyped-def]
     """``decode(flat, at, blocks, out, oat)``: ``blocks`` blocks of fp8_e4m3 (a float32 scale, then
     128 e4m3 codes) from byte ``at`` of ``flat`` as bf16 bits at out[oat:]: each code made the
-    float32 of its value times 2^-120 from its bits (sign-extended, shifted 20, masked, as
-    ``vnni._fp8_rows_intrinsic`` reads them: subnormal codes become float32 denormals, exact), times
+    float32 of its value times 2^-120 from its bits (``vnni.e4m3_scaled_floats``, as the one-token
+    kernel reads them), times
     2^60 and by the scale times 2^60 (the same single rounding as the value times the scale), then
     AVX-512 BF16's conversion."""
     from llvmlite import ir
@@ -266,9 +266,7 @@ def fp8_intrinsic():  # type: ignore[no-untyped-def]
                     values = []
                     for half in range(2):
                         codes = load(builder.add(base, const(4 + 32 * step + 16 * half)), bytes16)
-                        bits = builder.and_(builder.shl(builder.sext(codes, words), ir.Constant(words, [20] * 16)),
-                                            ir.Constant(words, [-(1 << 31) | (0x7F << 20)] * 16))
-                        values.append(builder.fmul(builder.fmul(builder.bitcast(bits, floats), up), scale))
+                        values.append(builder.fmul(builder.fmul(vnni.e4m3_scaled_floats(builder, codes), up), scale))
                     o = builder.add(oat_v, builder.add(builder.mul(loop.index, const(128)), const(32 * step)))
                     builder.store(builder.bitcast(builder.call(both, [values[1], values[0]]), pairs),
                                   builder.bitcast(builder.gep(out_a.data, [o]), pairs.as_pointer()), align=2)

@@ -142,6 +142,24 @@ def _joined(builder, first, second):  # type: ignore[no-untyped-def]
     return builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32))))
 
 
+def _codes_intrinsic(body):  # type: ignore[no-untyped-def]
+    """``codes(flat, at, w, wat)``: an intrinsic writing codes unpacked from flat[at:] to w[wat:],
+    its code emitted by ``body(builder, load, flat, at, w, wat)`` (``_loader``'s load; the
+    arrays' structures and the indices' values)."""
+
+    @intrinsic
+    def codes(typingctx, flat, at, w, wat):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, w_a = vnni._arrays(context, builder, signature, args, (0, 2))
+            at_v, wat_v = vnni._indices(context, builder, signature, args, (1, 3))
+            body(builder, _loader(builder), flat_a, at_v, w_a, wat_v)
+            return context.get_dummy_value()
+
+        return types.void(flat, at, w, wat), codegen
+
+    return codes
+
+
 def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     """``codes(flat, at, w, wat)``: the 256 codes of the super-block of ``kind`` (q4_k, q5_k,
     q6_k, iq4_xs) at byte ``at`` of ``flat`` as unsigned bytes at w[wat:wat + 256], in order
@@ -155,46 +173,37 @@ def _superblock_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     def spread(value):  # type: ignore[no-untyped-def]
         return ir.Constant(bytes32, [value] * 32)
 
-    @intrinsic
-    def codes(typingctx, flat, at, w, wat):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, w_a = vnni._arrays(context, builder, signature, args, (0, 2))
-            at_v, wat_v = vnni._indices(context, builder, signature, args, (1, 3))
-            load = _loader(builder)
+    def body(builder, load, flat_a, at_v, w_a, wat_v):  # type: ignore[no-untyped-def]
+        def at(k):  # type: ignore[no-untyped-def]
+            return builder.add(at_v, ir.Constant(at_v.type, k))
 
-            def at(k):  # type: ignore[no-untyped-def]
-                return builder.add(at_v, ir.Constant(at_v.type, k))
+        def put(value, k):  # type: ignore[no-untyped-def]
+            _store(builder, value, w_a, builder.add(wat_v, ir.Constant(wat_v.type, k)))
 
-            def put(value, k):  # type: ignore[no-untyped-def]
-                _store(builder, value, w_a, builder.add(wat_v, ir.Constant(wat_v.type, k)))
+        if kind in (5, 6):  # q4_k, q5_k: sub-block j is the low (j even) or high nibbles of 32 bytes
+            first = 16 if kind == 5 else 48
+            high_bits = load(flat_a, at(16), bytes32) if kind == 6 else None
+            for i in range(4):
+                for j, nibbles in zip((2 * i, 2 * i + 1), _nibbles(builder, load(flat_a, at(first + 32 * i),
+                                                                                  bytes32))):
+                    if high_bits is not None:  # q5_k: bit j of qh[l] is value l's fifth
+                        fifth = builder.and_(builder.lshr(high_bits, spread(j)), spread(1))
+                        nibbles = builder.or_(nibbles, builder.shl(fifth, spread(4)))
+                    put(nibbles, 32 * j)
+        elif kind == 8:  # iq4_xs: sub-block j's 16 bytes at 8 + 16 j, low nibbles then high, as iq4_nl's
+            for j in range(8):
+                halves = _nibbles(builder, load(flat_a, at(8 + 16 * j), ir.VectorType(i8, 16)))
+                put(_joined(builder, *_looked_up(builder, vnni.IQ4_PLUS_128, halves)), 32 * j)
+        else:  # q6_k: value 128 n + 32 s + l: ql[64 n + 32 (s % 2) + l] >> 4 (s // 2), qh[32 n + l] >> 2 s
+            for n in range(2):
+                high = load(flat_a, at(128 + 32 * n), bytes32)
+                for s in range(4):
+                    low = load(flat_a, at(64 * n + 32 * (s % 2)), bytes32)
+                    low = builder.and_(builder.lshr(low, spread(4 * (s // 2))), spread(15))
+                    top = builder.and_(builder.lshr(high, spread(2 * s)), spread(3))
+                    put(builder.or_(low, builder.shl(top, spread(4))), 128 * n + 32 * s)
 
-            if kind in (5, 6):  # q4_k, q5_k: sub-block j is the low (j even) or high nibbles of 32 bytes
-                first = 16 if kind == 5 else 48
-                high_bits = load(flat_a, at(16), bytes32) if kind == 6 else None
-                for i in range(4):
-                    for j, nibbles in zip((2 * i, 2 * i + 1), _nibbles(builder, load(flat_a, at(first + 32 * i),
-                                                                                      bytes32))):
-                        if high_bits is not None:  # q5_k: bit j of qh[l] is value l's fifth
-                            fifth = builder.and_(builder.lshr(high_bits, spread(j)), spread(1))
-                            nibbles = builder.or_(nibbles, builder.shl(fifth, spread(4)))
-                        put(nibbles, 32 * j)
-            elif kind == 8:  # iq4_xs: sub-block j's 16 bytes at 8 + 16 j, low nibbles then high, as iq4_nl's
-                for j in range(8):
-                    halves = _nibbles(builder, load(flat_a, at(8 + 16 * j), ir.VectorType(i8, 16)))
-                    put(_joined(builder, *_looked_up(builder, vnni.IQ4_PLUS_128, halves)), 32 * j)
-            else:  # q6_k: value 128 n + 32 s + l: ql[64 n + 32 (s % 2) + l] >> 4 (s // 2), qh[32 n + l] >> 2 s
-                for n in range(2):
-                    high = load(flat_a, at(128 + 32 * n), bytes32)
-                    for s in range(4):
-                        low = load(flat_a, at(64 * n + 32 * (s % 2)), bytes32)
-                        low = builder.and_(builder.lshr(low, spread(4 * (s // 2))), spread(15))
-                        top = builder.and_(builder.lshr(high, spread(2 * s)), spread(3))
-                        put(builder.or_(low, builder.shl(top, spread(4))), 128 * n + 32 * s)
-            return context.get_dummy_value()
-
-        return types.void(flat, at, w, wat), codegen
-
-    return codes
+    return _codes_intrinsic(body)
 
 
 def _int4_codes_intrinsic(group: int):  # type: ignore[no-untyped-def]
@@ -206,25 +215,17 @@ def _int4_codes_intrinsic(group: int):  # type: ignore[no-untyped-def]
     i8 = ir.IntType(8)
     width = min(group // 2, 32)  # bytes a load: 16 for 32-value groups, else 32
 
-    @intrinsic
-    def codes(typingctx, flat, at, w, wat):  # type: ignore[no-untyped-def]
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, w_a = vnni._arrays(context, builder, signature, args, (0, 2))
-            at_v, wat_v = vnni._indices(context, builder, signature, args, (1, 3))
-            load = _loader(builder)
-            for k in range(0, group // 2, width):
-                low, high = _nibbles(builder, load(flat_a, builder.add(at_v, ir.Constant(at_v.type, k)),
-                                                   ir.VectorType(i8, width)))
-                if width == 16:  # a 32-value group: both halves one 32-byte store
-                    _store(builder, _joined(builder, low, high), w_a, wat_v)
-                    continue
-                for value, first in ((low, k), (high, group // 2 + k)):
-                    _store(builder, value, w_a, builder.add(wat_v, ir.Constant(wat_v.type, first)))
-            return context.get_dummy_value()
+    def body(builder, load, flat_a, at_v, w_a, wat_v):  # type: ignore[no-untyped-def]
+        for k in range(0, group // 2, width):
+            low, high = _nibbles(builder, load(flat_a, builder.add(at_v, ir.Constant(at_v.type, k)),
+                                               ir.VectorType(i8, width)))
+            if width == 16:  # a 32-value group: both halves one 32-byte store
+                _store(builder, _joined(builder, low, high), w_a, wat_v)
+                continue
+            for value, first in ((low, k), (high, group // 2 + k)):
+                _store(builder, value, w_a, builder.add(wat_v, ir.Constant(wat_v.type, first)))
 
-        return types.void(flat, at, w, wat), codegen
-
-    return codes
+    return _codes_intrinsic(body)
 
 
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # type: ignore[no-untyped-def]

@@ -90,9 +90,11 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     n * cols / (32 << g) places). What no kind present reads is left unfilled, or empty."""
     in_order, in_quads, sums16, blocks = False, False, False, False
     int4 = 0  # a bit for each int4 group size present
+    floats = False  # a kind that multiplies the activations as floats: fp8's and bf16's rows
     for code in kinds:
         if code >= INT4:
             int4 |= 1 << (code - INT4)
+        floats |= code == FP8 or code == BF16
         in_order |= code < 2 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K and code != _Q6_K)
         in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
@@ -122,9 +124,6 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         if int4 & (1 << g):  # groups never straddle two vectors: cols is a multiple of the group
             count = width // (32 << g)  # int4_g32 reads its activations in quad_layout, as q4_0
             vnni._quantize_groups(x, 32 << g, cols if g == 0 else 0, iq[g], idx[g, :count], isum[g, :count])
-    floats = False  # a kind that multiplies the activations as floats: fp8's and bf16's rows
-    for code in kinds:
-        floats |= code == FP8 or code == BF16
     xs = vnni.without_denormals(x) if floats else x
     return xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs.reshape(n, cols), iq, idx, isum
 

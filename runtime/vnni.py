@@ -123,6 +123,13 @@ def _group_intrinsic(nbytes: int, table: tuple[int, ...] | None = None):  # type
 _group16 = _group_intrinsic(16)  # q4_0's blocks past a row's whole steps
 
 
+def _int4_row_operands(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    """The int4 row intrinsics' ``(flat, base, groups, xq, dx, xsum, words, params)``: the arrays
+    flat, xq, dx, xsum and words, then the indices base, groups and params."""
+    return (*_arrays(context, builder, signature, args, (0, 3, 4, 5, 6)),
+            *_indices(context, builder, signature, args, (1, 2, 7)))
+
+
 def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
     """``row(flat, base, groups, xq, dx, xsum, words, params) -> float32``: a whole row of int4
     in groups of 2 * nbytes values (codes at byte ``base`` of flat, nbytes a group, value k in
@@ -148,8 +155,8 @@ def _int4_row_intrinsic(nbytes: int):  # type: ignore[no-untyped-def]
     @intrinsic
     def row(typingctx, flat, base, groups, xq, dx, xsum, words, params):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, xq_a, dx_a, xsum_a, words_a = _arrays(context, builder, signature, args, (0, 3, 4, 5, 6))
-            base_v, groups_v, params_v = _indices(context, builder, signature, args, (1, 2, 7))
+            flat_a, xq_a, dx_a, xsum_a, words_a, base_v, groups_v, params_v = _int4_row_operands(
+                context, builder, signature, args)
             index_t = base_v.type
             dot_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words_t, [words_t] * 3), name)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats_t, [floats_t] * 3),
@@ -236,8 +243,8 @@ def _int4_g32_row_intrinsic():  # type: ignore[no-untyped-def]
     @intrinsic
     def row(typingctx, flat, base, groups, xq, dx, xsum, words, params):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, xq_a, dx_a, xsum_a, words_a = _arrays(context, builder, signature, args, (0, 3, 4, 5, 6))
-            base_v, groups_v, params_v = _indices(context, builder, signature, args, (1, 2, 7))
+            flat_a, xq_a, dx_a, xsum_a, words_a, base_v, groups_v, params_v = _int4_row_operands(
+                context, builder, signature, args)
             index_t = base_v.type
             dot16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(w16, [w16] * 3),
                                                    "llvm.x86.avx512.vpdpbusd.512")
@@ -361,6 +368,19 @@ _CODE_OFFSET = (128.0, 128.0, 8.0, 12.0, 128.0)
 # to keep the streaming weights from evicting the router and the activations): a Qwen3-30B-A3B-
 # shaped token's experts 17% slower (per-pair medians of 200 interleaved calls).
 _PREFETCH_BYTES = 4096
+
+
+def e4m3_scaled_floats(builder, codes):  # type: ignore[no-untyped-def]
+    """16 e4m3 codes (a vector of 16 bytes) as the float32s of their values times 2^-120, from
+    their bits: sign-extended and moved up 20 bits, the magnitude lands at bits 20-26 and copies
+    of the sign from bit 27 up, of which the mask keeps bit 31's (subnormal codes become float32
+    denormals, exact; NaN codes read as 480 times 2^-120)."""
+    from llvmlite import ir
+
+    words = ir.VectorType(ir.IntType(32), 16)
+    bits = builder.and_(builder.shl(builder.sext(codes, words), ir.Constant(words, [20] * 16)),
+                        ir.Constant(words, [-(1 << 31) | (0x7F << 20)] * 16))
+    return builder.bitcast(bits, ir.VectorType(ir.FloatType(), 16))
 
 
 def _reduce_lanes(builder, value, op):  # type: ignore[no-untyped-def]
@@ -716,11 +736,7 @@ def _fp8_rows_intrinsic(count: int):  # type: ignore[no-untyped-def]
                     for r, base in enumerate(bases):
                         codes = builder.load(builder.bitcast(builder.gep(flat_a.data, [builder.add(base, const(4 + 16 * step))]),
                                                              ir.VectorType(i8, 16).as_pointer()), align=1)
-                        # sign-extended, moved up 20 bits: the magnitude at bits 20-26 and copies
-                        # of the sign from bit 27 up, of which the mask keeps bit 31's
-                        bits = builder.and_(builder.shl(builder.sext(codes, words), splat(20, words)),
-                                            splat(-(1 << 31) | (0x7F << 20), words))
-                        value = builder.bitcast(bits, floats)
+                        value = e4m3_scaled_floats(builder, codes)
                         c = step % chains
                         held = accs[r][c]
                         accs[r][c] = builder.fmul(value, xs) if held is None else builder.call(fma, [value, xs, held])
@@ -1453,8 +1469,14 @@ def without_denormals(x):  # pragma: no cover - compiled
     activations as floats (fp8_e4m3's and bf16's rows): a denormal operand costs the CPU a
     microcode assist, and the SiLU of a gate below about -87 is one (fp8 down rows of a
     Mixtral-8x7B-shaped expert took 16.7 ms a token with many of them, 2 without). Such a value
-    times any weight is below float32's normal range: the sums do not move."""
+    times any weight is below float32's normal range: the sums do not move. x itself where it has
+    none (no copy on a decode step's path, where there are none as a rule)."""
     tiny = np.float32(1.1754944e-38)  # float32's smallest normal value
+    found = False
+    for i in range(x.shape[0]):
+        found |= np.float32(0.0) < abs(x[i]) < tiny
+    if not found:
+        return x
     out = np.empty_like(x)
     for i in range(x.shape[0]):
         v = x[i]
