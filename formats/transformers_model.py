@@ -91,8 +91,10 @@ def meta_model(transformers: Any, config: Any, *, dtype: Any = None, experts_imp
 
 
 def is_experts_module(module: Any) -> bool:
-    """Whether ``module`` is an experts class decorated with ``@use_experts_implementation``."""
-    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "_is_expert_parallel")
+    """Whether ``module`` is an experts class decorated with ``@use_experts_implementation``
+    (the attributes the decorator sets in every transformers since 5.7; ``_is_expert_parallel``
+    came later and is not needed)."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed")
 
 
 def hf_name_map(model: Any) -> Any:

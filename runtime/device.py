@@ -71,6 +71,21 @@ def matmul(x: Any, raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
     return (x.to(dtype) @ dequantize(raw, scheme, cols, dtype).T).float()
 
 
+def batched_matmul(x: Any, raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
+    """``x[i] @ W_i.T`` [n, tokens, rows] in float32 for the ``n`` matrices stored as ``raw``
+    [n, rows, row_bytes] in ``scheme`` and ``x`` [n, tokens, cols], computed in ``dtype``: the
+    matrices decoded together and multiplied in one batched product (a matrix a time costs a
+    decoder's dozen kernel launches each, which on a GPU takes longer than the work)."""
+    import torch
+
+    n, rows_ = raw.shape[0], raw.shape[1]
+    if scheme == "int8":  # the codes are exact in bf16/f16: scale after the product
+        product = torch.bmm(x.to(dtype), _view(raw[..., :cols], torch.int8).to(dtype).transpose(1, 2))
+        return product.float() * _view(raw[..., cols:], torch.float32).reshape(n, 1, rows_)
+    values = dequantize(raw.reshape(n * rows_, raw.shape[2]), scheme, cols, dtype).reshape(n, rows_, cols)
+    return torch.bmm(x.to(dtype), values.transpose(1, 2)).float()
+
+
 # Each scheme's device decoder ``(raw, cols) -> values`` (float32, or the plain type itself),
 # keyed by the registry's names; a test checks every scheme the registry says runs on the GPU
 # has one. ``DEVICE_MATMULS``: schemes with a better product than decode-then-multiply.

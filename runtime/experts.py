@@ -24,7 +24,7 @@ from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
 from . import rows, vnni
-from .device import DEVICE_DECODERS, check_device, matmul, upload
+from .device import DEVICE_DECODERS, batched_matmul, check_device, upload
 from .device_cache import DeviceSlots
 from .kernels import LANES_MIN_TOKENS, expert_forward, expert_forward_batch, experts_token
 from .offload import PrefillOffload
@@ -64,6 +64,18 @@ Work = list[tuple[int, np.ndarray, np.ndarray]]  # (expert, token rows, routing 
 _IN_PLACE_NAMES = {rows.kind(name): name for name in LANES_MIN_TOKENS if rows.kind(name) is not None}
 
 
+def _numba_threads(threads: int) -> None:
+    import numba
+
+    numba.set_num_threads(max(1, threads))
+
+
+# The most matrix elements a chunk of device experts decodes at once (float32 while decoding:
+# 512 MiB): a chunk holds as many experts as fit (Qwen3-30B-A3B's: 28), and always at least one
+# (Mixtral-8x7B's gate/up alone is 117M).
+DECODED_ELEMENTS = 1 << 27
+
+
 class ExpertSet:
     """The routed experts of MoE layer ``layer``.
 
@@ -78,11 +90,13 @@ class ExpertSet:
     slot holds runs on the device; any other runs on the CPU, never waiting for a copy.
     ``offload``: an ``offload.PrefillOffload`` (shared by a model's layers): a forward of many
     tokens copies the CPU experts its cost model chooses to the device for that forward alone.
+    ``cpu_threads``: the Numba threads of the worker that runs the CPU experts beside the
+    device's (by default the creating thread's, less one where that leaves three or more).
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
                  cache_slots: int = 0, cache_prior: np.ndarray | None = None,
-                 offload: PrefillOffload | None = None) -> None:
+                 offload: PrefillOffload | None = None, cpu_threads: int | None = None) -> None:
         device = check_device(device)
         model = bundle.manifest["model"]
         infos = {info["layer"]: info for info in model["moe_layers"]}
@@ -166,7 +180,16 @@ class ExpertSet:
         # Called with each forward's hidden states (float32 [tokens, hidden]) and routing (int64
         # [tokens, k]) before the experts run (``ktc profile``: its trace and pre-gating).
         self.observers: list[Callable[[np.ndarray, np.ndarray], None]] = []
-        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}")
+        # Numba's thread count is per thread, and a new thread starts at every core: the worker
+        # takes its creator's, less the core of the thread that drives the device meanwhile
+        # (Python's kernel launches) where that leaves three or more.
+        if cpu_threads is None:
+            import numba
+
+            cpu_threads = numba.get_num_threads()
+            cpu_threads = cpu_threads - 1 if cpu_threads >= 4 else cpu_threads
+        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}",
+                                         initializer=_numba_threads, initargs=(cpu_threads,))
                       if self._on_device else None)
 
     # ------------------------------------------------------------------------------------------
@@ -214,18 +237,49 @@ class ExpertSet:
 
     def _run_device(self, x_all: Any, work: Work, out: Any) -> None:
         """Add the device experts' weighted outputs for ``work`` into ``out`` (float32, on the
-        device); ``x_all`` holds every token's hidden state on the device."""
+        device); ``x_all`` holds every token's hidden state on the device.
+
+        The experts of one device stack (a scheme's residents, the cache's slots, a forward's
+        offloaded copies) run together: their matrices decoded at once and multiplied in batched
+        products, each expert's tokens padded to the most any of them has (with weight 0). The
+        indices and weights go to the device in two copies a forward. An expert a time, a decode
+        step's experts cost about 30 kernel launches and two host-to-device copies each, which
+        on an H200 took longer than the CPU's experts beside them."""
         import torch
 
-        for e, tokens, weights in work:
-            stack, i = self._stack(e)
+        groups: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
+        for item in work:
+            stack, i = self._stack(item[0])
+            groups.setdefault(id(stack), (stack, []))[1].append((i, item))
+        chunks, ints, floats = [], [], []
+        for stack, members in groups.values():
+            members.sort(key=lambda m: -len(m[1][1]))  # similar token counts share a chunk's padding
+            per = max(1, DECODED_ELEMENTS // (3 * self.hidden_size * self.intermediate_size))
+            for start in range(0, len(members), per):
+                part = members[start:start + per]
+                most = len(part[0][1][1])
+                rows_ = np.zeros((len(part), most), dtype=np.int64)
+                weights = np.zeros((len(part), most), dtype=np.float32)
+                for j, (_, (_, tokens, chosen)) in enumerate(part):
+                    rows_[j, : len(tokens)] = tokens
+                    weights[j, : len(tokens)] = chosen
+                chunks.append((stack, len(part), most))
+                ints += [np.array([i for i, _ in part], dtype=np.int64), rows_.ravel()]
+                floats.append(weights.ravel())
+        ints_d = torch.from_numpy(np.concatenate(ints)).to(self.device)
+        floats_d = torch.from_numpy(np.concatenate(floats)).to(self.device)
+        at = weighted = 0
+        for stack, n, most in chunks:
+            index, token_rows = ints_d[at: at + n], ints_d[at + n: at + n + n * most]
+            weights = floats_d[weighted: weighted + n * most].reshape(n, most, 1)
+            at, weighted = at + n + n * most, weighted + n * most
             gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
             inter = stack.gate_up.shape[1] // 2
-            rows = torch.from_numpy(tokens).to(self.device)
-            h = matmul(x_all[rows], stack.gate_up[i], gate_up_scheme, self.hidden_size, self._compute_dtype)
+            x = x_all[token_rows].reshape(n, most, self.hidden_size)
+            h = batched_matmul(x, stack.gate_up[index], gate_up_scheme, self.hidden_size, self._compute_dtype)
             if stack.gate_up_bias is not None:
-                h = h + stack.gate_up_bias[i]
-            gate, up = h[:, :inter], h[:, inter:]
+                h = h + stack.gate_up_bias[index][:, None, :]
+            gate, up = h[..., :inter], h[..., inter:]
             if self.activation == "swiglu_clamped":
                 limit = float(self.swiglu_limit if self.swiglu_limit is not None else 7.0)
                 alpha = float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702)
@@ -233,10 +287,10 @@ class ExpertSet:
                 a = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
             else:
                 a = torch.nn.functional.silu(gate) * up
-            y = matmul(a, stack.down[i], down_scheme, inter, self._compute_dtype)
+            y = batched_matmul(a, stack.down[index], down_scheme, inter, self._compute_dtype)
             if stack.down_bias is not None:
-                y = y + stack.down_bias[i]
-            out.index_add_(0, rows, y * torch.from_numpy(weights).to(self.device)[:, None])
+                y = y + stack.down_bias[index][:, None, :]
+            out.index_add_(0, token_rows, (y * weights).reshape(n * most, self.hidden_size))
 
     # ------------------------------------------------------------------------------------------
     # Forward
@@ -453,15 +507,28 @@ class ExpertSet:
         None where one token does not take that path: every expert on the CPU in the fused path,
         its gate/up and down in kinds of ``rows`` (the block kinds, the K-quants, iq4_xs, fp8_e4m3,
         int4), on a VNNI CPU. Built once per fused setup."""
+        if self._on_device or len(self.cpu) != self.num_experts:
+            return None
+        return self._cpu_tables()
+
+    def _cpu_tables(self) -> tuple | None:  # type: ignore[type-arg]
+        """``one_call_tables`` for the CPU experts of any layer, also one that has device experts
+        (a prompt chunk's CPU experts then take ``rows.pairs_token`` and ``rows.experts_groups``
+        too): an expert not on the CPU has no offsets (-1) and another's scheme in the tables, and
+        is never among the experts these calls are given."""
         fused = self._fused
-        if fused is None or self._on_device or not vnni.HAVE_VNNI or len(self.cpu) != self.num_experts:
+        if fused is None or not vnni.HAVE_VNNI:
             return None
         cached = self._one_call
         if cached is not None and cached[0] is fused:
             return cached[1]
         scheme, file, gate_up, down = fused
         file = read_only(file)
-        names = [scheme] * self.num_experts if isinstance(scheme, str) else list(scheme)
+        if isinstance(scheme, str):
+            names = [scheme] * self.num_experts
+        else:
+            some = next(name for name in scheme if name)
+            names = [name or some for name in scheme]
         pairs = [expert_schemes(name) for name in names]  # each expert's gate/up and down schemes
         gu_names, dn_names = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)
         tables = None
@@ -499,7 +566,7 @@ class ExpertSet:
             return [(np.zeros(1, dtype=np.int64), y[None, :])]
         results = []
         singles = [w for w in work if len(w[1]) == 1]
-        tables = self.one_call_tables() if len(singles) > 1 else None
+        tables = self._cpu_tables() if len(singles) > 1 else None
         if tables is not None:  # the experts of one token each in one compiled call (``rows.pairs_token``)
             tokens = np.array([t[0] for _, t, _ in singles], dtype=np.int64)
             out = rows.pairs_token(*tables[:-1], np.array([e for e, _, _ in singles], dtype=np.int64), tokens,
@@ -527,7 +594,7 @@ class ExpertSet:
         expert a call, a prompt chunk's experts of 2-11 tokens (at Qwen3-30B-A3B's shape most
         of them, from about 16 tokens to a few hundred) each paid Python, two parallel regions'
         starts and numpy's activation."""
-        tables = self.one_call_tables() if len(work) > 1 else None
+        tables = self._cpu_tables() if len(work) > 1 else None
         if tables is None:
             return work
         gu_kinds, gu_offsets, gu_rows, dn_kinds, dn_offsets, dn_rows = tables[4:10]

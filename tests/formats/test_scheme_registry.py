@@ -100,6 +100,12 @@ def test_device_decoder(name):
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, COLS)).astype(np.float32))
     product = device.matmul(x, torch.from_numpy(raw), name, COLS, torch.float32).numpy()
     np.testing.assert_allclose(product, x.numpy() @ dequantize(raw, name, COLS).T, rtol=1e-4, atol=1e-4)
+    # three matrices at once (the device experts' batched products): each its own product
+    stacked = np.stack([raw, blocks_of(name, seed=6), raw[::-1].copy()])
+    xs = torch.from_numpy(np.random.default_rng(7).standard_normal((3, 2, COLS)).astype(np.float32))
+    batched = device.batched_matmul(xs, torch.from_numpy(stacked), name, COLS, torch.float32).numpy()
+    for i in range(3):
+        np.testing.assert_allclose(batched[i], xs[i].numpy() @ dequantize(stacked[i], name, COLS).T, rtol=1e-4, atol=1e-4)
 
 
 def test_runtime_tables_match_the_registry():

@@ -374,3 +374,42 @@ def test_a_whole_model_with_prefill_offload_generates_the_static_plans_tokens(ca
         assert counters.ahead <= (len(km.experts) - 1) * (km.offload.budget_bytes // 4 // expert_bytes)
         assert all(e._prepared is None for e in km.experts)  # nothing held past a forward
     assert got.generated_tokens == want.generated_tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_whole_model_with_slots_and_the_offload_on_the_device(cached_bundle, device):
+    """The whole model on ``device`` with two cache slots a layer and the prefill offload (every
+    CPU expert worth a copy: as if measured on a very slow CPU): the static plan's greedy tokens
+    and logits close to its (on CUDA the slots' and copies' products are bf16 on the device, the
+    static plan's CPU kernels' are not: rounding apart), the offload's copies freed after each
+    forward, the device holding afterwards what it held before the generation."""
+    ids = [3 + i % 30 for i in range(70)]
+    greedy = Sampling(temperature=0)
+    with from_bundle(cached_bundle, device=device, cache_slots=0, prefill_offload=False) as static:
+        want = generate(static, ids, max_new_tokens=8, sampling=greedy, stop_at_eos=False)
+        with torch.inference_mode():
+            seq = torch.tensor([ids + want.generated_tokens], device=device)
+            want_logits = static.model(input_ids=seq).logits.float().cpu()
+    with from_bundle(cached_bundle, device=device, cache_slots=2, prefill_offload=True) as km:
+        km.offload.seconds_per_token["bf16"] = 1.0
+        if device == "cuda":
+            torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() if device == "cuda" else 0
+        got = generate(km, ids, max_new_tokens=8, sampling=greedy, stop_at_eos=False)
+        for e in km.experts:
+            e.cache.wait()
+        with torch.inference_mode():
+            seq = torch.tensor([ids + got.generated_tokens], device=device)
+            got_logits = km.model(input_ids=seq).logits.float().cpu()
+            del seq
+        if device == "cuda":
+            torch.cuda.synchronize()
+            # the offload's copies went with their forwards; the KV cache and slots were there before
+            assert torch.cuda.memory_allocated() == held
+        counters = [e.cache.counters for e in km.experts]
+        assert km.offload.counters.offloaded > 0 and all(e._offloaded == {} and e._prepared is None for e in km.experts)
+    assert sum(c.hits for c in counters) > 0 and sum(c.misses for c in counters) > 0
+    assert got.generated_tokens == want.generated_tokens
+    diff = torch.linalg.norm(got_logits - want_logits) / torch.linalg.norm(want_logits)
+    assert diff < (2e-2 if device == "cuda" else 1e-5)
