@@ -240,9 +240,10 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
     scale = Scale("qwen3-30b-a3b", args.device_layers, experts, top_k, expert_bytes)
     hidden = torch.randn((1, hidden_size), device=device, dtype=torch.bfloat16)
 
-    def layers(path: str, slots: int, prior: np.ndarray | None, offload=None, threads=None) -> tuple:  # type: ignore[no-untyped-def]
+    def layers(path: str, slots: int, prior: np.ndarray | None, offload=None, threads=None,  # type: ignore[no-untyped-def]
+               on=device) -> tuple:  # type: ignore[type-arg]
         bundle = open_bundle(path)
-        return bundle, [ExpertSet(bundle, 0, device=device, cache_slots=slots, offload=offload, cpu_threads=threads,
+        return bundle, [ExpertSet(bundle, 0, device=on, cache_slots=slots, offload=offload, cpu_threads=threads,
                                   cache_prior=None if prior is None else prior[li]) for li in range(scale.layers)]
 
     def close(made: tuple) -> None:  # type: ignore[type-arg]
@@ -274,6 +275,7 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
             made = {"static": static, "cache": cached}
             if budget == budgets[0]:  # the CPU experts' worker with every core, against one core less
                 made["every core"] = layers(bundles[budget], 0, None, threads=numba.get_num_threads())
+                made["CPU alone"] = layers(bundles[0.0], 0, None, on=None)
             decode(static[1], run[:4])  # compile and warm them outside the timing
             decode(cached[1], routes[args.profile_tokens - 4: args.profile_tokens])
             for layer in cached[1]:  # the warm-up's copies land, its counts go
@@ -289,8 +291,10 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
             if "every core" in made:
                 print(f"{kind:<9} {100 * budget:3.0f}% in VRAM, static: the CPU experts' worker with "
                       f"{numba.get_num_threads()} threads {len(run) / seconds['every core']:7.1f} tok/s, with one "
-                      f"less {len(run) / seconds['static']:7.1f} tok/s")
+                      f"less {len(run) / seconds['static']:7.1f} tok/s; every expert on the CPU "
+                      f"{len(run) / seconds['CPU alone']:7.1f} tok/s")
                 close(made["every core"])
+                close(made["CPU alone"])
             total = sum(c.uses for c in (layer.cache.counters for layer in cached[1]))
             hits = sum(layer.cache.counters.hits for layer in cached[1])
             late = sum(layer.cache.counters.late for layer in cached[1])
