@@ -26,8 +26,22 @@ drifting routing) is above the ceiling, no cache policy reaches it under this ti
 With ``--trace FILE`` (``ktc profile BUNDLE --text FILE -o p.json --trace FILE``) a recorded
 model's routing is replayed too, its first quarter (at most ``--profile-tokens``) as the profile.
 
+With ``--device cuda``, a device section runs the runtime itself: a one-layer checkpoint of
+``--config``'s shape (Qwen3-30B-A3B's by default) compiled with ``--scheme`` for every expert,
+one bundle per budget with the static plan's experts on the device and one with none for the
+cache; ``--device-layers`` ``ExpertSet``s over that layer stand for as many layers (each
+layer's experts renamed by their rank in the profile, so the compiled layer's first experts
+are every layer's static plan). The steady and drifting traces are replayed token by token,
+static plan against the cache's slots (as many as the static plan's residents, filled from the
+profile), in interleaved rounds; at the smallest budget also every expert on the CPU, and the
+CPU experts' worker with every core against one less. Then a prompt chunk of ``--prompt``
+tokens through the layers with and without the prefill offload. Beside each measured figure,
+the time model's for the same routes with the bandwidths measured there. ``--device cpu`` runs
+the section on torch's CPU device (to try it; its figures say nothing of a GPU).
+
     python benchmarks/stream.py [--tokens 2048] [--period 256] [--zipf 1.0]
                                 [--trace routes.npy --expert-bytes N] [--no-synthetic]
+                                [--device cuda --device-layers 4 --device-tokens 512 --rounds 4]
 """
 
 from __future__ import annotations
@@ -163,7 +177,8 @@ def build_layer_bundles(config: str, workdir: str, budgets: tuple[float, ...], s
     raw.update(num_hidden_layers=1, vocab_size=1024)
     folder = os.path.join(workdir, f"{raw['model_type']}-1layer")
     if not os.path.exists(os.path.join(folder, "config.json")):
-        print(f"building a one-layer {raw['model_type']} checkpoint (bf16, transformers' initialisation)...", flush=True)
+        print(f"building a one-layer {raw['model_type']} checkpoint (bf16, transformers' initialisation)...",
+              flush=True)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
             transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw), dtype=torch.bfloat16)
@@ -240,8 +255,8 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
     scale = Scale("qwen3-30b-a3b", args.device_layers, experts, top_k, expert_bytes)
     hidden = torch.randn((1, hidden_size), device=device, dtype=torch.bfloat16)
 
-    def layers(path: str, slots: int, prior: np.ndarray | None, offload=None, threads=None,  # type: ignore[no-untyped-def]
-               on=device) -> tuple:  # type: ignore[type-arg]
+    def layers(path: str, slots: int, prior: np.ndarray | None, offload=None,  # type: ignore[no-untyped-def]
+               threads=None, on=device) -> tuple:  # type: ignore[type-arg]
         bundle = open_bundle(path)
         return bundle, [ExpertSet(bundle, 0, device=on, cache_slots=slots, offload=offload, cpu_threads=threads,
                                   cache_prior=None if prior is None else prior[li]) for li in range(scale.layers)]
@@ -276,8 +291,8 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
             if budget == budgets[0]:  # the CPU experts' worker with every core, against one core less
                 made["every core"] = layers(bundles[budget], 0, None, threads=numba.get_num_threads())
                 made["CPU alone"] = layers(bundles[0.0], 0, None, on=None)
-            decode(static[1], run[:4])  # compile and warm them outside the timing
-            decode(cached[1], routes[args.profile_tokens - 4: args.profile_tokens])
+            for name, sets in made.items():  # compile and warm them outside the timing
+                decode(sets[1], routes[args.profile_tokens - 4: args.profile_tokens] if name == "cache" else run[:4])
             for layer in cached[1]:  # the warm-up's copies land, its counts go
                 layer.cache.wait()
                 layer.cache.policy.counters.__init__()
@@ -342,9 +357,11 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
             times[name].append(prefill(made[1]))
     c = offload.counters
     cpu_s, off_s = statistics.median(times["cpu"]), statistics.median(times["offload"])
-    print(f"prefill of {args.prompt} tokens, {100 * budget:.0f}% in VRAM: CPU experts {args.prompt / cpu_s:7.1f} tok/s, "
-          f"with the offload {args.prompt / off_s:7.1f} tok/s ({cpu_s / off_s:.2f}x; {c.experts / max(c.offloaded, 1):.1f} "
-          f"experts copied a layer, {c.bytes_uploaded / max(c.offloaded, 1) / 1e6:.0f} MB; medians of {args.rounds} rounds)")
+    copies = max(c.offloaded, 1)
+    print(f"prefill of {args.prompt} tokens, {100 * budget:.0f}% in VRAM: CPU experts "
+          f"{args.prompt / cpu_s:7.1f} tok/s, with the offload {args.prompt / off_s:7.1f} tok/s "
+          f"({cpu_s / off_s:.2f}x; {c.experts / copies:.1f} experts copied a layer, "
+          f"{c.bytes_uploaded / copies / 1e6:.0f} MB; medians of {args.rounds} rounds)")
     close(plain)
     close(moved)
     return 0

@@ -105,7 +105,8 @@ def test_device_decoder(name):
     xs = torch.from_numpy(np.random.default_rng(7).standard_normal((3, 2, COLS)).astype(np.float32))
     batched = device.batched_matmul(xs, torch.from_numpy(stacked), name, COLS, torch.float32).numpy()
     for i in range(3):
-        np.testing.assert_allclose(batched[i], xs[i].numpy() @ dequantize(stacked[i], name, COLS).T, rtol=1e-4, atol=1e-4)
+        want = xs[i].numpy() @ dequantize(stacked[i], name, COLS).T
+        np.testing.assert_allclose(batched[i], want, rtol=1e-4, atol=1e-4)
 
 
 def test_runtime_tables_match_the_registry():

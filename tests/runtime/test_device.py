@@ -95,6 +95,7 @@ def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
     for where in (lambda e: "cpu:int8", lambda e: "gpu:int4_g32" if e % 2 else "cpu:int8"):
         path = mf.compile_with_placement(src, tmp_path, where)
         torch.cuda.synchronize()
+        mf.warm_cuda()
         before = torch.cuda.memory_allocated()
         with open_bundle(path) as bundle:
             on_device = MoELayer(bundle, 1, device="cuda")

@@ -192,6 +192,7 @@ def test_cuda_slots_take_their_bytes_and_copies_land(cached_bundle):
     land and are then read, and the output stays close to the CPU kernels' (bf16 products)."""
     rng = np.random.default_rng(2)
     with open_bundle(cached_bundle) as bundle:
+        mf.warm_cuda()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         experts = ExpertSet(bundle, 1, device="cuda", cache_slots=2)
@@ -405,8 +406,9 @@ def test_a_whole_model_with_slots_and_the_offload_on_the_device(cached_bundle, d
             del seq
         if device == "cuda":
             torch.cuda.synchronize()
-            # the offload's copies went with their forwards; the KV cache and slots were there before
-            assert torch.cuda.memory_allocated() == held
+            # the offload's copies went with their forwards (the KV cache and slots were there
+            # before; a buffer of the first forward's may have gone)
+            assert torch.cuda.memory_allocated() <= held
         counters = [e.cache.counters for e in km.experts]
         assert km.offload.counters.offloaded > 0 and all(e._offloaded == {} and e._prepared is None for e in km.experts)
     assert sum(c.hits for c in counters) > 0 and sum(c.misses for c in counters) > 0
