@@ -823,6 +823,8 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         paged = model.prefetcher.asked if model.prefetcher is not None else None
         guessed = model.prefetcher.accuracy if model.prefetcher is not None else None
         offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
+        if offloaded is not None:
+            offloaded["copy_bandwidth"] = model.offload.copy_bandwidth
         model_min_tokens = model.offload.min_tokens if model.offload is not None else 0
         pinning = None
         if model.pinning is not None:
@@ -892,7 +894,9 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of "
                    f"{model_min_tokens} tokens or more ran {offloaded['experts']} experts on the device, "
                    f"{offloaded['ahead_used']} of them copied a layer ahead ({offloaded['ahead']} started so); "
-                   f"{format_bytes(offloaded['bytes_uploaded'])} copied", err=True)
+                   f"{format_bytes(offloaded['bytes_uploaded'])} copied"
+                   + (f" at {offloaded['copy_bandwidth'] / 1e9:.1f} GB/s measured" if offloaded["copies_measured"]
+                      else ""), err=True)
 
 
 def _cache_counters(experts: list[Any]) -> dict[str, Any]:

@@ -4,8 +4,12 @@ batches of 32 tokens or more, copying every expert the batch uses).
 
 The choice is per expert, by a cost model: a CPU expert used by ``n`` tokens costs its bytes over
 the CPU's read bandwidth plus ``n`` times the seconds one token takes through it beyond that
-read; a copied one costs its bytes over the PCIe bandwidth (the device's own product is left
-out: at prefill sizes it is two orders faster than either). The CPU's experts and the copies
+read; a copied one costs its bytes over the copies' rate (the device's own product is left
+out: at prefill sizes it is two orders faster than either). That rate is the profile's PCIe
+bandwidth until the first copy, then measured: on an H200 machine whose page-locked copies ran
+at 55 GB/s, copies from the bundle's map through a contiguous stack, beside the CPU's experts,
+ran several times slower, and a 512-token prompt's offload at Qwen3-30B-A3B's shape took twice
+the CPU's time. The CPU's experts and the copies
 run at the same time, so experts move to the device, the most tokens per byte first, while that
 shortens the longer of the two. The seconds a token takes on the CPU are measured, not assumed:
 every CPU forward of several tokens updates them per scheme (a moving average), and until the
@@ -34,6 +38,7 @@ class OffloadCounters:
     measured: int = 0  # CPU forwards that updated the estimate
     ahead: int = 0  # experts copied a layer ahead (pre-gating's guess: ``ExpertSet.prepare_offload``)
     ahead_used: int = 0  # of those, the ones their layer's forward then chose
+    copies_measured: int = 0  # copies that updated the copy rate
 
 
 class PrefillOffload:
@@ -54,6 +59,11 @@ class PrefillOffload:
         self.min_tokens = min_tokens
         self.smoothing = smoothing
         self.seconds_per_token: dict[str, float] = {}  # scheme -> CPU seconds a token through one expert
+        # bytes/s the copies reach, from the host's map to the device: the profile's PCIe rate
+        # until the first copy is measured (``observe_copy``), then the copies' own (a moving
+        # average: the host copies into a contiguous stack first, and shares the memory with the
+        # CPU's experts meanwhile)
+        self.copy_bandwidth = self.pcie_bandwidth
         self.lookahead = False  # copies are also made a layer ahead (set by the model that makes them)
         self.counters = OffloadCounters()
 
@@ -84,7 +94,7 @@ class PrefillOffload:
         # for it (a quarter) and the next layer's made ahead meanwhile (a quarter)
         budget = self.budget_bytes // (4 if ahead else 2) if self.lookahead else self.budget_bytes
         for e, cpu, nbytes in sorted(costs, key=lambda c: -c[1] / max(c[2], 1)):
-            copy = nbytes / self.pcie_bandwidth
+            copy = nbytes / self.copy_bandwidth
             if used + nbytes > budget:
                 continue
             if max(cpu_left - cpu, copying + copy) < max(cpu_left, copying):
@@ -100,6 +110,15 @@ class PrefillOffload:
                 self.counters.offloaded += 1
                 self.counters.experts += len(chosen)
         return chosen
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        """Copies of ``nbytes`` to the device took ``seconds`` (until on the device)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        old = None if self.counters.copies_measured == 0 else self.copy_bandwidth
+        self.copy_bandwidth = rate if old is None else old + self.smoothing * (rate - old)
+        self.counters.copies_measured += 1
 
     def observe(self, scheme: str, token_uses: int, nbytes: int, seconds: float) -> None:
         """A CPU forward of ``scheme``'s experts: ``token_uses`` tokens through experts (summed

@@ -305,7 +305,7 @@ def test_prefill_offload_copies_what_the_cost_model_chooses_and_frees_it(cached_
             gc.collect()
             assert all(ref() is None for ref, _ in copies) and experts._offloaded == {}
             experts.forward(*_prefill(rng, 8))  # too few tokens
-            offload.pcie_bandwidth = 1.0  # a copy would take forever
+            offload.copy_bandwidth = 1.0  # copies measured as taking forever
             experts.forward(*_prefill(rng, 40))
             assert offload.counters.experts == 6 and len(copies) == 2
         finally:

@@ -59,3 +59,19 @@ def test_bad_settings_are_refused():
                    dict(pcie_bandwidth=1, cpu_bandwidth=1, budget_bytes=0, min_tokens=0)):
         with pytest.raises(ConfigError):
             PrefillOffload(**kwargs)
+
+
+def test_the_copies_own_rate_replaces_the_profiles_once_measured():
+    """A link the profile calls fast but whose copies measure slow: after the first measured
+    copy the choice uses the measured rate, and moves nothing where copies lose."""
+    offload = PrefillOffload(pcie_bandwidth=25e9, cpu_bandwidth=50e9, budget_bytes=10**12)
+    offload.seconds_per_token["q4_0"] = 1e-4
+    work = [(e, "q4_0", 300 if e < 4 else 10, 50 * MB) for e in range(8)]
+    assert offload.choose(work, 512) == [0, 1, 2, 3]
+    offload.observe_copy(100 * MB, 0.5)  # 0.2 GB/s: 250 ms a copy, against 31 ms on the CPU
+    assert offload.copy_bandwidth == pytest.approx(0.2e9) and offload.counters.copies_measured == 1
+    assert offload.choose(work, 512) == []
+    offload.observe_copy(100 * MB, 0.002)  # a faster copy moves the average by the smoothing
+    assert offload.copy_bandwidth == pytest.approx(0.2e9 + 0.3 * (50e9 - 0.2e9))
+    offload.observe_copy(0, 1.0)  # nothing copied: no measurement
+    assert offload.counters.copies_measured == 2
