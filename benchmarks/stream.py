@@ -109,7 +109,8 @@ def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profil
     result = replay_trace(routes, caches, [frozenset(p) for p in plan],
                           np.full(shape, scale.expert_bytes / hw.gpu_bandwidth),
                           np.full(shape, scale.expert_bytes / hw.cpu_bandwidth), np.full(scale.layers, hw.sync_seconds),
-                          scale.expert_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth)
+                          scale.expert_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth,
+                          hw.device_step_seconds)
     return len(routes) / result.seconds, result.hits / result.uses, result.uploaded * scale.expert_bytes
 
 

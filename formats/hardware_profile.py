@@ -12,6 +12,13 @@ Defaults and where they come from (docs/planner.md repeats them):
 - ``pcie_bandwidth``: 25 GB/s. PCIe 4.0 x16 is 31.5 GB/s in theory, ~25 GB/s for pinned copies.
 - ``sync_seconds``: 50 us per layer that runs experts on the CPU: a stream synchronisation, a
   hand-off to the CPU worker thread and back, and two small copies, each 5-20 us.
+- ``device_step_seconds``: none by default (not modelled). The runtime's fixed cost of a MoE
+  layer's step that runs experts on the device: its kernel launches, torch's dispatch, the
+  synchronising copies and the hand-off, whatever the experts' bytes. ``ktc doctor
+  --calibrate`` measures it on a CUDA machine. On an H200 machine (a VM, slow Python) a
+  Qwen3-30B-A3B-shaped layer's step took about 1.2 ms with 10-50% of its experts on the GPU,
+  where bandwidths alone said 0.07-0.21 ms: with such a cost, small experts on the GPU lose to
+  the CPU, and the planner keeps them there.
 - ``cpu_scheme_bandwidth``, ``cpu_layer_seconds``, ``cpu_token_seconds``, ``cpu_vocab_seconds``:
   none by default. ``ktc doctor --calibrate`` measures them on the machine (ktc's kernels'
   bytes per second at each scheme, through the fused experts call and a matrix-vector product;
@@ -110,6 +117,9 @@ class HardwareProfile:
     gpu_bandwidth: float = 900e9
     pcie_bandwidth: float = 25e9
     sync_seconds: float = 50e-6
+    # the runtime's fixed cost of a MoE layer's step with device experts (``ktc doctor
+    # --calibrate`` on a CUDA machine); 0: not measured, not modelled
+    device_step_seconds: float = 0.0
     # the read bandwidth of the disk the bundle is on (``ktc doctor``); 0: unknown, no disk tier
     disk_bandwidth: float = 0.0
     # ops a second (a multiply-add is two) of the batched CPU expert products at prefill sizes
@@ -132,7 +142,7 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if not math.isfinite(getattr(self, name)) or not getattr(self, name) > 0:
                 raise ConfigError(f"hardware profile: {name} must be a positive, finite number")
-        for name in ("sync_seconds", "disk_bandwidth", "cpu_prefill_ops", *_CPU_FIXED):
+        for name in ("sync_seconds", "device_step_seconds", "disk_bandwidth", "cpu_prefill_ops", *_CPU_FIXED):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"hardware profile: {name} must be a finite number, at least 0")
         for path, rates in (self.cpu_scheme_bandwidth or {}).items():
@@ -154,7 +164,7 @@ class HardwareProfile:
         if self.cpu_scheme_bandwidth is None:  # not calibrated: the file says nothing of it
             for name in ("cpu_scheme_bandwidth", *_CPU_FIXED):
                 del data[name]
-        for name in ("disk_bandwidth", "cpu_prefill_ops"):
+        for name in ("device_step_seconds", "disk_bandwidth", "cpu_prefill_ops"):
             if not data[name]:  # not measured: the file says nothing of it
                 del data[name]
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
@@ -179,7 +189,7 @@ class HardwareProfile:
         for name in ("cpu_bandwidth", "gpu_bandwidth", "pcie_bandwidth"):
             if name in fields:
                 values[name] = fields.number(name, positive=True)
-        for name in ("sync_seconds", "disk_bandwidth", "cpu_prefill_ops", *_CPU_FIXED):
+        for name in ("sync_seconds", "device_step_seconds", "disk_bandwidth", "cpu_prefill_ops", *_CPU_FIXED):
             if name in fields:
                 values[name] = fields.number(name, minimum=0)
         if "cpu_scheme_bandwidth" in fields:
@@ -203,7 +213,8 @@ def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | 
                           gpu_bandwidth: str | float | None = None,
                           pcie_bandwidth: str | float | None = None,
                           sync_us: float | None = None,
-                          disk_bandwidth: str | float | None = None) -> HardwareProfile:
+                          disk_bandwidth: str | float | None = None,
+                          device_step_us: float | None = None) -> HardwareProfile:
     """A profile from a JSON file and/or flags; flags override the file."""
     if profile_path:
         base = load_hardware_profile(profile_path, vram_bytes=None if vram is None else parse_bytes(vram))
@@ -216,6 +227,7 @@ def make_hardware_profile(*, profile_path: str | None = None, vram: str | int | 
              ("gpu_bandwidth", gpu_bandwidth, parse_bandwidth),
              ("pcie_bandwidth", pcie_bandwidth, parse_bandwidth),
              ("sync_seconds", sync_us, lambda us: float(us) * 1e-6),
+             ("device_step_seconds", device_step_us, lambda us: float(us) * 1e-6),
              ("disk_bandwidth", disk_bandwidth, parse_bandwidth))
     changes: dict[str, Any] = {field: parse(value) for field, value, parse in flags if value is not None}
     return replace(base, **changes) if changes else base

@@ -50,6 +50,7 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
          time_limit: float = 1.5, cpu_bandwidth: str | float | None = None,
          gpu_bandwidth: str | float | None = None, pcie_bandwidth: str | float | None = None,
          sync_us: float | None = None, disk_bandwidth: str | float | None = None, source_types: bool = False,
+         device_step_us: float | None = None,
          calibration_text: str | os.PathLike[str] | None = None, calibration_tokens: int = 1024,
          trace: str | os.PathLike[str] | None = None, request: tuple[int, int] | None = None):
     """Plan which experts live on the GPU: returns a ``ktc.passes.planner.Plan``.
@@ -78,7 +79,8 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
     ir = model if isinstance(model, ModelIR) else load_model(model)
     hw = make_hardware_profile(profile_path=hardware, vram=vram, ram=ram, reserve=reserve,
                                cpu_bandwidth=cpu_bandwidth, gpu_bandwidth=gpu_bandwidth,
-                               pcie_bandwidth=pcie_bandwidth, sync_us=sync_us, disk_bandwidth=disk_bandwidth)
+                               pcie_bandwidth=pcie_bandwidth, sync_us=sync_us, disk_bandwidth=disk_bandwidth,
+                               device_step_us=device_step_us)
     if isinstance(profile, (str, os.PathLike)):
         activation = load_activation_profile(os.fspath(profile), moe_layers=ir.moe_layer_indices,
                                              num_layers=ir.config.num_layers,

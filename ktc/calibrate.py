@@ -145,10 +145,71 @@ def layer_costs(hw: HardwareProfile, *, rounds: int = 7, tokens: int = 48, bundl
     return per_layer, max(r0 - v0 * per_word, 0.0) + head_extra, per_word
 
 
+def device_step(device: Any, bundle_path: str, *, rounds: int = 7, steps: int = 48) -> float:
+    """Seconds a MoE layer's decode step costs more when some of its experts run on ``device``
+    than when every one runs on the CPU: the device path's fixed cost (kernel launches, torch's
+    dispatch, the synchronising copies, the hand-off to the CPU experts' thread), which the
+    planner adds to a layer with GPU experts (``HardwareProfile.device_step_seconds``). The
+    first MoE layer of a probe model (``probe_bundles``; experts small enough that their bytes
+    cost next to nothing), every step one expert on the device and one on the CPU: half the
+    experts in device slots held fixed, as a plan's residents would be; against the same layer
+    with every expert on the CPU, called from a hidden state on the device as a model's layer is;
+    medians of interleaved rounds."""
+    import statistics
+    import time
+
+    import torch
+
+    from ktc.formats.bundle import open_bundle
+    from ktc.runtime.experts import ExpertSet
+
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rng = np.random.default_rng(0)
+    with open_bundle(bundle_path) as bundle:
+        info = bundle.manifest["model"]["moe_layers"][0]
+        experts, layer = int(info["num_experts"]), int(info["layer"])
+        half = experts // 2
+        alone = ExpertSet(bundle, layer)
+        mixed = ExpertSet(bundle, layer, device=device, cache_slots=half,
+                          cache_prior=np.r_[np.full(half, 100.0), np.ones(experts - half)])
+        try:
+            assert mixed.cache is not None
+            mixed.cache.wait()
+            mixed.cache.policy.margin = float("inf")  # no evictions: the slots stay the first half
+            routes = np.stack([rng.integers(0, half, steps), rng.integers(half, experts, steps)], axis=1)
+            hidden = torch.randn((1, alone.hidden_size), device=device,
+                                 dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            weights = torch.full((1, 2), 0.5)
+
+            def timed(layer_experts: ExpertSet) -> float:
+                sync()
+                started = time.perf_counter()
+                for route in routes:
+                    layer_experts.forward_torch(hidden, torch.from_numpy(route[None, :]), weights)
+                    sync()
+                return (time.perf_counter() - started) / steps
+
+            timed(alone), timed(mixed)  # compile and warm, outside the timing
+            on_cpu, on_device = [], []
+            for _ in range(rounds):
+                on_cpu.append(timed(alone))
+                on_device.append(timed(mixed))
+        finally:
+            alone.close()
+            mixed.close()
+    return max(statistics.median(on_device) - statistics.median(on_cpu), 0.0)
+
+
 def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, rounds: int = 5,
               bundles: list[str] | None = None, progress: Callable[[str], None] | None = None) -> HardwareProfile:
     """``base`` with the CPU decode cost model's figures measured here (``schemes``: those
-    only; ``bundles``: the probe models, made by ``probe_bundles`` already)."""
+    only; ``bundles``: the probe models, made by ``probe_bundles`` already), and on a CUDA
+    machine the device's: its bandwidths and its step's fixed cost (``device_step``)."""
+    if bundles is None:
+        with tempfile.TemporaryDirectory(prefix="ktc-calibrate-") as tmp:
+            return calibrate(base, schemes=schemes, rounds=rounds, bundles=probe_bundles(tmp, progress),
+                             progress=progress)
     from ktc.runtime.calibrate import prefill_ops, scheme_bandwidths
 
     rates = scheme_bandwidths(schemes, rounds=rounds, progress=progress)
@@ -166,4 +227,7 @@ def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, 
         if progress:
             progress("the GPU's bandwidth and PCIe uploads")
         measured = replace(measured, **device_bandwidths("cuda"))
+        if progress:
+            progress("the fixed cost of a layer's step with experts on the GPU")
+        measured = replace(measured, device_step_seconds=device_step("cuda", bundles[0], rounds=max(rounds, 5)))
     return measured

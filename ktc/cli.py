@@ -316,6 +316,10 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--pcie-bandwidth", help="PCIe bandwidth [default: 25GB/s]."),
         click.option("--sync-us", type=FiniteFloat(min=0),
                      help="Per-layer CPU/GPU sync cost in microseconds [default: 50]."),
+        click.option("--device-step-us", type=FiniteFloat(min=0),
+                     help="The runtime's fixed cost of a MoE layer's step with experts on the GPU, in "
+                          "microseconds (ktc doctor --calibrate measures it on a CUDA machine); where it "
+                          "exceeds what a layer's GPU experts save, they stay on the CPU [default: 0, not modelled]."),
         click.option("--disk-bandwidth",
                      help="Read bandwidth of the disk the bundle will be on, e.g. 3GB/s (ktc doctor measures it): "
                           "where the CPU experts do not fit --ram, the least used stay on disk, read through the "
@@ -383,6 +387,7 @@ def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
                      time_limit=kw["time_limit"], cpu_bandwidth=kw["cpu_bandwidth"],
                      gpu_bandwidth=kw["gpu_bandwidth"], pcie_bandwidth=kw["pcie_bandwidth"],
                      sync_us=kw["sync_us"], disk_bandwidth=kw.get("disk_bandwidth"), source_types=source_types,
+                     device_step_us=kw.get("device_step_us"),
                      calibration_text=kw.get("calibration_text"), trace=kw.get("trace"), request=kw.get("request"))
 
 
@@ -1185,7 +1190,9 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, disk_folde
             click.echo(f"{path + ' GB/s':<14}" + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()))
         if report["cuda"]:
             click.echo(f"{'gpu':<14}{hw['gpu_bandwidth'] / 1e9:.0f} GB/s read by a bf16 matrix-vector product, "
-                       f"{hw['pcie_bandwidth'] / 1e9:.1f} GB/s uploads from pinned memory")
+                       f"{hw['pcie_bandwidth'] / 1e9:.1f} GB/s uploads from pinned memory; a layer's step with "
+                       f"experts on the GPU {hw.get('device_step_seconds', 0.0) * 1e6:.0f} us more than on the CPU "
+                       "alone")
         click.echo(f"{'fixed':<14}{hw['cpu_layer_seconds'] * 1e6:.0f} us a layer, "
                    f"{hw['cpu_token_seconds'] * 1e6:.0f} us a token and {hw['cpu_vocab_seconds'] * 1e11:.1f} us more "
                    "a token for each 100k words of the vocabulary, beside their bytes")

@@ -293,6 +293,8 @@ def render_plan_html(plan: Plan) -> str:
         ("bandwidths", f"CPU {hw.cpu_bandwidth / 1e9:.0f} GB/s, GPU {hw.gpu_bandwidth / 1e9:.0f} GB/s, "
                        f"PCIe {hw.pcie_bandwidth / 1e9:.0f} GB/s"),
         ("CPU-GPU sync", f"{sync_ms * 1e3:.0f} us per layer with a CPU expert"),
+        ("device step", f"{hw.device_step_seconds * 1e6:.0f} us per layer with a GPU expert"
+         if hw.device_step_seconds > 0 else "not modelled (ktc doctor --calibrate on a CUDA machine measures it)"),
         ("workload", f"batch {w.batch}, KV cache {w.max_tokens} tokens at {w.kv_dtype}"),
         ("routing", _routing(plan)),
     ], ("assumption", "value"))
@@ -440,7 +442,9 @@ def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
     problem = PlacementProblem(
         usage=usage.sum(axis=1, keepdims=True), options=tuple(items), allowed=allowed,
         vram_budget=plan.memory.vram_budget - fixed_vram, ram_budget=plan.memory.ram_budget - fixed_ram,
-        sync_seconds=np.full(layers, plan.hardware.sync_seconds + transfer))
+        sync_seconds=np.full(layers, plan.hardware.sync_seconds + transfer),
+        device_seconds=(np.full(layers, plan.hardware.device_step_seconds)
+                        if plan.hardware.device_step_seconds > 0 else None))
     try:
         solution = solve_placement(problem)
     except KtcError as exc:

@@ -173,7 +173,8 @@ def replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int, slot_scheme: str
     cpu_seconds = np.where(on_gpu, 0.0, seconds)
     result = replay_trace(routes, caches, [frozenset(np.flatnonzero(g).tolist()) for g in on_gpu],
                           device_seconds, cpu_seconds, ctx.problem.sync_seconds,
-                          slot_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth)
+                          slot_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth,
+                          hw.device_step_seconds)
     tokens = len(routes)
     return SplitResult(slots, int(on_gpu.sum()), plan.constant_ms + 1e3 * result.seconds / tokens,
                        result.hits / max(result.uses, 1), result.uploaded * slot_bytes / tokens)

@@ -48,6 +48,9 @@ class PlacementProblem:
     ram_budget: int
     sync_seconds: np.ndarray  # per layer
     quality_weight: float = 0.0
+    # per layer: the runtime's fixed cost of a step that runs any of the layer's experts on the
+    # GPU (``HardwareProfile.device_step_seconds``); None: none
+    device_seconds: np.ndarray | None = None
     # [layers, options]: each option's error layer by layer (measured on activations), instead of
     # its nominal ``error`` in every layer
     layer_errors: np.ndarray | None = None
@@ -118,6 +121,9 @@ def evaluate(problem: PlacementProblem, choice: np.ndarray) -> Evaluation:
     gpu_time, cpu_time = a.side_times(use, choice)
     cpu_active = ((~on_gpu[choice]) & (use > 0)).any(axis=1)
     layers = np.maximum(gpu_time, cpu_time) + np.where(cpu_active, problem.sync_seconds, 0.0)
+    if problem.device_seconds is not None:
+        gpu_active = (on_gpu[choice] & (use > 0)).any(axis=1)
+        layers = layers + np.where(gpu_active, problem.device_seconds, 0.0)
     quality = problem.quality_weight * float((use * np.take_along_axis(error, choice, axis=1)).sum())
     return Evaluation(float(layers.sum()) + quality, float(layers.sum()), tuple(layers.tolist()),
                       int(vram[choice].sum()), int(ram[choice].sum()))
@@ -177,10 +183,13 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
         raise BudgetError(f"expert {groups[bad][3][0]} of MoE layer {groups[bad][0]} has no allowed "
                           "placement (pinned to both devices?)")
 
-    # Variables: x[g, o] (count of group g's experts on option o), z[l] (layer time), y[l] (sync).
+    # Variables: x[g, o] (count of group g's experts on option o), z[l] (layer time), y[l] (sync),
+    # and where the device's steps cost, w[l] (a step with device experts).
     nx = n_groups * n_opts
     z0, y0 = nx, nx + n_layers
-    n_vars = nx + 2 * n_layers
+    stepped = problem.device_seconds is not None and bool(np.any(problem.device_seconds > 0))
+    w0 = nx + 2 * n_layers
+    n_vars = nx + (3 if stepped else 2) * n_layers
     scale = 1e3  # milliseconds keep the coefficients near 1
     g_idx = np.repeat(np.arange(n_groups), n_opts)
     o_idx = np.tile(np.arange(n_opts), n_groups)
@@ -191,7 +200,9 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
     # down for nothing.
     cost[:nx] = problem.quality_weight * scale * g_use[g_idx] * error[g_layer[g_idx], o_idx]
     cost[z0:y0] = 1.0
-    cost[y0:] = problem.sync_seconds * scale
+    cost[y0:w0] = problem.sync_seconds * scale
+    if stepped:
+        cost[w0:] = problem.device_seconds * scale
 
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
@@ -227,6 +238,14 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
             np.concatenate([np.nonzero(sel)[0], y0 + g_layer[g_idx[sel]]]),
             np.concatenate([np.ones(k), -g_size[g_idx[sel]]]),
             np.full(k, -np.inf), np.zeros(k))
+    # The device's step: a used expert on the GPU forces w[l] = 1, the same way.
+    sel = on_gpu[o_idx] & (g_use[g_idx] > 0)
+    k = int(sel.sum())
+    if stepped and k:
+        add(np.concatenate([np.arange(k), np.arange(k)]),
+            np.concatenate([np.nonzero(sel)[0], w0 + g_layer[g_idx[sel]]]),
+            np.concatenate([np.ones(k), -g_size[g_idx[sel]]]),
+            np.full(k, -np.inf), np.zeros(k))
     # Budgets, in units of the sizes' greatest common divisor (a page, usually): integer
     # coefficients and an integer right-hand side, so solver tolerances cannot let a placement
     # overshoot a budget by a few bytes.
@@ -238,8 +257,8 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
                 per_option[o_idx[sel]] / unit, np.array([-np.inf]), np.array([float(budget // unit)]))
 
     upper_x = np.where(g_allowed[g_idx, o_idx], g_size[g_idx], 0.0)
-    col_upper = np.concatenate([upper_x, np.full(n_layers, np.inf), np.ones(n_layers)])
-    integer = np.concatenate([np.ones(nx, bool), np.zeros(n_layers, bool), np.ones(n_layers, bool)])
+    col_upper = np.concatenate([upper_x, np.full(n_layers, np.inf), np.ones((2 if stepped else 1) * n_layers)])
+    integer = np.concatenate([np.ones(nx, bool), np.zeros(n_layers, bool), np.ones((2 if stepped else 1) * n_layers, bool)])
     run = _run_highs(cost, np.concatenate(rows), np.concatenate(cols), np.concatenate(vals),
                      np.concatenate(lower), np.concatenate(upper), col_upper, integer,
                      time_limit=max(time_limit - (time.perf_counter() - started), 0.05), rel_gap=rel_gap)

@@ -76,7 +76,7 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
         counts = profile.counts[row]
         tokens = sum(counts)
         gpu_seconds = cpu_seconds = 0.0
-        cpu_used = False
+        cpu_used = gpu_used = False
         for expert in layer.experts:
             where = placement.experts[row][expert.index]
             allowed = options.gpu_schemes if where.device is Device.GPU else options.cpu_schemes
@@ -96,6 +96,7 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
             if where.device is Device.GPU:
                 vram += footprint.stored_bytes
                 gpu_seconds += p_step * footprint.data_bytes / hardware.gpu_bandwidth
+                gpu_used = gpu_used or p_step > 0
             else:  # the disk tier: no RAM, its bytes read from disk first
                 ram += footprint.stored_bytes if where.device is Device.CPU else 0
                 cpu_seconds += p_step * footprint.data_bytes / hardware.cpu_bandwidth
@@ -104,6 +105,8 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
                         hardware.disk_bandwidth > 0 else float("inf")
                 cpu_used = cpu_used or p_step > 0
         total_seconds += max(gpu_seconds, cpu_seconds)
+        if gpu_used:
+            total_seconds += hardware.device_step_seconds
         if cpu_used:
             total_seconds += hardware.sync_seconds + 4 * workload.batch * cfg.hidden_size / hardware.pcie_bandwidth
     if vram > hardware.vram_bytes:

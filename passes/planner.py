@@ -541,7 +541,8 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         vram_budget=hw.vram_bytes - sum(vram.values()),
         ram_budget=hw.ram_bytes - sum(ram.values()),
         sync_seconds=sync, quality_weight=opts.quality_weight,
-        layer_errors=_layer_errors(opts, options, len(layers)))
+        layer_errors=_layer_errors(opts, options, len(layers)),
+        device_seconds=np.full(len(layers), hw.device_step_seconds) if hw.device_step_seconds > 0 else None)
     return PlanningContext(problem, profile, vram, ram, read / hw.gpu_bandwidth, kv_per_token, layers)
 
 

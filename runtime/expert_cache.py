@@ -230,12 +230,13 @@ class Replay:
 
 def replay_trace(routes: np.ndarray, caches: list[LayerCache] | None, resident: list[frozenset[int]],
                  device_seconds: np.ndarray, cpu_seconds: np.ndarray, sync_seconds: np.ndarray,
-                 upload_seconds: float, cpu_bandwidth: float, pcie_bandwidth: float) -> Replay:
+                 upload_seconds: float, cpu_bandwidth: float, pcie_bandwidth: float,
+                 device_step_seconds: float = 0.0) -> Replay:
     """A routing trace ([tokens, layers, k] experts) through ``caches`` (one a layer; None: the
     static ``resident`` sets alone), timed as the planner does: per layer and token the experts
     on the device (resident or a slot that hit) at ``device_seconds[layer, expert]``, the others
     at ``cpu_seconds``, the slower of the two sides, plus ``sync_seconds[layer]`` where the CPU
-    has any. Uploads cross PCIe one after another (``upload_seconds`` each), land when done,
+    has any and ``device_step_seconds`` where the device has any. Uploads cross PCIe one after another (``upload_seconds`` each), land when done,
     and while one is under way the CPU's experts read at ``cpu_bandwidth - pcie_bandwidth`` (the
     copies read the same host memory; at least a tenth of it). The planner's split between
     residents and slots (``ktc.streaming``) and ``benchmarks/stream.py`` replay through this."""
@@ -257,5 +258,6 @@ def replay_trace(routes: np.ndarray, caches: list[LayerCache] | None, resident: 
             hits += len(on_device)
             uses += len(experts)
             cpu = sum(cpu_rows[li][e] for e in on_cpu) * (slowed if link_free > clock else 1.0)
-            clock += max(sum(device_rows[li][e] for e in on_device), cpu) + (syncs[li] if on_cpu else 0.0)
+            clock += max(sum(device_rows[li][e] for e in on_device), cpu) + (syncs[li] if on_cpu else 0.0) \
+                + (device_step_seconds if on_device else 0.0)
     return Replay(clock, hits, uses, uploaded)

@@ -137,6 +137,8 @@ def test_bad_plan_file(tmp_path, demo_model, demo_plan, change, words):
     ("--time-limit", "nan", ["--time-limit", "finite"]),
     ("--sync-us", "nan", ["--sync-us", "finite"]),
     ("--sync-us", "-5", ["--sync-us", "x>=0"]),
+    ("--device-step-us", "inf", ["--device-step-us", "finite"]),
+    ("--device-step-us", "-1", ["--device-step-us", "x>=0"]),
     ("--vram", "lots", ["24GiB"]),
     ("--request", "4000", ["--request", "4000:300"]),
     ("--request", "0:300", ["--request", "4000:300"]),

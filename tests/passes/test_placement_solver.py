@@ -41,12 +41,15 @@ def random_problem(seed: int) -> PlacementProblem:
         allowed[l, e] = [o.device == device for o in options]
     total_gpu = layers * experts * options[0].vram_bytes
     total_cpu = layers * experts * max(o.ram_bytes for o in options if o.device == CPU)
+    # half the instances with a device step cost (drawn apart: the other fields stay as they were)
+    own = np.random.default_rng(seed + 1000)
+    device_seconds = own.uniform(0, 0.05, size=layers) if own.random() < 0.5 else None
     return PlacementProblem(
         usage=usage, options=tuple(options), allowed=allowed,
         vram_budget=int(rng.uniform(0.0, 0.8) * total_gpu),
         ram_budget=int(rng.uniform(0.3, 1.1) * total_cpu),
         sync_seconds=rng.uniform(0, 0.05, size=layers),
-        quality_weight=float(rng.choice([0.0, 1e-9, 0.05])))
+        quality_weight=float(rng.choice([0.0, 1e-9, 0.05])), device_seconds=device_seconds)
 
 
 def brute_force(problem: PlacementProblem) -> float | None:
@@ -70,6 +73,8 @@ def brute_force(problem: PlacementProblem) -> float | None:
         g = np.where(gpu[a], t, 0).sum(axis=1)
         c = np.where(gpu[a], 0, t).sum(axis=1)
         sync = np.where(((~gpu[a]) & (use > 0)).any(axis=1), problem.sync_seconds[layer], 0.0)
+        if problem.device_seconds is not None:
+            sync = sync + np.where((gpu[a] & (use > 0)).any(axis=1), problem.device_seconds[layer], 0.0)
         cost = np.maximum(g, c) + sync + problem.quality_weight * (use * err[a]).sum(axis=1)
         best: dict[tuple[int, int], float] = {}
         for v, r, value in zip(vram[a].sum(axis=1).tolist(), ram[a].sum(axis=1).tolist(), cost.tolist()):
@@ -113,3 +118,22 @@ def test_enough_instances_are_feasible_and_nontrivial():
         devices = {problem.options[c].device for c in choice.ravel()}
         mixed += devices == {GPU, CPU}
     assert feasible >= 50 and mixed >= 25, (feasible, mixed)
+
+
+def test_a_device_step_cost_keeps_small_experts_on_the_cpu():
+    """Experts whose GPU time saves less than the runtime's fixed cost of a device step stay on
+    the CPU though VRAM holds them all; without that cost they all go to the GPU."""
+    options = (PlacementOption(GPU, "g", 100, 0, 1e-6), PlacementOption(CPU, "c", 0, 100, 10e-6))
+    usage = np.full((2, 4), 0.5)
+    allowed = np.ones((2, 4, 2), dtype=bool)
+
+    def solved(device_seconds):  # type: ignore[no-untyped-def]
+        problem = PlacementProblem(usage=usage, options=options, allowed=allowed, vram_budget=800,
+                                   ram_budget=800, sync_seconds=np.zeros(2), device_seconds=device_seconds)
+        return solve_placement(problem)
+
+    assert (solved(None).choice == 0).all()  # 4 x 0.5 x 9 us saved a layer
+    cheap = solved(np.full(2, 5e-6))
+    assert (cheap.choice == 0).all() and cheap.objective == pytest.approx(2 * (2e-6 + 5e-6))
+    costly = solved(np.full(2, 50e-6))
+    assert (costly.choice == 1).all() and costly.objective == pytest.approx(2 * 20e-6)

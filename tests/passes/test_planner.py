@@ -300,3 +300,27 @@ def test_a_disk_tier_keeps_the_least_used_experts_on_disk_where_ram_is_short(dem
     text = HardwareProfile(vram_bytes=1, ram_bytes=1, disk_bandwidth=2e9).to_json()
     assert HardwareProfile.from_json(text).disk_bandwidth == 2e9
     assert "disk_bandwidth" not in HardwareProfile(vram_bytes=1, ram_bytes=1).to_json()  # older files stay as they were
+
+
+def test_a_device_step_cost_is_planned_for_and_verified(demo_model, tmp_path):
+    """The runtime's fixed cost of a layer's step with GPU experts: where it exceeds what the
+    demo's small experts save on the GPU, the plan keeps them all on the CPU though VRAM holds
+    them; a small one keeps the GPU experts; the verifier's own arithmetic agrees with each
+    plan's prediction, and the profile file carries the figure (only when measured)."""
+    from ktc.formats.hardware_profile import load_hardware_profile
+
+    ir = load_model(demo_model)
+    profile = zipf_profile(ir, seed=1)
+    free = plan(ir, vram="16MiB", ram="1GiB", reserve=0, profile=profile)
+    small = plan(ir, vram="16MiB", ram="1GiB", reserve=0, profile=profile, device_step_us=0.5)
+    costly = plan(ir, vram="16MiB", ram="1GiB", reserve=0, profile=profile, device_step_us=500)
+    assert sum(free.placement.gpu_experts_per_layer()) > 0
+    assert sum(small.placement.gpu_experts_per_layer()) > 0
+    assert sum(costly.placement.gpu_experts_per_layer()) == 0
+    assert costly.hardware.device_step_seconds == 500e-6
+    for made in (free, small, costly):
+        verify_plan(ir, made)
+    assert small.predicted_ms_per_token > free.predicted_ms_per_token
+    assert "device_step_seconds" not in free.hardware.to_json()
+    (tmp_path / "hw.json").write_text(json.dumps(costly.hardware.to_json()))
+    assert load_hardware_profile(str(tmp_path / "hw.json")).device_step_seconds == 500e-6

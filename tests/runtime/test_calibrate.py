@@ -109,3 +109,27 @@ def test_prefill_rate_is_the_batched_products_or_unknown(monkeypatch):
     assert ops > 0 if lanes.fits("q8_0", 256) else ops == 0.0
     monkeypatch.setattr(lanes, "fits", lambda scheme, cols: False)
     assert calibrate.prefill_ops(tokens=16, rows_=64, cols=256, rounds=1, calls=1) == 0.0
+
+
+def test_the_device_steps_fixed_cost_on_torchs_cpu_device(tmp_path, monkeypatch):
+    """The device path's extra cost a layer's step, on torch's CPU device (the CUDA path is the
+    same code with synchronised timing): a probe layer whose every step runs one expert from a
+    slot held fixed and one on the CPU, against every expert on the CPU; measured and finite."""
+    import ktc.calibrate as calibrate_module
+    from ktc.runtime.experts import ExpertSet
+
+    monkeypatch.setattr(calibrate_module, "PROBES", calibrate_module.PROBES[:1])
+    path = calibrate_module.probe_bundles(str(tmp_path))[0]
+    seen = []
+    close = ExpertSet.close
+
+    def closing(self):  # type: ignore[no-untyped-def]
+        if self.cache is not None:
+            seen.append((self.cache.counters.hits, self.cache.counters.misses, self.cache.counters.uploads))
+        close(self)
+
+    monkeypatch.setattr(ExpertSet, "close", closing)
+    seconds = calibrate_module.device_step("cpu", path, rounds=2, steps=8)
+    assert 0.0 <= seconds < 0.5
+    steps = (1 + 2) * 8  # the warm-up round and two timed ones
+    assert seen == [(steps, steps, 0)]  # one hit and one miss a step; nothing copied after the load
