@@ -243,10 +243,18 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
     bundles = build_layer_bundles(args.config, args.workdir, budgets, args.scheme)
     link = device_bandwidths(device, nbytes=256 << 20, rounds=3)
     cpu = read_bandwidth()
-    hw = HardwareProfile(vram_bytes=0, ram_bytes=0, cpu_bandwidth=cpu, **link)
+    # the device path's fixed cost a layer's step, as ktc doctor --calibrate measures it (on its
+    # small probe model), for the time model's predictions beside the measured figures
+    from ktc.calibrate import PROBES, device_step, probe_bundles
+
+    probe_folder = os.path.join(args.workdir, "probe")
+    os.makedirs(probe_folder, exist_ok=True)
+    step = device_step(device, probe_bundles(probe_folder, probes=PROBES[:1])[0])
+    hw = HardwareProfile(vram_bytes=0, ram_bytes=0, cpu_bandwidth=cpu, device_step_seconds=step, **link)
     print(f"\ndevice section on {name} with {os.cpu_count()} CPUs: measured CPU read "
           f"{cpu / 1e9:.0f} GB/s, GPU {hw.gpu_bandwidth / 1e9:.0f} GB/s, PCIe (page-locked) "
-          f"{hw.pcie_bandwidth / 1e9:.1f} GB/s; {args.device_layers} layers of {args.scheme} experts, "
+          f"{hw.pcie_bandwidth / 1e9:.1f} GB/s, a layer's step with device experts {1e6 * step:.0f} us more "
+          f"than on the CPU alone; {args.device_layers} layers of {args.scheme} experts, "
           f"{args.device_tokens} tokens replayed in {args.rounds} interleaved rounds", flush=True)
     with open_bundle(bundles[0.0]) as probe:
         expert_bytes = sum(probe.tensors[f"layers.0.experts.0.{part}"].nbytes for part in ("gate_up", "down"))

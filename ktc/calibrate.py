@@ -69,13 +69,14 @@ def _decode_seconds(model: Any, tokens: int) -> tuple[float, float]:
     return seconds, seconds - float(fast.seconds.sum()) / fast.steps
 
 
-def probe_bundles(folder: str, progress: Callable[[str], None] | None = None) -> list[str]:
-    """The probe models (``PROBE_CONFIG`` at each of ``PROBES``), compiled with every expert on
+def probe_bundles(folder: str, progress: Callable[[str], None] | None = None,
+                  probes: tuple[tuple[int, int, int], ...] = PROBES) -> list[str]:
+    """The probe models (``PROBE_CONFIG`` at each of ``probes``), compiled with every expert on
     the CPU into ``folder``."""
     from ktc.compile import compile_bundle
 
     paths = []
-    for layers, vocab, hidden in PROBES:
+    for layers, vocab, hidden in probes:
         path = os.path.join(folder, f"probe-{layers}-{vocab}-{hidden}.ktb")
         if not os.path.exists(path):
             if progress:

@@ -118,8 +118,7 @@ def test_the_device_steps_fixed_cost_on_torchs_cpu_device(tmp_path, monkeypatch)
     import ktc.calibrate as calibrate_module
     from ktc.runtime.experts import ExpertSet
 
-    monkeypatch.setattr(calibrate_module, "PROBES", calibrate_module.PROBES[:1])
-    path = calibrate_module.probe_bundles(str(tmp_path))[0]
+    path = calibrate_module.probe_bundles(str(tmp_path), probes=calibrate_module.PROBES[:1])[0]
     seen = []
     close = ExpertSet.close
 
