@@ -79,6 +79,10 @@ def render_plan_text(plan: Plan) -> str:
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "
                  f"experts per step); solved in {plan.solve.seconds:.2f} s, {status}")
+    if sum(per_layer) and plan.hardware.device_step_seconds == 0:
+        lines.append("device step: not modelled: the runtime's fixed cost of a layer's step with GPU experts "
+                     "(ktc doctor --calibrate on the serving machine measures it; --device-step-us) was about "
+                     "1.1 ms on one H200 machine, where such small experts as Qwen3-30B-A3B's lose to the CPU")
     lines += streaming_lines(plan)
     single = plan.single_scheme
     width = max([len(b.schemes) for b in plan.baselines] + [len(single.schemes) if single else 0]) + 1
