@@ -40,17 +40,34 @@ def check_device(device: Any) -> Any:
 
 
 
+_SHIFTS: dict[Any, Any] = {}  # device -> uint8 [[0], [4]]
+
+
 def _nibbles(codes: Any) -> Any:
     """[..., n] bytes -> [..., 2n] 4-bit codes: the low nibbles, then the high ones (the order of
-    ggml's blocks of 32 and of ktc's int4 groups)."""
+    ggml's blocks of 32 and of ktc's int4 groups). Two operations: each a kernel launch on a GPU."""
     import torch
 
-    return torch.cat([codes & 15, codes >> 4], dim=-1)
+    shifts = _SHIFTS.get(codes.device)
+    if shifts is None:
+        shifts = _SHIFTS[codes.device] = torch.tensor([[0], [4]], dtype=torch.uint8, device=codes.device)
+    return ((codes.unsqueeze(-2) >> shifts) & 15).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
 
 
 def _view(raw: Any, dtype: Any) -> Any:
     """Bytes [..., n] reinterpreted as ``dtype`` (copied first when the slice is not contiguous)."""
     return raw.contiguous().view(dtype)
+
+
+def _leading_half(blocks: Any) -> Any:
+    """The float16 in the first two bytes of each block of ``blocks`` [..., block_bytes] (an
+    even size), as float32 [..., 1]: read in place where the blocks are contiguous (a copy of
+    the slice otherwise, which costs a launch)."""
+    import torch
+
+    if blocks.is_contiguous() and blocks.storage_offset() % 2 == 0:
+        return blocks.view(torch.float16)[..., :1].float()
+    return _view(blocks[..., :2], torch.float16).float()
 
 
 def dequantize(raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
@@ -134,13 +151,11 @@ def _ggml_32(block_bytes: int, values: Any) -> Any:
 def _q8_0(blocks: Any) -> Any:
     import torch
 
-    return _view(blocks[..., 2:], torch.int8).float() * _view(blocks[..., :2], torch.float16).float()
+    return _view(blocks[..., 2:], torch.int8).float() * _leading_half(blocks)
 
 
 def _q4_0(blocks: Any) -> Any:
-    import torch
-
-    return (_nibbles(blocks[..., 2:]).float() - 8) * _view(blocks[..., :2], torch.float16).float()
+    return (_nibbles(blocks[..., 2:]).float() - 8) * _leading_half(blocks)
 
 
 def _mxfp4(blocks: Any) -> Any:

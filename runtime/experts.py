@@ -240,21 +240,37 @@ class ExpertSet:
         device); ``x_all`` holds every token's hidden state on the device.
 
         The experts of one device stack (a scheme's residents, the cache's slots, a forward's
-        offloaded copies) run together: their matrices decoded at once and multiplied in batched
-        products, each expert's tokens padded to the most any of them has (with weight 0). The
-        indices and weights go to the device in two copies a forward. An expert a time, a decode
-        step's experts cost about 30 kernel launches and two host-to-device copies each, which
-        on an H200 took longer than the CPU's experts beside them."""
+        offloaded copies) run together (``_chunk``): their matrices decoded at once and
+        multiplied in batched products, each expert's tokens padded to the most any of them has
+        (with weight 0). The indices and weights go to the device in one copy a forward (two
+        for several tokens). An expert a time, a decode step's experts cost about 30 kernel
+        launches and two host-to-device copies each, which on an H200 took longer than the
+        CPU's experts beside them."""
         import torch
 
         groups: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
         for item in work:
             stack, i = self._stack(item[0])
             groups.setdefault(id(stack), (stack, []))[1].append((i, item))
+        per = max(1, DECODED_ELEMENTS // (3 * self.hidden_size * self.intermediate_size))
+        if x_all.shape[0] == 1:  # one token: no rows to gather or scatter
+            # each chunk's stack indices, then its weights, as float32 (indices far below 2^24)
+            chunks = [(stack, members[start:start + per]) for stack, members in groups.values()
+                      for start in range(0, len(members), per)]
+            packed = torch.from_numpy(np.array(
+                [v for _, part in chunks for v in [i for i, _ in part] + [float(item[2][0]) for _, item in part]],
+                dtype=np.float32)).to(self.device)
+            at = 0
+            for stack, part in chunks:
+                n = len(part)
+                index, weights = packed[at: at + n].long(), packed[at + n: at + 2 * n]
+                at += 2 * n
+                y = self._chunk(stack, index, x_all.expand(n, 1, self.hidden_size))
+                out.addmm_(weights[None, :], y.reshape(n, self.hidden_size))
+            return
         chunks, ints, floats = [], [], []
         for stack, members in groups.values():
             members.sort(key=lambda m: -len(m[1][1]))  # similar token counts share a chunk's padding
-            per = max(1, DECODED_ELEMENTS // (3 * self.hidden_size * self.intermediate_size))
             for start in range(0, len(members), per):
                 part = members[start:start + per]
                 most = len(part[0][1][1])
@@ -273,24 +289,31 @@ class ExpertSet:
             index, token_rows = ints_d[at: at + n], ints_d[at + n: at + n + n * most]
             weights = floats_d[weighted: weighted + n * most].reshape(n, most, 1)
             at, weighted = at + n + n * most, weighted + n * most
-            gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
-            inter = stack.gate_up.shape[1] // 2
-            x = x_all[token_rows].reshape(n, most, self.hidden_size)
-            h = batched_matmul(x, stack.gate_up[index], gate_up_scheme, self.hidden_size, self._compute_dtype)
-            if stack.gate_up_bias is not None:
-                h = h + stack.gate_up_bias[index][:, None, :]
-            gate, up = h[..., :inter], h[..., inter:]
-            if self.activation == "swiglu_clamped":
-                limit = float(self.swiglu_limit if self.swiglu_limit is not None else 7.0)
-                alpha = float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702)
-                gate = gate.clamp(max=limit)
-                a = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
-            else:
-                a = torch.nn.functional.silu(gate) * up
-            y = batched_matmul(a, stack.down[index], down_scheme, inter, self._compute_dtype)
-            if stack.down_bias is not None:
-                y = y + stack.down_bias[index][:, None, :]
+            y = self._chunk(stack, index, x_all[token_rows].reshape(n, most, self.hidden_size))
             out.index_add_(0, token_rows, (y * weights).reshape(n * most, self.hidden_size))
+
+    def _chunk(self, stack: Any, index: Any, x: Any) -> Any:
+        """The experts ``index`` of device ``stack`` on their tokens ``x`` [n, tokens, hidden]:
+        their outputs [n, tokens, hidden], float32, unweighted."""
+        import torch
+
+        gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
+        inter = stack.gate_up.shape[1] // 2
+        h = batched_matmul(x, stack.gate_up[index], gate_up_scheme, self.hidden_size, self._compute_dtype)
+        if stack.gate_up_bias is not None:
+            h = h + stack.gate_up_bias[index][:, None, :]
+        gate, up = h[..., :inter], h[..., inter:]
+        if self.activation == "swiglu_clamped":
+            limit = float(self.swiglu_limit if self.swiglu_limit is not None else 7.0)
+            alpha = float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702)
+            gate = gate.clamp(max=limit)
+            a = (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+        else:
+            a = torch.nn.functional.silu(gate) * up
+        y = batched_matmul(a, stack.down[index], down_scheme, inter, self._compute_dtype)
+        if stack.down_bias is not None:
+            y = y + stack.down_bias[index][:, None, :]
+        return y
 
     # ------------------------------------------------------------------------------------------
     # Forward
