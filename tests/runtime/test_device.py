@@ -85,6 +85,23 @@ def test_mixed_device_schemes_in_one_layer(tiny_models, tmp_path):
     _check_against_cpu(path, 1, hidden, schemes, biases=True)
 
 
+@pytest.mark.parametrize("family, scheme", [("qwen3_moe", "q4_0"), ("qwen3_moe", "int8"), ("qwen3_moe", "q8_0"),
+                                            ("gpt_oss", "int4_g32"), ("gpt_oss", "mxfp4")])
+def test_a_token_alone_takes_the_one_token_path_to_the_same_sums(family, scheme, tiny_models, tmp_path):
+    """Every expert on the device: a token alone (a decode step: one copy of indices and weights,
+    the experts' outputs summed by a matrix product) gives what the same token gives among
+    others (padded batches, a scatter), biases and the clamped SwiGLU included (gpt-oss)."""
+    path = mf.compile_with_placement(tiny_models[family]["safetensors"], tmp_path, lambda e: f"gpu:{scheme}")
+    hidden = np.random.default_rng(6).standard_normal((7, mf.HIDDEN)).astype(np.float32)
+    with open_bundle(path) as bundle:
+        layer = MoELayer(bundle, 1, device="cpu")
+        together = layer.forward(hidden)
+        for i in range(len(hidden)):
+            np.testing.assert_allclose(layer.forward(hidden[i: i + 1])[0], together[i], rtol=1e-5,
+                                       atol=1e-6 * np.abs(together).max())
+        layer.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_memory_is_the_device_experts_bytes(tiny_models, tmp_path):
