@@ -36,7 +36,8 @@ static plan against the cache's slots (as many as the static plan's residents, f
 profile), in interleaved rounds; at the smallest budget also every expert on the CPU, and the
 CPU experts' worker with every core against one less. Then a prompt chunk of ``--prompt``
 tokens through the layers with and without the prefill offload. Beside each measured figure,
-the time model's for the same routes with the bandwidths measured there. ``--device cpu`` runs
+the time model's for the same routes with the bandwidths measured there and the device step's
+fixed cost as ``ktc doctor --calibrate`` measures it (``ktc.calibrate.device_step``). ``--device cpu`` runs
 the section on torch's CPU device (to try it; its figures say nothing of a GPU).
 
     python benchmarks/stream.py [--tokens 2048] [--period 256] [--zipf 1.0]
