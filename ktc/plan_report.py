@@ -447,8 +447,7 @@ def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
         usage=usage.sum(axis=1, keepdims=True), options=tuple(items), allowed=allowed,
         vram_budget=plan.memory.vram_budget - fixed_vram, ram_budget=plan.memory.ram_budget - fixed_ram,
         sync_seconds=np.full(layers, plan.hardware.sync_seconds + transfer),
-        device_seconds=(np.full(layers, plan.hardware.device_step_seconds)
-                        if plan.hardware.device_step_seconds > 0 else None))
+        device_seconds=np.full(layers, plan.hardware.device_step_seconds))
     try:
         solution = solve_placement(problem)
     except KtcError as exc:

@@ -230,22 +230,20 @@ def solve_placement(problem: PlacementProblem, *, time_limit: float = 1.5,
             np.concatenate([np.nonzero(sel)[0], z0 + np.arange(n_layers)]),
             np.concatenate([x_cost[sel], -np.ones(n_layers)]),
             np.full(n_layers, -np.inf), np.zeros(n_layers))
-    # Sync: a used expert on the CPU forces y[l] = 1: x[g, o_cpu] <= size[g] * y[l].
-    sel = (~on_gpu[o_idx]) & (g_use[g_idx] > 0)
-    k = int(sel.sum())
-    if k:
-        add(np.concatenate([np.arange(k), np.arange(k)]),
-            np.concatenate([np.nonzero(sel)[0], y0 + g_layer[g_idx[sel]]]),
-            np.concatenate([np.ones(k), -g_size[g_idx[sel]]]),
-            np.full(k, -np.inf), np.zeros(k))
-    # The device's step: a used expert on the GPU forces w[l] = 1, the same way.
-    sel = on_gpu[o_idx] & (g_use[g_idx] > 0)
-    k = int(sel.sum())
-    if stepped and k:
-        add(np.concatenate([np.arange(k), np.arange(k)]),
-            np.concatenate([np.nonzero(sel)[0], w0 + g_layer[g_idx[sel]]]),
-            np.concatenate([np.ones(k), -g_size[g_idx[sel]]]),
-            np.full(k, -np.inf), np.zeros(k))
+    def forces(device_mask: np.ndarray, first: int) -> None:
+        """A used expert on an option of ``device_mask`` forces its layer's indicator (the
+        variable at ``first + layer``) to 1: x[g, o] <= size[g] * indicator[l]."""
+        sel = device_mask[o_idx] & (g_use[g_idx] > 0)
+        k = int(sel.sum())
+        if k:
+            add(np.concatenate([np.arange(k), np.arange(k)]),
+                np.concatenate([np.nonzero(sel)[0], first + g_layer[g_idx[sel]]]),
+                np.concatenate([np.ones(k), -g_size[g_idx[sel]]]),
+                np.full(k, -np.inf), np.zeros(k))
+
+    forces(~on_gpu, y0)  # the sync, where the CPU has a used expert
+    if stepped:
+        forces(on_gpu, w0)  # the device's step, where the GPU has one
     # Budgets, in units of the sizes' greatest common divisor (a page, usually): integer
     # coefficients and an integer right-hand side, so solver tolerances cannot let a placement
     # overshoot a budget by a few bytes.

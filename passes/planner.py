@@ -542,7 +542,7 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         ram_budget=hw.ram_bytes - sum(ram.values()),
         sync_seconds=sync, quality_weight=opts.quality_weight,
         layer_errors=_layer_errors(opts, options, len(layers)),
-        device_seconds=np.full(len(layers), hw.device_step_seconds) if hw.device_step_seconds > 0 else None)
+        device_seconds=np.full(len(layers), hw.device_step_seconds))
     return PlanningContext(problem, profile, vram, ram, read / hw.gpu_bandwidth, kv_per_token, layers)
 
 

@@ -95,10 +95,9 @@ def batched_matmul(x: Any, raw: Any, scheme: str, cols: int, dtype: Any) -> Any:
     decoder's dozen kernel launches each, which on a GPU takes longer than the work)."""
     import torch
 
+    if scheme in DEVICE_MATMULS:  # their products take a stack of matrices as they take one
+        return DEVICE_MATMULS[scheme](x, raw, cols, dtype)
     n, rows_ = raw.shape[0], raw.shape[1]
-    if scheme == "int8":  # the codes are exact in bf16/f16: scale after the product
-        product = torch.bmm(x.to(dtype), _view(raw[..., :cols], torch.int8).to(dtype).transpose(1, 2))
-        return product.float() * _view(raw[..., cols:], torch.float32).reshape(n, 1, rows_)
     values = dequantize(raw.reshape(n * rows_, raw.shape[2]), scheme, cols, dtype).reshape(n, rows_, cols)
     return torch.bmm(x.to(dtype), values.transpose(1, 2)).float()
 
@@ -134,9 +133,10 @@ def _int8(raw: Any, cols: int) -> Any:
 def _int8_matmul(x: Any, raw: Any, cols: int, dtype: Any) -> Any:
     import torch
 
-    # the codes are exact in bf16/f16: scale after the product
-    product = x.to(dtype) @ _view(raw[:, :cols], torch.int8).to(dtype).T
-    return product.float() * _view(raw[:, cols:], torch.float32).reshape(1, -1)
+    # the codes are exact in bf16/f16: scale after the product (raw [rows, row_bytes], or a stack
+    # [n, rows, row_bytes] with x [n, tokens, cols])
+    product = x.to(dtype) @ _view(raw[..., :cols], torch.int8).to(dtype).transpose(-1, -2)
+    return product.float() * _view(raw[..., cols:], torch.float32).reshape(*raw.shape[:-2], 1, raw.shape[-2])
 
 
 def _ggml_32(block_bytes: int, values: Any) -> Any:
