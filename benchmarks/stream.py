@@ -230,6 +230,7 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
     from ktc.formats.hardware_profile import HardwareProfile
     from ktc.runtime.bandwidth import read_bandwidth
     from ktc.runtime.calibrate import device_bandwidths
+    from ktc.runtime import triton_experts
     from ktc.runtime.experts import ExpertSet
     from ktc.runtime.offload import PrefillOffload
 
@@ -276,15 +277,24 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
             layer.close()
         made[0].close()
 
-    def decode(sets: list, routes: np.ndarray) -> float:  # type: ignore[type-arg]
+    def decode(sets: list, routes: np.ndarray, kernels: str = "") -> float:  # type: ignore[type-arg]
+        # kernels "torch": the device experts through torch's operations, not the fused kernels
         weights = torch.full((1, top_k), 1.0 / top_k)
-        sync()
-        started = time.perf_counter()
-        for t in range(len(routes)):
-            for li, layer in enumerate(sets):
-                layer.forward_torch(hidden, torch.from_numpy(routes[t, li][None, :]), weights)
+        before = os.environ.get("KTC_DEVICE_KERNELS")
+        os.environ["KTC_DEVICE_KERNELS"] = kernels or (before or "")
+        try:
             sync()
-        return time.perf_counter() - started
+            started = time.perf_counter()
+            for t in range(len(routes)):
+                for li, layer in enumerate(sets):
+                    layer.forward_torch(hidden, torch.from_numpy(routes[t, li][None, :]), weights)
+                sync()
+            return time.perf_counter() - started
+        finally:
+            if before is None:
+                del os.environ["KTC_DEVICE_KERNELS"]
+            else:
+                os.environ["KTC_DEVICE_KERNELS"] = before
 
     worst_drift, worst_steady = float("inf"), float("inf")
     for kind, period in (("steady", None), ("drifting", args.period)):
@@ -301,25 +311,32 @@ def device_section(args) -> int:  # type: ignore[no-untyped-def]
             if budget == budgets[0]:  # the CPU experts' worker with every core, against one core less
                 made["every core"] = layers(bundles[budget], 0, None, threads=numba.get_num_threads())
                 made["CPU alone"] = layers(bundles[0.0], 0, None, on=None)
+                made["torch's operations"] = layers(bundles[budget], 0, None)
+            kernels = {"torch's operations": "torch"}
             for name, sets in made.items():  # compile and warm them outside the timing
-                decode(sets[1], routes[args.profile_tokens - 4: args.profile_tokens] if name == "cache" else run[:4])
+                decode(sets[1], routes[args.profile_tokens - 4: args.profile_tokens] if name == "cache" else run[:4],
+                       kernels.get(name, ""))
             for layer in cached[1]:  # the warm-up's copies land, its counts go
                 layer.cache.wait()
                 layer.cache.policy.counters.__init__()
             ratios, seconds = [], dict.fromkeys(made, 0.0)
             for r, part in enumerate(segments):
                 order = list(made) if r % 2 == 0 else list(made)[::-1]
-                took = {name: decode(made[name][1], run[part]) for name in order}
+                took = {name: decode(made[name][1], run[part], kernels.get(name, "")) for name in order}
                 ratios.append(took["static"] / took["cache"])
                 for name in took:
                     seconds[name] += took[name]
             if "every core" in made:
+                through_torch = len(run) / seconds["torch's operations"]
                 print(f"{kind:<9} {100 * budget:3.0f}% in VRAM, static: the CPU experts' worker with "
                       f"{numba.get_num_threads()} threads {len(run) / seconds['every core']:7.1f} tok/s, with one "
                       f"less {len(run) / seconds['static']:7.1f} tok/s; every expert on the CPU "
-                      f"{len(run) / seconds['CPU alone']:7.1f} tok/s")
-                close(made["every core"])
-                close(made["CPU alone"])
+                      f"{len(run) / seconds['CPU alone']:7.1f} tok/s; the device experts through torch's "
+                      f"operations {through_torch:7.1f} tok/s, through the fused "
+                      f"kernels ({'on' if triton_experts.enabled(torch.device(device)) else 'off: not here'}) "
+                      f"{len(run) / seconds['static']:7.1f} tok/s", flush=True)
+                for name in ("every core", "CPU alone", "torch's operations"):
+                    close(made[name])
             total = sum(c.uses for c in (layer.cache.counters for layer in cached[1]))
             hits = sum(layer.cache.counters.hits for layer in cached[1])
             late = sum(layer.cache.counters.late for layer in cached[1])

@@ -23,7 +23,7 @@ from ktc.formats.kernel_args import read_only
 from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
-from . import rows, vnni
+from . import rows, triton_experts, vnni
 from .device import DEVICE_DECODERS, batched_matmul, check_device, upload
 from .device_cache import DeviceSlots
 from .kernels import LANES_MIN_TOKENS, expert_forward, expert_forward_batch, experts_token
@@ -263,9 +263,11 @@ class ExpertSet:
             at = 0
             for stack, part in chunks:
                 n = len(part)
-                index, weights = packed[at: at + n].long(), packed[at + n: at + 2 * n]
+                index, weights = packed[at: at + n], packed[at + n: at + 2 * n]
                 at += 2 * n
-                y = self._chunk(stack, index, x_all.expand(n, 1, self.hidden_size))
+                if self._token_kernels(stack, index, weights, x_all, out):
+                    continue
+                y = self._chunk(stack, index.long(), x_all.expand(n, 1, self.hidden_size))
                 out.addmm_(weights[None, :], y.reshape(n, self.hidden_size))
             return
         chunks, ints, floats = [], [], []
@@ -291,6 +293,21 @@ class ExpertSet:
             at, weighted = at + n + n * most, weighted + n * most
             y = self._chunk(stack, index, x_all[token_rows].reshape(n, most, self.hidden_size))
             out.index_add_(0, token_rows, (y * weights).reshape(n * most, self.hidden_size))
+
+    def _token_kernels(self, stack: Any, index: Any, weights: Any, x_all: Any, out: Any) -> bool:
+        """One token's experts ``index`` (float32 stack indices) of ``stack`` weighted by
+        ``weights`` and added into ``out`` [1, hidden] by the fused device kernels
+        (``triton_experts``: two kernel launches, the weights read at their scheme), where they
+        serve this device and scheme; False where they do not (the torch path then)."""
+        gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
+        if not (triton_experts.enabled(self.device) and triton_experts.supported(gate_up_scheme, down_scheme)):
+            return False
+        clamped = self.activation == "swiglu_clamped"
+        return triton_experts.token(
+            stack, gate_up_scheme, down_scheme, index, weights, x_all[0].float().contiguous(), out[0],
+            self.hidden_size, stack.gate_up.shape[1] // 2, clamped,
+            float(self.swiglu_limit if self.swiglu_limit is not None else 7.0),
+            float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702))
 
     def _chunk(self, stack: Any, index: Any, x: Any) -> Any:
         """The experts ``index`` of device ``stack`` on their tokens ``x`` [n, tokens, hidden]:

@@ -6,6 +6,15 @@ import pytest
 
 import model_factory as mf
 
+# The fused device kernels (runtime/triton_experts.py) run on torch's CPU device in Triton's
+# interpreter, which must be chosen before Triton is first imported (its own library's functions
+# are made interpreted or compiled then): on a machine without CUDA, for the whole run.
+if os.environ.get("TRITON_INTERPRET") is None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):

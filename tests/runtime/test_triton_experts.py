@@ -1,0 +1,164 @@
+"""The fused device kernels (``runtime/triton_experts.py``): on torch's CPU device through
+Triton's interpreter, against numpy's reference and the torch path; on CUDA (``gpu``) compiled."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import model_factory as mf
+from ktc.formats.bundle import open_bundle
+from ktc.formats.quantize import dequantize, quantize
+from ktc.runtime import device as dev
+from ktc.runtime import triton_experts
+from ktc.runtime.moe import MoELayer
+
+pytest.importorskip("triton")
+
+SCHEMES = list(triton_experts.KINDS)
+
+
+def _fresh_kernels() -> None:
+    # the kernels module is Triton's interpreted or compiled kind as the environment said when
+    # it was imported: import it again
+    sys.modules.pop("ktc.runtime.triton_kernels", None)
+    triton_experts._KERNELS, triton_experts._TRIED = None, False
+    triton_experts._failed.clear()
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernels run by Triton's interpreter on torch's CPU device (chosen for the run by
+    conftest.py where there is no CUDA), a device where they run only when asked."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (a CUDA machine: the gpu tests run the kernels)")
+    monkeypatch.setenv("KTC_DEVICE_KERNELS", "triton")
+    _fresh_kernels()
+    yield
+    _fresh_kernels()
+
+
+def _silu_experts(gate_up, down, gate_up_bias, down_bias, x, clamped):
+    # one expert's output from float matrices: SiLU(gate) * up, or gpt-oss's clamped SwiGLU
+    inter = gate_up.shape[0] // 2
+    h = gate_up @ x + gate_up_bias
+    g, u = h[:inter], h[inter:]
+    if clamped:
+        g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0) + 1
+        a = g / (1 + np.exp(-1.702 * g)) * u
+    else:
+        a = g / (1 + np.exp(-g)) * u
+    return down @ a + down_bias
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("hidden, inter, clamped, biases", [(64, 96, False, False), (96, 32, True, True),
+                                                             (608, 40, False, False)])
+def test_kernels_equal_the_reference(scheme, hidden, inter, clamped, biases, interpreted):
+    """A token through 3 of 5 experts of a stack (one expert twice as another's index would not
+    be: a token's experts are distinct), weighted and added to what ``out`` holds: the numpy
+    reference on the stored weights' values. 608 columns: a row longer than one step of the
+    kernels' loop and not a whole number of steps."""
+    if scheme in ("q8_0", "q4_0", "mxfp4") and (hidden % 32 or inter % 32):
+        pytest.skip("rows of whole blocks")
+    rng = np.random.default_rng(hidden + inter)
+    experts = 5
+    gate_up = [rng.standard_normal((2 * inter, hidden)).astype(np.float32) * 0.3 for _ in range(experts)]
+    down = [rng.standard_normal((hidden, inter)).astype(np.float32) * 0.3 for _ in range(experts)]
+    gu_bias = [rng.standard_normal(2 * inter).astype(np.float32) if biases else np.zeros(2 * inter, np.float32)
+               for _ in range(experts)]
+    dn_bias = [rng.standard_normal(hidden).astype(np.float32) if biases else np.zeros(hidden, np.float32)
+               for _ in range(experts)]
+    raw_gu = [quantize(w, scheme).view(np.uint8).reshape(w.shape[0], -1) for w in gate_up]
+    raw_dn = [quantize(w, scheme).view(np.uint8).reshape(w.shape[0], -1) for w in down]
+    stack = dev.upload(scheme, raw_gu, raw_dn, gu_bias if biases else [], dn_bias if biases else [], "cpu")
+    chosen, weights = [3, 0, 4], np.array([0.5, 0.3, 0.2], dtype=np.float32)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    before = rng.standard_normal(hidden).astype(np.float32)
+    out = torch.from_numpy(before.copy())
+    assert triton_experts.token(stack, scheme, scheme, torch.tensor(chosen, dtype=torch.float32),
+                                torch.from_numpy(weights), torch.from_numpy(x), out, hidden, inter, clamped, 7.0,
+                                1.702)
+    want = before.copy()
+    for w, e in zip(weights, chosen):
+        want += w * _silu_experts(dequantize(raw_gu[e], scheme, hidden), dequantize(raw_dn[e], scheme, inter),
+                                  gu_bias[e], dn_bias[e], x, clamped)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("family, scheme", [("qwen3_moe", "q4_0"), ("gpt_oss", "mxfp4"), ("qwen3_moe", "int8")])
+def test_a_decode_step_takes_the_kernels_to_the_torch_path_s_sums(family, scheme, tiny_models, tmp_path, monkeypatch,
+                                                                   interpreted):
+    """A layer with its experts on the device: one token's experts go through the fused kernels
+    (one call a token), with the torch path's result; several tokens keep the torch path."""
+    path = mf.compile_with_placement(tiny_models[family]["safetensors"], tmp_path, lambda e: f"gpu:{scheme}")
+    hidden = np.random.default_rng(7).standard_normal((3, mf.HIDDEN)).astype(np.float32)
+    calls = []
+    original = triton_experts.token
+    monkeypatch.setattr(triton_experts, "token", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with open_bundle(path) as bundle:
+        layer = MoELayer(bundle, 1, device="cpu")
+        fused = [layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))]
+        assert len(calls) == len(hidden)
+        together = layer.forward(hidden)  # several tokens: the torch path
+        assert len(calls) == len(hidden)
+        monkeypatch.setenv("KTC_DEVICE_KERNELS", "torch")
+        alone = [layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))]
+        assert len(calls) == len(hidden)
+        layer.close()
+    for i in range(len(hidden)):
+        scale = np.abs(alone[i]).max()
+        np.testing.assert_allclose(fused[i], alone[i], rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(fused[i], together[i], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_a_scheme_the_kernels_do_not_read_keeps_the_torch_path():
+    assert triton_experts.supported("q4_0", "q4_0")
+    assert triton_experts.supported("q4_0", "q8_0")
+    assert not triton_experts.supported("int4_g32", "int4_g32")
+    assert not triton_experts.supported("q4_k", "q6_k")
+
+
+def test_kernels_that_do_not_build_warn_once_and_give_way(monkeypatch, interpreted):
+    """A Triton that cannot build the kernels (an old one, a new GPU): one warning, the
+    scheme pair marked, and the caller told to take the torch path."""
+    rng = np.random.default_rng(0)
+    raw = [quantize(rng.standard_normal((64, 32)).astype(np.float32), "q4_0").view(np.uint8).reshape(64, -1)]
+    raw_down = [quantize(rng.standard_normal((32, 32)).astype(np.float32), "q4_0").view(np.uint8).reshape(32, -1)]
+    stack = dev.upload("q4_0", raw, raw_down, [], [], "cpu")
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("no such target")
+
+    triton_experts._kernels()
+    monkeypatch.setitem(triton_experts._KERNELS, "gate_up", Broken())
+    out = torch.zeros(32)
+    with pytest.warns(RuntimeWarning, match="did not build"):
+        assert not triton_experts.token(stack, "q4_0", "q4_0", torch.zeros(1), torch.ones(1), torch.ones(32), out,
+                                        32, 32, False, 7.0, 1.702)
+    assert not triton_experts.supported("q4_0", "q4_0")
+    assert not out.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compiled_kernels_on_cuda_equal_the_torch_path(scheme, tiny_models, tmp_path, monkeypatch):
+    """On CUDA the kernels compile and give the torch path's sums (bf16 products there: 2%)."""
+    _fresh_kernels()
+    path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path, lambda e: f"gpu:{scheme}")
+    hidden = np.random.default_rng(8).standard_normal((4, mf.HIDDEN)).astype(np.float32)
+    with open_bundle(path) as bundle:
+        layer = MoELayer(bundle, 1, device="cuda")
+        fused = np.stack([layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))])
+        assert triton_experts.supported(scheme, scheme), "the kernels did not build"
+        monkeypatch.setenv("KTC_DEVICE_KERNELS", "torch")
+        torch_path = np.stack([layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))])
+        layer.close()
+    assert np.linalg.norm(fused - torch_path) / np.linalg.norm(torch_path) < 2e-2
