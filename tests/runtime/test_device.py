@@ -154,3 +154,23 @@ def test_observers_see_each_forward_once(tiny_models, tmp_path):
             np.testing.assert_array_equal(np.concatenate([i for _, i in seen]), np.concatenate([idx, idx[:1]]))
             np.testing.assert_array_equal(np.concatenate([h for h, _ in seen]), np.concatenate([hidden, hidden[:1]]))
             experts.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_uploads_go_through_the_staging_buffers_in_chunks(device, monkeypatch):
+    """A stack's bytes are each matrix's, in order, whatever the chunks: matrices longer than
+    a buffer and not a whole number of them, the two buffers taken in turn (page-locked on
+    CUDA), from a view of the map as from an array."""
+    monkeypatch.setattr(dev.Staging, "CHUNK", 1000)
+    rng = np.random.default_rng(9)
+    parts = [rng.integers(0, 256, (7, 333), dtype=np.uint8) for _ in range(3)]
+    shared = rng.integers(0, 256, (2, 7, 666), dtype=np.uint8)[:, :, ::2]  # strided, as no map is
+    stack = dev.upload("q8_0", parts, list(shared), [], [], device)
+    assert stack.gate_up_bias is None
+    np.testing.assert_array_equal(stack.gate_up.cpu().numpy(), np.stack(parts))
+    np.testing.assert_array_equal(stack.down.cpu().numpy(), shared)
+    staging = dev.Staging.of(torch.device(device))
+    assert staging._chunk == 1000
+    with pytest.raises(ValueError, match="copy of 10 bytes into 12"):
+        staging.copy(torch.empty(12, dtype=torch.uint8, device=device), np.zeros(10, np.uint8))
