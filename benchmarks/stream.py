@@ -33,8 +33,10 @@ cache; ``--device-layers`` ``ExpertSet``s over that layer stand for as many laye
 layer's experts renamed by their rank in the profile, so the compiled layer's first experts
 are every layer's static plan). The steady and drifting traces are replayed token by token,
 static plan against the cache's slots (as many as the static plan's residents, filled from the
-profile), in interleaved rounds; at the smallest budget also every expert on the CPU, and the
-CPU experts' worker with every core against one less. Then a prompt chunk of ``--prompt``
+profile), in interleaved rounds; at the smallest budget also every expert on the CPU, the
+CPU experts' worker with every core against one less, and the static plan with its device
+experts through torch's operations (``KTC_DEVICE_KERNELS=torch``) against the fused kernels
+(``runtime/triton_experts.py``). Then a prompt chunk of ``--prompt``
 tokens through the layers with and without the prefill offload. Beside each measured figure,
 the time model's for the same routes with the bandwidths measured there and the device step's
 fixed cost as ``ktc doctor --calibrate`` measures it (``ktc.calibrate.device_step``). ``--device cpu`` runs

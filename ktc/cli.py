@@ -1169,7 +1169,7 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, disk_folde
     if as_json:
         _print_json("doctor", report)
         return
-    for key in ("python", "ktc", "numpy", "torch", "numba"):
+    for key in ("python", "ktc", "numpy", "torch", "numba", "triton"):
         click.echo(f"{key:<14}{report['versions'][key]}")
     cpu = report["cpu"]
     click.echo(f"{'cpu':<14}{cpu['model']}, {cpu['cores']} cores; " +

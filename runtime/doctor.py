@@ -93,6 +93,16 @@ def diagnose() -> dict[str, Any]:
                             "build: install a CUDA build (pip install torch --index-url "
                             "https://download.pytorch.org/whl/cu128; with the Makefile: make TORCH_SPEC= "
                             "setup after installing it)")
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    if cuda and triton_version == "not installed":
+        warnings.append("Triton is not installed: a decode step's GPU experts go through torch's operations "
+                        "(about 30 kernel launches a layer) instead of ktc's two fused kernels; pip install "
+                        "triton (CUDA builds of torch bring it)")
     from .cpu_load import other_processes_cores
 
     busy = other_processes_cores()
@@ -109,7 +119,7 @@ def diagnose() -> dict[str, Any]:
         del written["vram_bytes"]
     return {
         "versions": {"python": platform.python_version(), "ktc": ktc_version, "numpy": numpy.__version__,
-                     "torch": torch_version, "numba": numba.__version__},
+                     "torch": torch_version, "numba": numba.__version__, "triton": triton_version},
         "cpu": cpu, "ram_bytes": ram, "cuda": cuda, "read_bandwidth_gbps": bandwidth / 1e9,
         "numba": {"threads": numba.get_num_threads(), "threading_layer": layer},
         "other_processes_cores": busy,

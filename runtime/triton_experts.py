@@ -10,8 +10,8 @@ pair of gate and up rows is done (``_gate_up``); then every selected expert's do
 activation, weighted and added to the layer's output in the experts' order (``_down``: one
 program owns a span of output rows, so the sum is the same whatever the GPU's scheduling).
 
-Schemes: f32, f16, bf16, int8, q8_0, q4_0 and mxfp4 (gate/up and down may differ); others keep
-the torch path (``supported``). torch does not do this: its products need the decoded matrix.
+Schemes: f32, f16, bf16, int8, q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k and int4 g32/g64/g128 (gate/up
+and down may differ: llama.cpp's Q4_K_M); the others keep the torch path (``supported``). torch does not do this: its products need the decoded matrix.
 Triton ships with CUDA builds of torch. Off a GPU the kernels run in Triton's interpreter
 (``TRITON_INTERPRET=1`` before Triton is imported, and ``KTC_DEVICE_KERNELS=triton``), which
 the tests use on torch's CPU device.
@@ -24,7 +24,8 @@ import warnings
 from typing import Any
 
 # kind codes of the matrices the kernels read, by the registry's scheme names
-KINDS = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "q8_0": 4, "q4_0": 5, "mxfp4": 6}
+KINDS = {"f32": 0, "f16": 1, "bf16": 2, "int8": 3, "q8_0": 4, "q4_0": 5, "mxfp4": 6, "q4_k": 7, "q5_k": 8, "q6_k": 9,
+         "int4_g32": 10, "int4_g64": 11, "int4_g128": 12}
 # rows a program, and values a step of its loop over a row (a multiple of 32: whole ggml blocks).
 # Chosen for a GPU decode step (a token, a few experts): hundreds of programs, each row's bytes
 # read in runs of hundreds.

@@ -91,9 +91,107 @@ def _rows_dot(w, rows, rmask, row_bytes, x, cols, KIND: tl.constexpr, BLOCK_R: t
         acc = _blocks_dot(w, rows, rmask, row_bytes, x, cols, KIND, 34, 2, 32, BLOCK_R, BLOCK_K // 32)
     elif KIND == 5:  # q4_0: fp16 scale, 16 bytes of nibbles (the low ones values 0-15, the high 16-31)
         acc = _blocks_dot(w, rows, rmask, row_bytes, x, cols, KIND, 18, 2, 16, BLOCK_R, BLOCK_K // 32)
-    else:  # mxfp4: e8m0 scale, the same nibbles
+    elif KIND == 6:  # mxfp4: e8m0 scale, the same nibbles
         acc = _blocks_dot(w, rows, rmask, row_bytes, x, cols, KIND, 17, 1, 16, BLOCK_R, BLOCK_K // 32)
+    else:  # the K-quants and int4: 256 values a step, each value's bytes found from its place
+        acc = _wide_dot(w, rows, rmask, row_bytes, x, cols, KIND, BLOCK_R)
     return acc
+
+
+@triton.jit
+def _u16(w, at, mask):
+    # the little-endian 16-bit words at byte offsets ``at``, as uint32
+    return tl.load(w + at, mask=mask, other=0).to(tl.uint32) | (tl.load(w + at + 1, mask=mask, other=0).to(tl.uint32) << 8)
+
+
+@triton.jit
+def _f16(w, at, mask):
+    return _u16(w, at, mask).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _bf16(w, at, mask):
+    return (_u16(w, at, mask) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wide_dot(w, rows, rmask, row_bytes, x, cols, KIND: tl.constexpr, BLOCK_R: tl.constexpr):
+    # _rows_dot of q4_k (7), q5_k (8), q6_k (9: ggml's super-blocks of 256 values, their byte
+    # layouts as ggml's dequantize_row_q*_K reads them) and int4 g32, g64, g128 (10-12: a row's
+    # codes, two a byte, a group's low nibbles its first half; then bf16 scales and minimums a
+    # group: value = code * scale + minimum); 256 values a step
+    v = tl.arange(0, 256)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    row = rows[:, None] * row_bytes
+    for start in range(0, cols, 256):
+        col = start + v
+        inside = col < cols
+        m = rmask[:, None] & inside[None, :]
+        if KIND == 7:
+            value = _k4_values(w, row + (start // 256) * 144, v, m, rmask, 16, False)
+        elif KIND == 8:
+            value = _k4_values(w, row + (start // 256) * 176, v, m, rmask, 48, True)
+        elif KIND == 9:
+            value = _q6_k_values(w, row + (start // 256) * 210, v, m, rmask)
+        elif KIND == 10:
+            value = _int4_values(w, row, col, m, cols, 32)
+        elif KIND == 11:
+            value = _int4_values(w, row, col, m, cols, 64)
+        else:
+            value = _int4_values(w, row, col, m, cols, 128)
+        xv = tl.load(x + col, mask=inside, other=0.0)
+        acc += tl.sum(tl.where(m, value, 0.0) * xv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _int4_values(w, row, col, m, cols, G: tl.constexpr):
+    # [R, 256] values at columns ``col`` of int4 rows with groups of G
+    g = col // G
+    within = col % G
+    b = tl.load(w + row + (g * (G // 2) + within % (G // 2))[None, :], mask=m, other=0)
+    code = ((b >> (4 * (within // (G // 2))).to(tl.uint8)[None, :]) & 15).to(tl.float32)
+    groups = cols // G
+    return code * _bf16(w, row + (cols // 2 + 2 * g)[None, :], m) + _bf16(w, row + (cols // 2 + 2 * (groups + g))[None, :], m)
+
+
+@triton.jit
+def _q6_k_values(w, base, v, m, rmask):
+    # [R, 256] values of the q6_k super-blocks at byte ``base`` [R, 1]: ql[128], qh[64], int8
+    # scales[16], fp16 d; value v = 128 n + 32 q + lane
+    n = v // 128
+    q = (v // 32) % 4
+    lane = v % 32
+    ql = tl.load(w + base + (n * 64 + lane + 32 * (q % 2))[None, :], mask=m, other=0)
+    qh = tl.load(w + base + (128 + n * 32 + lane)[None, :], mask=m, other=0)
+    low4 = (ql >> (4 * (q // 2)).to(tl.uint8)[None, :]) & 15
+    high2 = (qh >> (2 * q).to(tl.uint8)[None, :]) & 3
+    code = (low4 | (high2 << 4)).to(tl.float32) - 32.0
+    sc = tl.load(w + base + (192 + n * 8 + lane // 16 + 2 * q)[None, :], mask=m, other=0)
+    return _f16(w, base + 208, rmask[:, None]) * sc.to(tl.int8, bitcast=True).to(tl.float32) * code
+
+
+@triton.jit
+def _k4_values(w, base, v, m, rmask, QS: tl.constexpr, HIGH: tl.constexpr):
+    # [R, 256] values of q4_k (QS 16) or q5_k (QS 48, HIGH: a fifth bit a value from qh[32] at
+    # byte 16) super-blocks at byte ``base`` [R, 1]: fp16 d and dmin, 12 bytes of 6-bit scales
+    # and minimums (8 of each), then the nibbles; value v = 32 sub + lane
+    sub = v // 32
+    lane = v % 32
+    qs = tl.load(w + base + (QS + (sub // 2) * 32 + lane)[None, :], mask=m, other=0)
+    code = (qs >> (4 * (sub % 2)).to(tl.uint8)[None, :]) & 15
+    if HIGH:
+        qh = tl.load(w + base + (16 + lane)[None, :], mask=m, other=0)
+        code = code | (((qh >> sub.to(tl.uint8)[None, :]) & 1) << 4)
+    # get_scale_min_k4: sub j < 4: s[j] & 63, s[j + 4] & 63; else
+    # (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, (s[j + 4] >> 4) | (s[j] >> 6) << 4
+    first = sub < 4
+    s_j = tl.load(w + base + (4 + sub)[None, :], mask=m, other=0).to(tl.int32)
+    s_j4 = tl.load(w + base + (8 + sub)[None, :], mask=m, other=0).to(tl.int32)
+    s_jm4 = tl.load(w + base + (4 + tl.where(first, 0, sub - 4))[None, :], mask=m, other=0).to(tl.int32)
+    sc = tl.where(first[None, :], s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4)).to(tl.float32)
+    mn = tl.where(first[None, :], s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4)).to(tl.float32)
+    return _f16(w, base, rmask[:, None]) * sc * code.to(tl.float32) - _f16(w, base + 2, rmask[:, None]) * mn
 
 
 @triton.jit

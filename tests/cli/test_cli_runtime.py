@@ -37,6 +37,13 @@ def test_doctor_writes_a_profile_the_planner_reads(tmp_path, demo_model):
     assert report["kernels"]["vnni"] is vnni.HAVE_VNNI  # which 4-bit kernels this process runs
     assert report["kernels"]["amx"] is amx.HAVE_AMX and ("AMX" in report["kernels"]["description"]) is (
         amx.HAVE_AMX or (report["cpu"]["features"]["amx"] and vnni.HAVE_VNNI))
+    try:  # the fused device kernels' Triton, or why a GPU's experts would not get them
+        import triton
+
+        assert report["versions"]["triton"] == triton.__version__
+    except ImportError:
+        assert report["versions"]["triton"] == "not installed"
+        assert any("Triton is not installed" in w for w in report["warnings"]) is bool(report["cuda"])
     from ktc.api import plan
 
     result = plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0)
