@@ -117,6 +117,15 @@ def test_bad_settings_are_refused(kwargs):
         LayerCache(args.pop("num_experts"), args.pop("slots"), args.pop("expert_bytes"), **args)
 
 
+@pytest.mark.parametrize("experts", [[1, 8], [-1, 2]])
+def test_an_expert_outside_the_layer_is_refused_before_anything_counts(experts):
+    cache = LayerCache(8, 2, 1)
+    scores = cache._score.copy()
+    with pytest.raises(ConfigError, match=f"expert {[e for e in experts if not 0 <= e < 8][0]} outside 0-7"):
+        cache.step(np.array(experts))
+    assert cache.counters.uses == 0 and (cache._score == scores).all()
+
+
 def test_a_guess_starts_uploads_a_step_early_and_leaves_the_scores_alone():
     """``prefetch`` admits a guessed expert as that step's miss would be (a free slot, or a
     margin over the pool's lowest not guessed), so its upload can land before the step; the
