@@ -69,11 +69,12 @@ def token(stack: Any, gate_up_scheme: str, down_scheme: str, index: Any, weights
     dn = _typed(stack.down, dn_kind)
     try:
         kernels["gate_up"][(n, _cdiv(inter, BLOCK_ROWS))](
-            gu, index, x, a, gu_bias if gu_bias is not None else a, hidden, inter, gu.shape[2], gu[0].numel(), float(limit), float(alpha), KIND=gu_kind, CLAMPED=clamped, HAS_BIAS=gu_bias is not None,
-            BLOCK_R=BLOCK_ROWS, BLOCK_K=BLOCK_VALUES)
+            gu, index, x, a, gu_bias if gu_bias is not None else a, hidden, inter, gu.shape[2],
+            gu.shape[1] * gu.shape[2], float(limit), float(alpha), KIND=gu_kind, CLAMPED=clamped,
+            HAS_BIAS=gu_bias is not None, BLOCK_R=BLOCK_ROWS, BLOCK_K=BLOCK_VALUES)
         kernels["down"][(_cdiv(hidden, BLOCK_ROWS),)](
             dn, index, weights, a, out, dn_bias if dn_bias is not None else a, n, hidden, inter, dn.shape[2],
-            dn[0].numel(), KIND=dn_kind, HAS_BIAS=dn_bias is not None,
+            dn.shape[1] * dn.shape[2], KIND=dn_kind, HAS_BIAS=dn_bias is not None,
             BLOCK_R=BLOCK_ROWS, BLOCK_K=BLOCK_VALUES)
     except Exception as err:  # a Triton that cannot build them here: the torch path instead
         _failed.add((gu_kind, dn_kind))
