@@ -217,6 +217,8 @@ def upload(scheme: str, gate_up: list[np.ndarray], down: list[np.ndarray],
     def stack(parts: list[np.ndarray]) -> Any:
         if not parts:
             return None
+        if any(p.shape != parts[0].shape for p in parts):
+            raise ValueError(f"a stack of matrices of shapes {sorted({p.shape for p in parts})}")
         out = torch.empty((len(parts), *parts[0].shape), dtype=torch.uint8, device=device)
         staging = Staging.of(device)
         for i, part in enumerate(parts):

@@ -172,5 +172,7 @@ def test_uploads_go_through_the_staging_buffers_in_chunks(device, monkeypatch):
     np.testing.assert_array_equal(stack.down.cpu().numpy(), shared)
     staging = dev.Staging.of(torch.device(device))
     assert staging._chunk == 1000
+    with pytest.raises(ValueError, match="a stack of matrices of shapes"):
+        dev.upload("q8_0", [parts[0], parts[0].T.copy()], parts[:2], [], [], device)
     with pytest.raises(ValueError, match="copy of 10 bytes into 12"):
         staging.copy(torch.empty(12, dtype=torch.uint8, device=device), np.zeros(10, np.uint8))
