@@ -5,16 +5,18 @@ The torch path (``device.batched_matmul``) decodes a stack's selected matrices t
 dozen elementwise operations, then multiplies: on an H200 a Qwen3-30B-A3B-shaped q4_0 layer's
 one-token step took about 30 kernel launches and 0.28 ms of GPU time, most of it those passes
 (README, "The device path on an H200 machine"). Here a token's experts of one stack take two
-kernels: gate/up rows decoded in registers and multiplied with x, the activation applied as each
-pair of gate and up rows is done (``_gate_up``); then every selected expert's down rows times its
-activation, weighted and added to the layer's output in the experts' order (``_down``: one
-program owns a span of output rows, so the sum is the same whatever the GPU's scheduling).
+kernels (``triton_kernels``): ``gate_up``, gate and up rows decoded in registers and multiplied
+with x, the activation applied as each pair of them is done; then ``down``, every selected
+expert's down rows times its activation, weighted and added to the layer's output in the
+experts' order (a program owns a span of output rows, so the sum is the same whatever the GPU's
+scheduling). Written by hand: torch's products need the decoded matrix, and no library at hand
+reads ggml's blocks on a GPU.
 
 Schemes: f32, f16, bf16, int8, q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k and int4 g32/g64/g128 (gate/up
-and down may differ: llama.cpp's Q4_K_M); the others keep the torch path (``supported``). torch does not do this: its products need the decoded matrix.
-Triton ships with CUDA builds of torch. Off a GPU the kernels run in Triton's interpreter
-(``TRITON_INTERPRET=1`` before Triton is imported, and ``KTC_DEVICE_KERNELS=triton``), which
-the tests use on torch's CPU device.
+and down may differ: llama.cpp's Q4_K_M); the others keep the torch path (``supported``). Triton
+ships with CUDA builds of torch. Off a GPU the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1`` before Triton is imported, and ``KTC_DEVICE_KERNELS=triton``), which the
+tests use on torch's CPU device.
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ def supported(gate_up_scheme: str, down_scheme: str) -> bool:
 def token(stack: Any, gate_up_scheme: str, down_scheme: str, index: Any, weights: Any, x: Any, out: Any,
           hidden: int, inter: int, clamped: bool, limit: float, alpha: float) -> bool:
     """Add sum over i of weights[i] * expert index[i](x) into ``out`` [hidden] (float32) for the
-    experts ``index`` (their places in the stack, int64 or float32, on the device) of ``stack`` (``device.DeviceExperts``), x float32
-    [hidden]. SiLU(gate) * up, or with ``clamped`` gpt-oss's clamped SwiGLU (``limit``,
-    ``alpha``). False, with ``out`` untouched, where the kernels did not build for these schemes
-    (warned once; the caller takes the torch path)."""
+    experts ``index`` (their places in the stack, int64 or float32, on the device) of ``stack``
+    (``device.DeviceExperts``), x float32 [hidden]. SiLU(gate) * up, or with ``clamped``
+    gpt-oss's clamped SwiGLU (``limit``, ``alpha``). False, with ``out`` untouched, where the
+    kernels did not build for these schemes (warned once; the caller takes the torch path)."""
     import torch
 
     kernels = _kernels()

@@ -6,6 +6,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _u16(w, at, mask):
+    # the little-endian 16-bit words at byte offsets ``at``, as uint32
+    low = tl.load(w + at, mask=mask, other=0).to(tl.uint32)
+    return low | (tl.load(w + at + 1, mask=mask, other=0).to(tl.uint32) << 8)
+
+
+@triton.jit
+def _f16(w, at, mask):
+    # the float16s at byte offsets ``at``, as float32
+    return _u16(w, at, mask).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _bf16(w, at, mask):
+    # the bfloat16s at byte offsets ``at``, as float32
+    return (_u16(w, at, mask) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1(code):
     # the FP4 e2m1 value of 4-bit codes: sign, two exponent bits, one mantissa bit
     v = code & 7
@@ -32,9 +51,7 @@ def _blocks_dot(w, rows, rmask, row_bytes, x, cols, KIND: tl.constexpr, BB: tl.c
         if KIND == 6:
             scale = tl.exp2(tl.load(w + base, mask=bmask, other=127).to(tl.float32) - 127.0)
         else:
-            lo_s = tl.load(w + base, mask=bmask, other=0).to(tl.uint16)
-            hi_s = tl.load(w + base + 1, mask=bmask, other=0).to(tl.uint16)
-            scale = (lo_s | (hi_s << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+            scale = _f16(w, base, bmask)
         codes = tl.load(w + base[:, :, None] + HEAD + j[None, None, :], mask=bmask[:, :, None], other=0)
         xat = bb[:, None] * 32 + j[None, :]  # [B, CODES]: the values' places in x
         if KIND == 4:
@@ -82,11 +99,7 @@ def _rows_dot(w, rows, rmask, row_bytes, x, cols, KIND: tl.constexpr, BLOCK_R: t
             xv = tl.load(x + kk, mask=kmask, other=0.0)
             acc += tl.sum(c * xv[None, :], axis=1)
         at = rows * row_bytes + cols
-        s = (tl.load(w + at, mask=rmask, other=0).to(tl.uint32)
-             | (tl.load(w + at + 1, mask=rmask, other=0).to(tl.uint32) << 8)
-             | (tl.load(w + at + 2, mask=rmask, other=0).to(tl.uint32) << 16)
-             | (tl.load(w + at + 3, mask=rmask, other=0).to(tl.uint32) << 24))
-        acc = acc * s.to(tl.float32, bitcast=True)
+        acc = acc * (_u16(w, at, rmask) | (_u16(w, at + 2, rmask) << 16)).to(tl.float32, bitcast=True)
     elif KIND == 4:  # q8_0: fp16 scale, 32 int8
         acc = _blocks_dot(w, rows, rmask, row_bytes, x, cols, KIND, 34, 2, 32, BLOCK_R, BLOCK_K // 32)
     elif KIND == 5:  # q4_0: fp16 scale, 16 bytes of nibbles (the low ones values 0-15, the high 16-31)
@@ -96,22 +109,6 @@ def _rows_dot(w, rows, rmask, row_bytes, x, cols, KIND: tl.constexpr, BLOCK_R: t
     else:  # the K-quants and int4: 256 values a step, each value's bytes found from its place
         acc = _wide_dot(w, rows, rmask, row_bytes, x, cols, KIND, BLOCK_R)
     return acc
-
-
-@triton.jit
-def _u16(w, at, mask):
-    # the little-endian 16-bit words at byte offsets ``at``, as uint32
-    return tl.load(w + at, mask=mask, other=0).to(tl.uint32) | (tl.load(w + at + 1, mask=mask, other=0).to(tl.uint32) << 8)
-
-
-@triton.jit
-def _f16(w, at, mask):
-    return _u16(w, at, mask).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _bf16(w, at, mask):
-    return (_u16(w, at, mask) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -152,7 +149,8 @@ def _int4_values(w, row, col, m, cols, G: tl.constexpr):
     b = tl.load(w + row + (g * (G // 2) + within % (G // 2))[None, :], mask=m, other=0)
     code = ((b >> (4 * (within // (G // 2))).to(tl.uint8)[None, :]) & 15).to(tl.float32)
     groups = cols // G
-    return code * _bf16(w, row + (cols // 2 + 2 * g)[None, :], m) + _bf16(w, row + (cols // 2 + 2 * (groups + g))[None, :], m)
+    scale = _bf16(w, row + (cols // 2 + 2 * g)[None, :], m)
+    return code * scale + _bf16(w, row + (cols // 2 + 2 * (groups + g))[None, :], m)
 
 
 @triton.jit
