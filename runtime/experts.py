@@ -167,6 +167,8 @@ class ExpertSet:
         self.cache: DeviceSlots | None = None
         if cache_slots > 0 and device is not None and self.cpu:
             self.cache = self._make_cache(bundle, cache_slots, cache_prior)
+        for stack in [*self._device_weights.values(), *([self.cache.weights] if self.cache is not None else [])]:
+            self._warm_token_kernels(stack)
         self.offload = offload if device is not None and self.cpu else None
         self._offloaded: dict[int, tuple[Any, int]] = {}  # this forward's copied CPU experts: (stack, index)
         # copies started a layer ahead (``prepare_offload``) on this layer's worker thread: the
@@ -308,6 +310,14 @@ class ExpertSet:
             self.hidden_size, stack.gate_up.shape[1] // 2, clamped,
             float(self.swiglu_limit if self.swiglu_limit is not None else 7.0),
             float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702))
+
+    def _warm_token_kernels(self, stack: Any) -> None:
+        """Build the fused kernels a decode step will take for ``stack`` now, at load, not in
+        the first decode steps (``triton_experts.warm``)."""
+        gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
+        if triton_experts.enabled(self.device) and triton_experts.supported(gate_up_scheme, down_scheme):
+            triton_experts.warm(stack, gate_up_scheme, down_scheme, self.hidden_size,
+                                self.activation == "swiglu_clamped")
 
     def _chunk(self, stack: Any, index: Any, x: Any) -> Any:
         """The experts ``index`` of device ``stack`` on their tokens ``x`` [n, tokens, hidden]:

@@ -86,6 +86,20 @@ def token(stack: Any, gate_up_scheme: str, down_scheme: str, index: Any, weights
     return True
 
 
+def warm(stack: Any, gate_up_scheme: str, down_scheme: str, hidden: int, clamped: bool) -> None:
+    """Build the kernels for ``stack`` (its schemes, biases and activation) by running them once
+    on its first expert into a scratch output: Triton compiles a kernel at its first launch
+    (seconds each, once per machine: it keeps them on disk), which would otherwise fall in the
+    first decode steps. Where they do not build, ``token`` has warned and ``supported`` says so."""
+    import torch
+
+    device = stack.gate_up.device
+    token(stack, gate_up_scheme, down_scheme, torch.zeros(1, dtype=torch.float32, device=device),
+          torch.zeros(1, dtype=torch.float32, device=device), torch.zeros(hidden, dtype=torch.float32, device=device),
+          torch.zeros(hidden, dtype=torch.float32, device=device), hidden, stack.gate_up.shape[1] // 2, clamped, 7.0,
+          1.702)
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 

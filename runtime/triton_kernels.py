@@ -216,7 +216,7 @@ def gate_up(w, index, x, a, bias, cols, inter, row_bytes, expert_size, limit, al
     tl.store(a + i * inter + rows, act, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one build for any number of experts (Triton would make n == 1 its own)
 def down(w, index, weights, a, out, bias, n, hidden, inter, row_bytes, expert_size, KIND: tl.constexpr,
          HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     # program r: rows r * BLOCK_R.. of out += sum over i, in order, of weights[i] * (down

@@ -116,8 +116,9 @@ def test_gate_up_and_down_in_two_schemes(gate_up_scheme, down_scheme, interprete
                                             ("gpt_oss", "int4_g32")])
 def test_a_decode_step_takes_the_kernels_to_the_torch_path_s_sums(family, scheme, tiny_models, tmp_path, monkeypatch,
                                                                    interpreted):
-    """A layer with its experts on the device: one token's experts go through the fused kernels
-    (one call a token), with the torch path's result; several tokens keep the torch path."""
+    """A layer with its experts on the device: the kernels are built at load; one token's
+    experts go through them (one call a token), with the torch path's result; several tokens
+    keep the torch path."""
     path = mf.compile_with_placement(tiny_models[family]["safetensors"], tmp_path, lambda e: f"gpu:{scheme}")
     hidden = np.random.default_rng(7).standard_normal((3, mf.HIDDEN)).astype(np.float32)
     calls = []
@@ -125,18 +126,34 @@ def test_a_decode_step_takes_the_kernels_to_the_torch_path_s_sums(family, scheme
     monkeypatch.setattr(triton_experts, "token", lambda *a, **k: calls.append(1) or original(*a, **k))
     with open_bundle(path) as bundle:
         layer = MoELayer(bundle, 1, device="cpu")
+        assert len(calls) == 1  # built at load, on the stack's first expert (``warm``)
         fused = [layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))]
-        assert len(calls) == len(hidden)
+        assert len(calls) == 1 + len(hidden)
         together = layer.forward(hidden)  # several tokens: the torch path
-        assert len(calls) == len(hidden)
+        assert len(calls) == 1 + len(hidden)
         monkeypatch.setenv("KTC_DEVICE_KERNELS", "torch")
         alone = [layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))]
-        assert len(calls) == len(hidden)
+        assert len(calls) == 1 + len(hidden)
         layer.close()
     for i in range(len(hidden)):
         scale = np.abs(alone[i]).max()
         np.testing.assert_allclose(fused[i], alone[i], rtol=1e-5, atol=1e-5 * scale)
         np.testing.assert_allclose(fused[i], together[i], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_the_cache_slots_kernels_are_built_at_load_too(tiny_models, tmp_path, monkeypatch, interpreted):
+    """Each device stack's kernels are built when the layer loads: the plan's residents' and the
+    cache's slots' (another scheme here), so that no decode step waits for Triton."""
+    from ktc.runtime.experts import ExpertSet
+
+    path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
+                                     lambda e: "gpu:q8_0" if e < 2 else "cpu:q4_0")
+    built = []
+    monkeypatch.setattr(triton_experts, "warm", lambda stack, *a: built.append(stack.scheme))
+    with open_bundle(path) as bundle:
+        experts = ExpertSet(bundle, 1, device="cpu", cache_slots=2)
+        assert sorted(built) == ["q4_0", "q8_0"]
+        experts.close()
 
 
 def test_a_scheme_the_kernels_do_not_read_keeps_the_torch_path():
