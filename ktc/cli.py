@@ -831,6 +831,9 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         if offloaded is not None:
             offloaded["copy_bandwidth"] = model.offload.copy_bandwidth
         model_min_tokens = model.offload.min_tokens if model.offload is not None else 0
+        # a decode step's device experts: through the fused kernels or torch's operations
+        token_kernels = ({path: sum(e.token_kernels[path] for e in model.experts) for path in ("fused", "torch")}
+                         if target is not None else None)
         pinning = None
         if model.pinning is not None:
             pinning = {"method": model.pinning[0], "pinned_bytes": model.pinning[1], "fallback": model.pinning[2]}
@@ -852,7 +855,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
            "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached,
            "prefetch_paged_bytes": paged, "prefetch_accuracy": guessed, "prefill_offload": offloaded,
-           "disk_tier": pinning}
+           "disk_tier": pinning, "device_token_kernels": token_kernels}
     if as_json:
         _print_json("run", out)
         return
@@ -879,6 +882,11 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         shown = peak_device if peak_device is not None else device_bytes
         memory += f"; device {format_bytes(shown)}" + (f" of the plan's {format_bytes(plan_bytes)}" if plan_bytes else "")
     click.echo(memory, err=True)
+    if token_kernels is not None and sum(token_kernels.values()):
+        click.echo(f"device experts of one-token forwards: {token_kernels['fused']} layer stacks through ktc's fused "
+                   f"kernels, {token_kernels['torch']} through torch's operations"
+                   + ("" if token_kernels["fused"] else " (the fused kernels need Triton and CUDA: ktc doctor)"),
+                   err=True)
     if cached is not None:
         click.echo(f"expert cache: {slots} slots a layer ({format_bytes(cached['device_bytes'])}); "
                    f"{cached['hits']} hits, {cached['misses']} misses ({cached['late']} while their copy was on its "

@@ -175,6 +175,9 @@ class ExpertSet:
         # future of {expert: (stack, index)}
         self._prepared: Any = None
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
+        # one-token forwards' device stacks, by the path that ran them: the fused kernels
+        # (``triton_experts``) or torch's operations
+        self.token_kernels = {"fused": 0, "torch": 0}
         # Set by the model around a forward whose last rows alone are read past this layer (the
         # model's last layer in a prefill chunk: only the positions whose logits are kept): the
         # other rows' expert outputs are zeros, as llama.cpp skips them in its last layer.
@@ -268,7 +271,9 @@ class ExpertSet:
                 index, weights = packed[at: at + n], packed[at + n: at + 2 * n]
                 at += 2 * n
                 if self._token_kernels(stack, index, weights, x_all, out):
+                    self.token_kernels["fused"] += 1
                     continue
+                self.token_kernels["torch"] += 1
                 y = self._chunk(stack, index.long(), x_all.expand(n, 1, self.hidden_size))
                 out.addmm_(weights[None, :], y.reshape(n, self.hidden_size))
             return

@@ -48,6 +48,7 @@ def test_json_reports_tokens_text_and_timings(bundle):
     assert out["prompt_tokens"] > 0 and out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
     assert out["ttft_s"] > 0 and out["peak_rss_bytes"] > 0
     assert out["device_bytes"] == 0 and out["plan_device_bytes"] == 0  # CPU only
+    assert out["device_token_kernels"] is None  # no device experts to count
     assert out["decode_steps"] == "ktc"  # a Qwen3-MoE model on the CPU: ktc's own decode steps
     assert out["decode_ms_per_token"] == pytest.approx(1e3 / out["decode_tokens_per_s"])
     assert out["plan_predicted_ms_per_token"] is None and not out["plan_prediction_applies"]  # not planned

@@ -134,6 +134,7 @@ def test_a_decode_step_takes_the_kernels_to_the_torch_path_s_sums(family, scheme
         monkeypatch.setenv("KTC_DEVICE_KERNELS", "torch")
         alone = [layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))]
         assert len(calls) == 1 + len(hidden)
+        assert layer.experts.token_kernels == {"fused": len(hidden), "torch": len(hidden)}  # what ktc run reports
         layer.close()
     for i in range(len(hidden)):
         scale = np.abs(alone[i]).max()
@@ -200,6 +201,7 @@ def test_compiled_kernels_on_cuda_equal_the_torch_path(scheme, tiny_models, tmp_
         layer = MoELayer(bundle, 1, device="cuda")
         fused = np.stack([layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))])
         assert triton_experts.supported(scheme, scheme), "the kernels did not build"
+        assert layer.experts.token_kernels == {"fused": len(hidden), "torch": 0}
         monkeypatch.setenv("KTC_DEVICE_KERNELS", "torch")
         torch_path = np.stack([layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))])
         layer.close()
