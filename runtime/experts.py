@@ -259,9 +259,11 @@ class ExpertSet:
             groups.setdefault(id(stack), (stack, []))[1].append((i, item))
         per = max(1, DECODED_ELEMENTS // (3 * self.hidden_size * self.intermediate_size))
         if x_all.shape[0] == 1:  # one token: no rows to gather or scatter
-            # each chunk's stack indices, then its weights, as float32 (indices far below 2^24)
-            chunks = [(stack, members[start:start + per]) for stack, members in groups.values()
-                      for start in range(0, len(members), per)]
+            # each chunk's stack indices, then its weights, as float32 (indices far below 2^24); the
+            # fused kernels decode nothing in memory, so a stack they serve is one chunk
+            chunks = [(stack, members[start:start + size]) for stack, members in groups.values()
+                      for size in [len(members) if self._fused_schemes(stack) else per]
+                      for start in range(0, len(members), size)]
             packed = torch.from_numpy(np.array(
                 [v for _, part in chunks for v in [i for i, _ in part] + [float(item[2][0]) for _, item in part]],
                 dtype=np.float32)).to(self.device)
@@ -301,28 +303,34 @@ class ExpertSet:
             y = self._chunk(stack, index, x_all[token_rows].reshape(n, most, self.hidden_size))
             out.index_add_(0, token_rows, (y * weights).reshape(n * most, self.hidden_size))
 
+    def _fused_schemes(self, stack: Any) -> tuple[str, str] | None:
+        """(gate/up scheme, down scheme) of ``stack`` where the fused device kernels
+        (``triton_experts``) serve it on this device, else None."""
+        gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
+        if triton_experts.enabled(self.device) and triton_experts.supported(gate_up_scheme, down_scheme):
+            return gate_up_scheme, down_scheme
+        return None
+
     def _token_kernels(self, stack: Any, index: Any, weights: Any, x_all: Any, out: Any) -> bool:
         """One token's experts ``index`` (float32 stack indices) of ``stack`` weighted by
-        ``weights`` and added into ``out`` [1, hidden] by the fused device kernels
-        (``triton_experts``: two kernel launches, the weights read at their scheme), where they
-        serve this device and scheme; False where they do not (the torch path then)."""
-        gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
-        if not (triton_experts.enabled(self.device) and triton_experts.supported(gate_up_scheme, down_scheme)):
+        ``weights`` and added into ``out`` [1, hidden] by the fused device kernels (two kernel
+        launches, the weights read at their scheme), where they serve this device and scheme;
+        False where they do not (the torch path then)."""
+        schemes = self._fused_schemes(stack)
+        if schemes is None:
             return False
-        clamped = self.activation == "swiglu_clamped"
         return triton_experts.token(
-            stack, gate_up_scheme, down_scheme, index, weights, x_all[0].float().contiguous(), out[0],
-            self.hidden_size, stack.gate_up.shape[1] // 2, clamped,
+            stack, *schemes, index, weights, x_all[0].float().contiguous(), out[0], self.hidden_size,
+            stack.gate_up.shape[1] // 2, self.activation == "swiglu_clamped",
             float(self.swiglu_limit if self.swiglu_limit is not None else 7.0),
             float(self.swiglu_alpha if self.swiglu_alpha is not None else 1.702))
 
     def _warm_token_kernels(self, stack: Any) -> None:
         """Build the fused kernels a decode step will take for ``stack`` now, at load, not in
         the first decode steps (``triton_experts.warm``)."""
-        gate_up_scheme, down_scheme = (s.name for s in expert_schemes(stack.scheme))
-        if triton_experts.enabled(self.device) and triton_experts.supported(gate_up_scheme, down_scheme):
-            triton_experts.warm(stack, gate_up_scheme, down_scheme, self.hidden_size,
-                                self.activation == "swiglu_clamped")
+        schemes = self._fused_schemes(stack)
+        if schemes is not None:
+            triton_experts.warm(stack, *schemes, self.hidden_size, self.activation == "swiglu_clamped")
 
     def _chunk(self, stack: Any, index: Any, x: Any) -> Any:
         """The experts ``index`` of device ``stack`` on their tokens ``x`` [n, tokens, hidden]:

@@ -124,6 +124,11 @@ def test_a_decode_step_takes_the_kernels_to_the_torch_path_s_sums(family, scheme
     calls = []
     original = triton_experts.token
     monkeypatch.setattr(triton_experts, "token", lambda *a, **k: calls.append(1) or original(*a, **k))
+    from ktc.runtime import experts as experts_module
+
+    # the torch path decodes at most this many values at once: one expert a chunk here; the
+    # fused kernels decode nothing in memory and take a stack's experts in one call
+    monkeypatch.setattr(experts_module, "DECODED_ELEMENTS", 1)
     with open_bundle(path) as bundle:
         layer = MoELayer(bundle, 1, device="cpu")
         assert len(calls) == 1  # built at load, on the stack's first expert (``warm``)
@@ -134,7 +139,8 @@ def test_a_decode_step_takes_the_kernels_to_the_torch_path_s_sums(family, scheme
         monkeypatch.setenv("KTC_DEVICE_KERNELS", "torch")
         alone = [layer.forward(hidden[i: i + 1])[0] for i in range(len(hidden))]
         assert len(calls) == 1 + len(hidden)
-        assert layer.experts.token_kernels == {"fused": len(hidden), "torch": len(hidden)}  # what ktc run reports
+        # what ktc run reports: a call a token through the kernels, a call an expert on the torch path
+        assert layer.experts.token_kernels == {"fused": len(hidden), "torch": len(hidden) * layer.top_k}
         layer.close()
     for i in range(len(hidden)):
         scale = np.abs(alone[i]).max()
