@@ -57,6 +57,8 @@ class _CpuExpert:
 
 
 Work = list[tuple[int, np.ndarray, np.ndarray]]  # (expert, token rows, routing weights)
+_TOKEN_ZERO = np.zeros(1, dtype=np.int64)  # the rows of a forward of one token (read only)
+_TOKEN_ZERO.setflags(write=False)
 
 
 # rows' kind codes of the schemes multiplied in place, and their names (rows.groups_fit says which
@@ -361,6 +363,8 @@ class ExpertSet:
     def _split(self, idx: np.ndarray, weights: np.ndarray, cached: frozenset[int] = frozenset()) -> tuple[Work, Work]:
         """Per selected expert, its tokens and their weights: (CPU work, device work); the
         experts in ``cached`` run from their cache slots."""
+        if idx.shape[0] == 1 and len(set(chosen := idx[0].tolist())) == len(chosen):
+            return self._split_token(chosen, weights[0].tolist(), cached)
         self.counts += np.bincount(idx.ravel(), minlength=self.num_experts)[: self.num_experts]
         cpu_work: Work = []
         dev_work: Work = []
@@ -375,6 +379,20 @@ class ExpertSet:
                 tokens, first = np.unique(tokens, return_index=True)
                 chosen = np.add.reduceat(chosen, first)
             item = (e, tokens, chosen)
+            (dev_work if e in self._device_index or e in cached else cpu_work).append(item)
+        return cpu_work, dev_work
+
+    def _split_token(self, experts: list[int], weights: list[float], cached: frozenset[int]) -> tuple[Work, Work]:
+        """``_split`` of one token's distinct experts (a decode step), the same work in the same
+        order (by expert) without array operations for each expert: at Qwen3-30B-A3B's k = 8, 6 us a
+        layer against 25 (the device path runs it every layer of every step)."""
+        cpu_work: Work = []
+        dev_work: Work = []
+        for e, w in sorted(zip(experts, weights)):
+            if not 0 <= e < self.num_experts:
+                raise KtcError(f"layer {self.layer}: routing chose expert {e}; the layer has {self.num_experts}")
+            self.counts[e] += 1
+            item = (e, _TOKEN_ZERO, np.array([w], dtype=np.float32))
             (dev_work if e in self._device_index or e in cached else cpu_work).append(item)
         return cpu_work, dev_work
 

@@ -351,3 +351,31 @@ def test_routing_is_transformers_routing_or_refused(family, tmp_path):
         got = dict(zip(index[t].tolist(), weights[t].tolist()))
         assert set(got) == set(want), (family, t)
         assert max(abs(got[e] - want[e]) for e in want) < 1e-5, (family, t)
+
+
+def test_a_token_alone_splits_as_among_others(tiny_models, tmp_path):
+    """A decode step's split of its experts between the CPU and the device (``_split``'s one-token
+    way, without array operations for each expert) gives what the tokens' way gives that token:
+    the same experts in the same order on the same side with the same weights, each counted
+    once; an expert outside the layer is refused, and a token naming one expert twice takes the
+    tokens' way (its weights added)."""
+    path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
+                                     lambda e: "gpu:f32" if e % 3 == 0 else "cpu:f32")
+    with open_bundle(path) as bundle:
+        experts = MoELayer(bundle, 1, device="cpu").experts
+        idx = np.array([[6, 1, 3, 4]])
+        weights = np.array([[0.4, 0.3, 0.2, 0.1]], dtype=np.float32)
+        alone = experts._split(idx, weights, frozenset({4}))
+        assert experts.counts[[1, 3, 4, 6]].tolist() == [1, 1, 1, 1] and experts.counts.sum() == 4
+        among = experts._split(np.repeat(idx, 2, axis=0), np.repeat(weights, 2, axis=0), frozenset({4}))
+        for side_alone, side_among in zip(alone, among):
+            assert [e for e, _, _ in side_alone] == [e for e, _, _ in side_among]
+            for (_, tokens, chosen), (_, both, chosen_both) in zip(side_alone, side_among):
+                assert tokens.tolist() == [0] and both.tolist() == [0, 1]
+                assert chosen.dtype == chosen_both.dtype == np.float32 and chosen[0] == chosen_both[0]
+        assert [e for e, _, _ in alone[1]] == [3, 4, 6]  # residents 3 and 6, and 4 from its cache slot
+        with pytest.raises(KtcError, match="routing chose expert 9"):
+            experts._split(np.array([[1, 9]]), weights[:, :2])
+        twice = experts._split(np.array([[1, 1]]), np.array([[0.25, 0.5]], dtype=np.float32))
+        assert [(e, t.tolist(), c.tolist()) for e, t, c in twice[0]] == [(1, [0], [0.75])]
+        experts.close()
