@@ -263,18 +263,19 @@ class ExpertSet:
         if x_all.shape[0] == 1:  # one token: no rows to gather or scatter
             # each chunk's stack indices, then its weights, as float32 (indices far below 2^24); the
             # fused kernels decode nothing in memory, so a stack they serve is one chunk
-            chunks = [(stack, members[start:start + size]) for stack, members in groups.values()
-                      for size in [len(members) if self._fused_schemes(stack) else per]
+            chunks = [(stack, fused, members[start:start + size]) for stack, members in groups.values()
+                      for fused in [self._fused_schemes(stack)]
+                      for size in [len(members) if fused else per]
                       for start in range(0, len(members), size)]
             packed = torch.from_numpy(np.array(
-                [v for _, part in chunks for v in [i for i, _ in part] + [float(item[2][0]) for _, item in part]],
+                [v for _, _, part in chunks for v in [i for i, _ in part] + [float(item[2][0]) for _, item in part]],
                 dtype=np.float32)).to(self.device)
             at = 0
-            for stack, part in chunks:
+            for stack, fused, part in chunks:
                 n = len(part)
                 index, weights = packed[at: at + n], packed[at + n: at + 2 * n]
                 at += 2 * n
-                if self._token_kernels(stack, index, weights, x_all, out):
+                if fused and self._token_kernels(stack, fused, index, weights, x_all, out):
                     self.token_kernels["fused"] += 1
                     continue
                 self.token_kernels["torch"] += 1
@@ -313,14 +314,12 @@ class ExpertSet:
             return gate_up_scheme, down_scheme
         return None
 
-    def _token_kernels(self, stack: Any, index: Any, weights: Any, x_all: Any, out: Any) -> bool:
-        """One token's experts ``index`` (float32 stack indices) of ``stack`` weighted by
-        ``weights`` and added into ``out`` [1, hidden] by the fused device kernels (two kernel
-        launches, the weights read at their scheme), where they serve this device and scheme;
-        False where they do not (the torch path then)."""
-        schemes = self._fused_schemes(stack)
-        if schemes is None:
-            return False
+    def _token_kernels(self, stack: Any, schemes: tuple[str, str], index: Any, weights: Any, x_all: Any,
+                       out: Any) -> bool:
+        """One token's experts ``index`` (float32 stack indices) of ``stack`` (its ``schemes``,
+        ``_fused_schemes``) weighted by ``weights`` and added into ``out`` [1, hidden] by the fused
+        device kernels (two kernel launches, the weights read at their scheme); False where they
+        did not build (the torch path then)."""
         return triton_experts.token(
             stack, *schemes, index, weights, x_all[0].float().contiguous(), out[0], self.hidden_size,
             stack.gate_up.shape[1] // 2, self.activation == "swiglu_clamped",
