@@ -62,6 +62,11 @@ class BundleHeader:
                               path=path, hint="the file is truncated or not a ktc bundle")
         magic, major, minor, size, m_off, m_len, d_off, f_size, m_sha, reserved = _HEADER.unpack_from(raw)
         if magic != MAGIC:
+            kind = checkpoint_kind(raw)
+            if kind:
+                raise BundleError(f"is a {kind} checkpoint, not a ktc bundle", path=path,
+                                  hint=f"compile it first: ktc compile {path} -o model.ktb (--vram SIZE to "
+                                       "put experts on the GPU)")
             raise BundleError(f"bad magic {magic!r}; not a ktc bundle", path=path)
         if major > FORMAT_MAJOR:
             raise BundleError(f"bundle format version {major}.{minor} is newer than this ktc reads "
@@ -335,6 +340,18 @@ def _read_into_memory(path: str, size: int) -> mmap.mmap:
     return buffer
 
 
+def checkpoint_kind(head: bytes) -> str | None:
+    """What checkpoint a file's first bytes say it is ("GGUF", "SafeTensors", "PyTorch"), or
+    None: the files a user may hand a command that reads bundles."""
+    if head[:4] == b"GGUF":
+        return "GGUF"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 1 << 32:
+        return "SafeTensors"  # an 8-byte header length, then the header's JSON
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save's zip, or a pickle
+        return "PyTorch"
+    return None
+
+
 def open_bundle(path: str | os.PathLike[str], *, mapped: bool = True) -> Bundle:
     """Open and validate a bundle's header and manifest. Maps nothing until a tensor is read.
     ``mapped=False``: the first tensor read reads the whole file into memory instead of mapping
@@ -358,6 +375,10 @@ def open_bundle(path: str | os.PathLike[str], *, mapped: bool = True) -> Bundle:
     except FileNotFoundError:
         raise BundleError("no such bundle", path=path) from None
     except IsADirectoryError:
+        if os.path.isfile(os.path.join(path, "config.json")):
+            raise BundleError("is a model folder, not a ktc bundle", path=path,
+                              hint=f"compile it first: ktc compile {path} -o model.ktb (--vram SIZE to put "
+                                   "experts on the GPU)") from None
         raise BundleError("is a folder, not a bundle", path=path) from None
     try:
         manifest = json.loads(raw.decode("ascii"))

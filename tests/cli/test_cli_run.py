@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -81,6 +82,17 @@ def _older_bundle(path: str, out: str) -> str:
     return _rewrite_manifest(path, out, older, major=1)
 
 
+def _first_safetensors(folder: str) -> str:
+    return next(os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(".safetensors"))
+
+
+def _gguf_head(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """A file that starts as a GGUF file does (the checks read no further)."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(200))
+    return str(path)
+
+
 def test_bad_inputs_are_one_or_two_line_errors(bundle, tmp_path, demo_model):
     cases = {
         "empty prompt": (run(bundle, "-p", "  "), "prompt is empty"),
@@ -89,6 +101,9 @@ def test_bad_inputs_are_one_or_two_line_errors(bundle, tmp_path, demo_model):
         "older bundle": (run(_older_bundle(bundle, str(tmp_path / "old.ktb")), "-p", "hi"),
                          "compile it again"),
         "missing": (run(str(tmp_path / "none.ktb"), "-p", "hi"), "no such bundle"),
+        "a model folder": (run(demo_model, "-p", "hi"), f"compile it first: ktc compile {demo_model}"),
+        "a SafeTensors file": (run(_first_safetensors(demo_model), "-p", "hi"), "is a SafeTensors checkpoint"),
+        "a GGUF file": (run(_gguf_head(tmp_path), "-p", "hi"), "is a GGUF checkpoint, not a ktc bundle"),
         "cache without a device": (run(bundle, "-p", "hi", "--cache-slots", "2", "--device", "cpu"),
                                    "this run has no device"),
         "offload without a device": (run(bundle, "-p", "hi", "--prefill-offload", "--device", "cpu"),
