@@ -78,6 +78,21 @@ def _numba_threads(threads: int) -> None:
 DECODED_ELEMENTS = 1 << 27
 
 
+def host_copy(hidden: Any, idx: Any, weights: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """hidden [tokens, hidden] (as float32), idx [tokens, k] (as int64) and weights [tokens, k]
+    (as float32), torch tensors on any device, on the host in one copy: their 32-bit words in one
+    tensor (float32 values through bit views, the indices as int32: every value's bits kept)."""
+    import torch
+
+    tokens, k = idx.shape
+    words = torch.cat([hidden.detach().to(torch.float32).reshape(-1).view(torch.int32),
+                       weights.detach().to(torch.float32).reshape(-1).view(torch.int32),
+                       idx.detach().to(torch.int32).reshape(-1)]).cpu().numpy()
+    at = hidden.shape[0] * hidden.shape[1]
+    return (words[:at].view(np.float32).reshape(hidden.shape), words[at + tokens * k:].astype(np.int64).reshape(tokens, k),
+            words[at:at + tokens * k].view(np.float32).reshape(tokens, k))
+
+
 class ExpertSet:
     """The routed experts of MoE layer ``layer``.
 
@@ -428,14 +443,25 @@ class ExpertSet:
             return out
         return self._forward_torch(hidden, idx, weights)
 
+    def _host_inputs(self, hidden: Any, idx: Any, weights: Any) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(hidden float32 or None, idx int64, weights float32) on the host; the hidden states
+        only where the layer has CPU experts. From a GPU, with them, in one copy
+        (``host_copy``): one synchronisation of the device's stream a layer instead of three."""
+        import torch
+
+        if hidden.device.type != "cpu" and self.cpu:
+            return host_copy(hidden, idx, weights)
+        idx_np = idx.detach().to("cpu", torch.int64).numpy()
+        weights_np = weights.detach().to("cpu", torch.float32).numpy()
+        host = np.ascontiguousarray(hidden.detach().to("cpu", torch.float32).numpy()) if self.cpu else None
+        return host, idx_np, weights_np
+
     def _forward_torch(self, hidden: Any, idx: Any, weights: Any) -> Any:
         import torch
 
-        idx_np = idx.detach().to("cpu", torch.int64).numpy()
-        weights_np = weights.detach().to("cpu", torch.float32).numpy()
+        host, idx_np, weights_np = self._host_inputs(hidden, idx, weights)
         if self._fused is not None and not self._on_device and idx_np.shape[0] == 1:
             # One token, every expert on the CPU (a decode step): straight to the fused kernel.
-            host = hidden.detach().to("cpu", torch.float32).numpy()
             y = self._decode_token(host[0], idx_np[0], weights_np[0])
             return torch.from_numpy(y[None, :]).to(hidden.device, hidden.dtype)
         cached = frozenset() if self.cache is None else self.cache.step(np.unique(idx_np))
@@ -453,21 +479,19 @@ class ExpertSet:
                 moved = [w for w in cpu_work if w[0] in chosen]
                 cpu_work = [w for w in cpu_work if w[0] not in chosen]
                 # the copies run beside the CPU's experts, as the offload's cost model has them
-                return self._compute(hidden, cpu_work, dev_work + moved,
+                return self._compute(hidden, host, cpu_work, dev_work + moved,
                                      (lambda: self._upload(copy)) if copy else None)
-            return self._compute(hidden, cpu_work, dev_work)
+            return self._compute(hidden, host, cpu_work, dev_work)
         finally:
             self._offloaded = {}  # the copies are freed with the forward (and the unused prepared ones)
 
-    def _compute(self, hidden: Any, cpu_work: Work, dev_work: Work,
+    def _compute(self, hidden: Any, host: np.ndarray | None, cpu_work: Work, dev_work: Work,
                  before_device: Callable[[], None] | None = None) -> Any:
-        """The forward's CPU work on the worker thread beside its device work; ``before_device``
-        runs on this thread once the CPU work has started (the prefill offload's copies)."""
+        """The forward's CPU work on the worker thread beside its device work (``host``: the
+        hidden states on the host, where there is CPU work); ``before_device`` runs on this
+        thread once the CPU work has started (the prefill offload's copies)."""
         import torch
 
-        host = None
-        if cpu_work:
-            host = np.ascontiguousarray(hidden.detach().to("cpu", torch.float32).numpy())
         if not dev_work:  # nothing to overlap with: no thread hand-off
             out = torch.from_numpy(self._accumulate(host.shape, self._run_cpu_timed(host, cpu_work)))
             return out.to(hidden.device, hidden.dtype)

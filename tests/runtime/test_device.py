@@ -176,3 +176,52 @@ def test_uploads_go_through_the_staging_buffers_in_chunks(device, monkeypatch):
         dev.upload("q8_0", [parts[0], parts[0].T.copy()], parts[:2], [], [], device)
     with pytest.raises(ValueError, match="copy of 10 bytes into 12"):
         staging.copy(torch.empty(12, dtype=torch.uint8, device=device), np.zeros(10, np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_copy_to_the_host_keeps_every_bit(dtype):
+    """A device layer's hidden states, indices and routing weights reach the host in one copy
+    (``experts.host_copy``, one synchronisation on a GPU): the same values as three copies,
+    denormals, a NaN's payload, negative zero and large indices included."""
+    from ktc.runtime.experts import host_copy
+
+    rng = np.random.default_rng(9)
+    hidden = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    hidden[0, :4] = torch.tensor([1e-40, -0.0, float("inf"), 3.4e38])
+    hidden[1, 0] = torch.from_numpy(np.array([0x7FC00123], dtype=np.uint32).view(np.float32))[0]  # a NaN payload
+    hidden = hidden.to(dtype)
+    idx = torch.tensor([[0, 511], [70000, 3], [2, 1]], dtype=torch.int64)
+    weights = torch.from_numpy(rng.random((3, 2)).astype(np.float32)).to(dtype)
+    host, idx_np, weights_np = host_copy(hidden, idx, weights)
+    want = hidden.to(torch.float32).numpy()
+    assert host.dtype == np.float32 and host.shape == (3, 64) and host.flags.c_contiguous
+    np.testing.assert_array_equal(host.view(np.uint32), want.view(np.uint32))
+    assert idx_np.dtype == np.int64 and idx_np.tolist() == idx.tolist()
+    assert weights_np.dtype == np.float32
+    np.testing.assert_array_equal(weights_np, weights.to(torch.float32).numpy())
+
+
+def test_a_layer_with_one_copy_to_the_host_gives_the_same_outputs(tiny_models, tmp_path, monkeypatch):
+    """A layer with device and CPU experts whose inputs reach the host through the one copy a GPU
+    takes (``host_copy``, forced here on torch's CPU device): the same outputs, a token alone
+    and several."""
+    from ktc.runtime import experts as ex
+
+    path = mf.compile_with_placement(tiny_models["qwen3_moe"]["safetensors"], tmp_path,
+                                   lambda e: "gpu:q4_0" if e % 2 else "cpu:int8")
+    rng = np.random.default_rng(7)
+    hidden = rng.standard_normal((6, mf.HIDDEN)).astype(np.float32)
+    idx = np.stack([rng.choice(mf.EXPERTS, 2, replace=False) for _ in range(6)])
+    weights = rng.random((6, 2)).astype(np.float32)
+    with open_bundle(path) as bundle:
+        experts = ex.ExpertSet(bundle, 0, device="cpu")
+        want = [experts.forward(hidden, idx, weights), experts.forward(hidden[:1], idx[:1], weights[:1])]
+        copies: list[int] = []
+        real = ex.host_copy
+        monkeypatch.setattr(ex.ExpertSet, "_host_inputs",
+                            lambda self, h, i, w: copies.append(1) or real(h, i, w))
+        got = [experts.forward(hidden, idx, weights), experts.forward(hidden[:1], idx[:1], weights[:1])]
+        experts.close()
+    assert len(copies) == 2
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
