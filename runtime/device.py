@@ -231,6 +231,19 @@ def upload(scheme: str, gate_up: list[np.ndarray], down: list[np.ndarray],
     return DeviceExperts(scheme, stack(gate_up), stack(down), small(gate_up_bias), small(down_bias))
 
 
+def from_host(array: np.ndarray, device: Any) -> Any:
+    """``array`` as a tensor on ``device``. On CUDA through page-locked memory without waiting
+    (torch's caching host allocator keeps the block until the copy is done): a copy from pageable
+    memory waits for the device's queue to reach it, a synchronisation each (a decode step's
+    indices and weights, and its CPU experts' sum, every layer). Elsewhere a plain copy."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class Staging:
     """Copies host bytes to a device through two buffers in turn, page-locked on CUDA: a chunk
     is copied into one (on the host, by the calling thread) while the other's chunk is still on

@@ -24,7 +24,7 @@ from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
 from . import rows, triton_experts, vnni
-from .device import DEVICE_DECODERS, batched_matmul, check_device, upload
+from .device import DEVICE_DECODERS, batched_matmul, check_device, from_host, upload
 from .device_cache import DeviceSlots
 from .kernels import LANES_MIN_TOKENS, expert_forward, expert_forward_batch, experts_token
 from .offload import PrefillOffload
@@ -282,9 +282,9 @@ class ExpertSet:
                       for fused in [self._fused_schemes(stack)]
                       for size in [len(members) if fused else per]
                       for start in range(0, len(members), size)]
-            packed = torch.from_numpy(np.array(
+            packed = from_host(np.array(
                 [v for _, _, part in chunks for v in [i for i, _ in part] + [float(item[2][0]) for _, item in part]],
-                dtype=np.float32)).to(self.device)
+                dtype=np.float32), self.device)
             at = 0
             for stack, fused, part in chunks:
                 n = len(part)
@@ -311,8 +311,8 @@ class ExpertSet:
                 chunks.append((stack, len(part), most))
                 ints += [np.array([i for i, _ in part], dtype=np.int64), rows_.ravel()]
                 floats.append(weights.ravel())
-        ints_d = torch.from_numpy(np.concatenate(ints)).to(self.device)
-        floats_d = torch.from_numpy(np.concatenate(floats)).to(self.device)
+        ints_d = from_host(np.concatenate(ints), self.device)
+        floats_d = from_host(np.concatenate(floats), self.device)
         at = weighted = 0
         for stack, n, most in chunks:
             index, token_rows = ints_d[at: at + n], ints_d[at + n: at + n + n * most]
@@ -463,7 +463,7 @@ class ExpertSet:
         if self._fused is not None and not self._on_device and idx_np.shape[0] == 1:
             # One token, every expert on the CPU (a decode step): straight to the fused kernel.
             y = self._decode_token(host[0], idx_np[0], weights_np[0])
-            return torch.from_numpy(y[None, :]).to(hidden.device, hidden.dtype)
+            return from_host(y[None, :], hidden.device).to(hidden.dtype)
         cached = frozenset() if self.cache is None else self.cache.step(np.unique(idx_np))
         cpu_work, dev_work = self._split(idx_np, weights_np, cached)
         try:
@@ -493,8 +493,8 @@ class ExpertSet:
         import torch
 
         if not dev_work:  # nothing to overlap with: no thread hand-off
-            out = torch.from_numpy(self._accumulate(host.shape, self._run_cpu_timed(host, cpu_work)))
-            return out.to(hidden.device, hidden.dtype)
+            return from_host(self._accumulate(host.shape, self._run_cpu_timed(host, cpu_work)),
+                             hidden.device).to(hidden.dtype)
         future = self._pool.submit(self._run_cpu_timed, host, cpu_work) if cpu_work else None
         try:
             if before_device is not None:
@@ -506,7 +506,7 @@ class ExpertSet:
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         self._run_device(hidden.detach().to(self.device), dev_work, out)
         if future is not None:
-            out += torch.from_numpy(self._accumulate(host.shape, future.result())).to(out.device)
+            out += from_host(self._accumulate(host.shape, future.result()), out.device)
         return out.to(hidden.dtype)
 
     def _offload_choice(self, cpu_work: Work, tokens: int) -> list[int]:

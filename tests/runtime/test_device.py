@@ -225,3 +225,15 @@ def test_a_layer_with_one_copy_to_the_host_gives_the_same_outputs(tiny_models, t
     assert len(copies) == 2
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_copies_to_the_device_do_not_depend_on_the_host_array_after(device):
+    """``device.from_host`` (page-locked and asynchronous on CUDA): the tensor holds the array's
+    values as they were at the call, whatever the host does with the array after."""
+    array = np.arange(4096, dtype=np.float32)
+    tensor = dev.from_host(array, device)
+    array[:] = -1.0
+    assert tensor.device.type == device
+    np.testing.assert_array_equal(tensor.cpu().numpy(), np.arange(4096, dtype=np.float32))
