@@ -235,7 +235,8 @@ def from_host(array: np.ndarray, device: Any) -> Any:
     """``array`` as a tensor on ``device``. On CUDA through page-locked memory without waiting
     (torch's caching host allocator keeps the block until the copy is done): a copy from pageable
     memory waits for the device's queue to reach it, a synchronisation each (a decode step's
-    indices and weights, and its CPU experts' sum, every layer). Elsewhere a plain copy."""
+    indices and weights, and its CPU experts' sum, every layer). On the CPU the array's own
+    memory (no copy), elsewhere a plain copy."""
     import torch
 
     tensor = torch.from_numpy(array)
