@@ -466,7 +466,7 @@ def synthetic(args, hw) -> None:  # type: ignore[no-untyped-def]
                 worst_steady = min(worst_steady, worst)
     (drift, drift_ceiling), (steady, _) = worst_drift, worst_steady
     print(f"\nworst cache/static: drifting {drift:.3f}x (goal at least 1.2x: {'met' if drift >= 1.2 else 'NOT met'}; "
-          f"the hindsight ceiling of that case {drift_ceiling:.3f}x), steady {steady:.3f}x (goal never below "
+          f"the hindsight ceiling of that case {drift_ceiling:.3f}x), steady {steady:.4f}x (goal never below "
           f"1.0x: {'met' if steady >= 1.0 else 'NOT met'})")
 
 
