@@ -240,12 +240,14 @@ def _quantized_tensor(value: np.ndarray, qtype: str, seed: int):
 
 
 def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
-               dense_qtype: dict | None = None, fuse_gate_up: bool = False) -> str:
+               dense_qtype: dict | None = None, fuse_gate_up: bool = False, tokenizer_pre: str = "gpt-2") -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
     (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
     ``expert_qtype``: the ggml type of the expert stacks, a type per projection
     (``{"gate": ..., "up": ..., "down": ...}``), or a function of (layer, projection).
-    ``dense_qtype``: ggml types of other matrices by name suffix (``{"attn_v.weight": "Q6_K"}``)."""
+    ``dense_qtype``: ggml types of other matrices by name suffix (``{"attn_v.weight": "Q6_K"}``).
+    ``tokenizer_pre``: llama.cpp's name of the tokenizer's pre-tokenizer (the factory's byte-level
+    BPE splits text as GPT-2 does: "gpt-2")."""
     import gguf
 
     spec = FAMILIES[family]
@@ -260,7 +262,7 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
         writer.add_rope_freq_base(rope_theta)
     tokenizer_json = os.path.join(st_folder, "tokenizer.json")
     if os.path.exists(tokenizer_json):
-        _add_gguf_tokenizer(writer, json.load(open(tokenizer_json)))
+        _add_gguf_tokenizer(writer, json.load(open(tokenizer_json)), tokenizer_pre)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -323,8 +325,9 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     return path
 
 
-def _add_gguf_tokenizer(writer, tokenizer: dict) -> None:
-    """A byte-level BPE tokenizer.json as llama.cpp's converter writes it (model "gpt2")."""
+def _add_gguf_tokenizer(writer, tokenizer: dict, pre: str) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's converter writes it (model "gpt2"; ``pre``:
+    the name of its pre-tokenizer)."""
     vocab = tokenizer["model"]["vocab"]
     added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
     tokens = [None] * (max(list(vocab.values()) + list(added.values())) + 1)
@@ -332,7 +335,7 @@ def _add_gguf_tokenizer(writer, tokenizer: dict) -> None:
         tokens[i] = text
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in added else 1 for t in tokens])  # 3: control
     writer.add_token_merges(merges)

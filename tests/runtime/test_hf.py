@@ -209,6 +209,37 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, tmp_pat
         assert relative(logits[1], twin(ids).logits) < 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tmp_path):
+    """A GGUF whose byte-level BPE vocabulary names GPT-2's pre-tokenizer ("gpt-2", as llama.cpp
+    reads it) tokenizes as the tokenizer it came from, whatever the architecture (transformers'
+    conversion alone split a Qwen3-MoE file's text as Qwen2's tokenizer does: digits one by one,
+    newlines apart); a file that names Qwen2's keeps that split."""
+    from ktc.runtime.hf import tokenizer_from_bundle
+
+    base = mf.build_hf_model(family)
+    twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 512})).eval()
+    folder = str(tmp_path / "st")
+    twin.save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 512)
+    text = "float32 weights, a 1-D tensor of 16 or 32 values in f32"  # "32", " 1": one token each
+    source = tokenizer_from_folder(folder)
+    for pre in ("gpt-2", "qwen2"):
+        gguf_path = mf.write_gguf(folder, str(tmp_path / f"{pre}.gguf"), family=family, tokenizer_pre=pre)
+        compile_bundle(gguf_path, str(tmp_path / f"{pre}.ktb"), cpu_scheme="f32", dense_scheme="f32")
+        tokenizer = tokenizer_from_bundle(str(tmp_path / f"{pre}.ktb"))
+        if pre == "gpt-2":
+            assert tokenizer(text)["input_ids"] == source(text)["input_ids"]
+        else:  # the named split, as transformers' conversion sets it
+            assert "Split" in str(tokenizer.backend_tokenizer.pre_tokenizer)
+
+
+def tokenizer_from_folder(folder: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def test_gguf_mixtral_rows_reordered_take_the_compiled_attention_step(tmp_path):
     """A Mixtral GGUF's query and key rows, put back from llama.cpp's rotary order into arrays of
     their own beside the bundle's read-only map, still go through the attention half's one
