@@ -120,11 +120,11 @@ def _as_mixtral(transformers: Any, config: Any, model_config: ModelConfig) -> An
 # llama.cpp's names of the BPE pre-tokenizers that split text with GPT-2's own pattern
 # (llama-vocab.cpp: the names it reads as LLAMA_VOCAB_PRE_TYPE_GPT2, and "mpt", "olmo" (OLMoE),
 # "jais", "trillion" and "granite-docling", whose types split with the same pattern).
-# transformers' GGUF conversion sets the split of
-# the named pre-tokenizers it knows (GGUF_PRE_TOKENIZER_SPLITS) and of no others, which keep the
-# split of the architecture's own tokenizer class: a Qwen3-MoE GGUF whose vocabulary names
-# "gpt-2" was split as Qwen2's, unlike llama.cpp (the demo model's held-out text: 1316 tokens
-# against 1286, perplexity 100.4 against llama-perplexity's 91.3 on the same file).
+# transformers' GGUF conversion sets the split of the named pre-tokenizers it knows
+# (GGUF_PRE_TOKENIZER_SPLITS) and of no others, which keep the split of the architecture's own
+# tokenizer class: a Qwen3-MoE GGUF whose vocabulary names "gpt-2" was split as Qwen2's, unlike
+# llama.cpp (the demo model's held-out text: 1316 tokens against 1286, perplexity 100.4 against
+# llama-perplexity's 91.3 on the same file).
 GPT2_SPLIT = frozenset({"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
                         "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling"})
 
