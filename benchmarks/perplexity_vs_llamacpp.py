@@ -1,9 +1,11 @@
 """``ktc perplexity`` beside ``llama-perplexity`` on the same GGUF bytes and the same text: the
 trained demo model (``ktc demo``'s, cached) converted by llama.cpp's own converter to an f32 GGUF,
-quantized by ``llama-quantize --pure`` (Q8_0, Q4_0), each file compiled by ktc (its tensors pass
-through: both tools read the same bytes), then both tools score the demo's held-out text with
-windows of ``--ctx`` tokens, and ktc's Q8_0 and Q4_0 bundles against its f32 one as
-``llama-perplexity --kl-divergence`` scores llama.cpp's against its f32 file's saved logits.
+quantized by ``llama-quantize --pure`` (Q8_0, Q4_0, Q6_K, Q4_K_M, MXFP4_MOE; where a matrix's
+rows do not fit a type's blocks, llama-quantize picks another, as for any model), each file
+compiled by ktc (its tensors pass through: both tools read the same bytes), then both tools score
+the demo's held-out text with windows of ``--ctx`` tokens, and ktc's quantized bundles against
+its f32 one as ``llama-perplexity --kl-divergence`` scores llama.cpp's files against its f32
+file's saved logits.
 
 Printed per file: each tool's perplexity (±) and windows, their ratio; per quantized file each
 tool's mean KL divergence from its f32 run and top-1 agreement. ``ktc perplexity`` follows
@@ -18,7 +20,7 @@ tensors and every other field are the converter's own.
 Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and transformers (the demo's
 training).
 
-    python benchmarks/perplexity_vs_llamacpp.py [--ctx 128] [--threads 2] [--types Q8_0,Q4_0]
+    python benchmarks/perplexity_vs_llamacpp.py [--ctx 128] [--threads 2] [--types Q8_0,Q4_0,...]
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctx", type=int, default=128, help="tokens a window (llama-perplexity's -c)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--types", default="Q8_0,Q4_0", help="llama-quantize types beside f32")
+    parser.add_argument("--types", default="Q8_0,Q4_0,Q6_K,Q4_K_M,MXFP4_MOE", help="llama-quantize types beside f32")
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-perplexity"))
     parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
     args = parser.parse_args()
@@ -130,7 +132,7 @@ def main() -> int:
         ours = ktc_perplexity(bundles[name], text, args.ctx, args.threads)
         ratio = ours["perplexity"] / theirs["ppl"]
         worst = max(worst, abs(ratio - 1))
-        print(f"{name:<5} ktc {ours['perplexity']:9.4f} ± {ours['perplexity_error']:.4f} ({ours['windows']} windows), "
+        print(f"{name:<9} ktc {ours['perplexity']:9.4f} ± {ours['perplexity_error']:.4f} ({ours['windows']} windows), "
               f"llama.cpp {theirs['ppl']:9.4f} ± {theirs['ppl_err']:.4f} ({theirs.get('windows', 0):.0f} windows): "
               f"ktc/llama.cpp {ratio:.5f}")
         if name != "f32":
@@ -138,7 +140,7 @@ def main() -> int:
                                           base_logits, "--kl-divergence")
             ours_kld = ktc_perplexity(bundles[name], text, args.ctx, args.threads, reference=bundles["f32"])
             kl = ours_kld["reference"]
-            print(f"{'':<5} against f32: mean KLD ktc {kl['kld_mean']:.6f} ± {kl['kld_mean_error']:.6f}, llama.cpp "
+            print(f"{'':<9} against f32: mean KLD ktc {kl['kld_mean']:.6f} ± {kl['kld_mean_error']:.6f}, llama.cpp "
                   f"{theirs_kld.get('kld', float('nan')):.6f} ± {theirs_kld.get('kld_err', float('nan')):.6f}; "
                   f"same top token ktc {100 * kl['top1_agreement']:.2f}%, llama.cpp "
                   f"{100 * theirs_kld.get('top1', float('nan')):.2f}%")
