@@ -214,7 +214,8 @@ def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tm
     """A GGUF whose byte-level BPE vocabulary names GPT-2's pre-tokenizer ("gpt-2", as llama.cpp
     reads it) tokenizes as the tokenizer it came from, whatever the architecture (transformers'
     conversion alone split a Qwen3-MoE file's text as Qwen2's tokenizer does: digits one by one,
-    newlines apart); a file that names Qwen2's keeps that split."""
+    newlines apart; a Mixtral file, read through Llama's class, kept GPT-2's); a file that names
+    Qwen2's keeps that split."""
     from ktc.runtime.hf import tokenizer_from_bundle
 
     base = mf.build_hf_model(family)
@@ -223,7 +224,7 @@ def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tm
     twin.save_pretrained(folder)
     mf.write_bpe_tokenizer(folder, 512)
     text = "float32 weights, a 1-D tensor of 16 or 32 values in f32"  # "32", " 1": one token each
-    source = tokenizer_from_folder(folder)
+    source = _tokenizer_from_folder(folder)
     for pre in ("gpt-2", "qwen2"):
         gguf_path = mf.write_gguf(folder, str(tmp_path / f"{pre}.gguf"), family=family, tokenizer_pre=pre)
         compile_bundle(gguf_path, str(tmp_path / f"{pre}.ktb"), cpu_scheme="f32", dense_scheme="f32")
@@ -234,7 +235,7 @@ def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tm
             assert "Split" in str(tokenizer.backend_tokenizer.pre_tokenizer)
 
 
-def tokenizer_from_folder(folder: str):  # type: ignore[no-untyped-def]
+def _tokenizer_from_folder(folder: str):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
