@@ -115,12 +115,11 @@ def main() -> int:
             subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--pure", files["f32"], files[qtype], qtype],
                            check=True, capture_output=True)
     bundles = {}
-    for name, gguf in files.items():
+    for name, gguf in files.items():  # compiled every run (seconds): a bundle of an older ktc would measure it
         bundles[name] = gguf[:-len(".gguf")] + ".ktb"
-        if not os.path.exists(bundles[name]) or os.path.getmtime(bundles[name]) < os.path.getmtime(gguf):
-            # a float source's experts would be quantized to int8 by default: f32 kept as stored
-            plain = {"cpu_scheme": "f32", "dense_scheme": "f32"} if name == "f32" else {}
-            compile_bundle(gguf, bundles[name], **plain)
+        # a float source's experts would be quantized to int8 by default: f32 kept as stored
+        plain = {"cpu_scheme": "f32", "dense_scheme": "f32"} if name == "f32" else {}
+        compile_bundle(gguf, bundles[name], **plain)
     tool = os.path.join(bin_dir, "llama-perplexity")
     base_logits = os.path.join(args.workdir, "demo-f32.kld")
     print(f"the demo model's held-out text ({os.path.getsize(text)} bytes), windows of {args.ctx} tokens, "
