@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ktc.errors import ConfigError, FormatError
-from ktc.ir import ModelConfig
+from ktc.ir import Attention, ModelConfig
 
 # Files of a Hugging Face model folder that a tokenizer or a chat template may need.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -106,6 +106,23 @@ def _experts_as_weights(transformers: Any, config: Any, model_config: ModelConfi
     return f"transformers' config from this GGUF builds experts {have}, the weights are {want}"
 
 
+def _widths_as_metadata(config: Any, model_config: ModelConfig) -> None:
+    """Set in ``config`` (transformers' reading of GGUF metadata) the widths the file states and
+    transformers' mapping leaves at the config class's defaults for some architectures: the
+    attention heads' (gpt-oss: ``attention.key_length``) and the shared expert's (Qwen2-MoE:
+    ``expert_shared_feed_forward_length``), from ktc's reading of the same metadata
+    (``model_config``). Where the defaults were another model's values, the bundle compiled and
+    refused to load (a tensor's shape against the model's)."""
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    if model_config.attention == Attention.GQA and model_config.head_dim and hasattr(config, "head_dim"):
+        built = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+        if built != model_config.head_dim:
+            config.head_dim = model_config.head_dim
+    shared = model_config.shared_expert_intermediate_size
+    if shared and model_config.num_shared_experts and hasattr(config, "shared_expert_intermediate_size"):
+        config.shared_expert_intermediate_size = shared
+
+
 def _as_mixtral(transformers: Any, config: Any, model_config: ModelConfig) -> Any:
     """llama.cpp writes Mixtral as the llama architecture with experts, which transformers'
     GGUF mapping reads as a dense Llama: the same config as Mixtral's, with the experts."""
@@ -173,6 +190,7 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
     if model_config is not None and model_config.num_experts and config.model_type in ("llama", "mistral"):
         config = _as_mixtral(transformers, config, model_config)
     if model_config is not None:
+        _widths_as_metadata(config, model_config)
         disagreement = _experts_as_weights(transformers, config, model_config)
         if disagreement:
             return RunFiles(None, None, (), "gguf metadata", disagreement)

@@ -119,7 +119,14 @@ def gguf_name_map(model: Any, architecture: str) -> dict[str, str]:
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     # The GGUF architecture, not the model's type: llama.cpp writes Mixtral as "llama".
-    return get_gguf_hf_weights_map(model, gguf_processor(model, architecture), model_type=architecture)
+    names = get_gguf_hf_weights_map(model, gguf_processor(model, architecture), model_type=architecture)
+    # A parameter named without a .weight or .bias suffix (gpt-oss's attention sinks, self_attn.sinks)
+    # is keyed here without one too, where llama.cpp's converter writes it as NAME.weight
+    # (blk.N.attn_sinks.weight): a gpt-oss GGUF's bundle refused to load without its sinks.
+    for gguf_name, hf_name in list(names.items()):
+        if not gguf_name.endswith((".weight", ".bias")):
+            names.setdefault(gguf_name + ".weight", hf_name)
+    return names
 
 
 def gguf_processor(model: Any, architecture: str) -> Any:

@@ -293,6 +293,8 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
         writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         writer.add_value_length(cfg["v_head_dim"])
     tensors = gguf_tensors(st_folder)
+    if family == "gpt_oss":  # llama.cpp's gpt-oss: the norm before the experts is post_attention_norm
+        tensors = {n.replace(".ffn_norm.", ".post_attention_norm."): v for n, v in tensors.items()}
     if arch == "llama":  # llama.cpp's converter permutes Q and K rows for its rope (LlamaModel.permute)
         heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for name in [n for n in tensors if n.endswith(("attn_q.weight", "attn_k.weight"))]:
