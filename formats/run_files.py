@@ -170,6 +170,58 @@ def _generic_class(config_path: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | None) -> Any:
+    """DeepSeek-V3's config (sigmoid routing) or DeepSeek-V2's (softmax) for a GGUF of llama.cpp's
+    ``deepseek2`` architecture, from ktc's reading of its metadata (``model_config``: the MLA
+    widths, the experts, their groups and scaling), or None for any other file. transformers'
+    GGUF mapping has no ``deepseek2``: without this such a bundle compiled and could not run.
+    A file whose key/value projection llama.cpp stored split (``attn_k_b``, ``attn_v_b``) loads
+    no further than before: the model's ``kv_b_proj`` is not in it."""
+    from ktc.ir import Gating
+
+    if model_config is None or model_config.architecture != "deepseek2" or model_config.attention != Attention.MLA:
+        return None
+    from .gguf_reader import read_gguf_header
+
+    meta, tensors = read_gguf_header(path)
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"deepseek2.{name}", default)
+
+    mc = model_config
+    v3 = mc.gating == Gating.SIGMOID
+    fields: dict[str, Any] = dict(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, num_hidden_layers=mc.num_layers,
+        intermediate_size=mc.dense_intermediate_size or mc.expert_intermediate_size,
+        moe_intermediate_size=mc.expert_intermediate_size, num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_attention_heads, n_shared_experts=mc.num_shared_experts or None,
+        n_routed_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
+        routed_scaling_factor=mc.routed_scaling_factor, kv_lora_rank=mc.kv_lora_rank,
+        q_lora_rank=mc.q_lora_rank or None, qk_rope_head_dim=mc.qk_rope_head_dim,
+        qk_nope_head_dim=mc.qk_nope_head_dim, v_head_dim=mc.v_head_dim, head_dim=mc.qk_rope_head_dim,
+        first_k_dense_replace=mc.first_dense_layers, norm_topk_prob=mc.norm_topk_prob,
+        max_position_embeddings=int(key("context_length", 4096)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"])
+    if mc.num_expert_groups > 1:
+        fields.update(n_group=mc.num_expert_groups, topk_group=mc.topk_groups)
+        if not v3:
+            fields["topk_method"] = "group_limited_greedy"
+    for name, token in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if meta.get(f"tokenizer.ggml.{token}") is not None:
+            fields[name] = int(meta[f"tokenizer.ggml.{token}"])
+    scaling = key("rope.scaling.type")
+    if scaling == "yarn":  # DeepSeek-V3's long context: the rope's yarn, as its config.json states it
+        fields["rope_scaling"] = {"type": "yarn", "factor": float(key("rope.scaling.factor", 1.0)),
+                                  "original_max_position_embeddings": int(key("rope.scaling.original_context_length", 4096)),
+                                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    elif scaling not in (None, "none"):
+        return None
+    return (transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config)(**fields)
+
+
 def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFiles:
     """Config and tokenizer derived from a GGUF file's metadata by transformers (the same
     conversion ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` does), the experts' width
@@ -182,11 +234,15 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
                         "transformers is not installed, so the GGUF metadata could not be turned into "
                         "a config and tokenizer (pip install 'ktc[hf]', then compile again)")
     folder, name = os.path.split(os.path.abspath(path))
+    own = False  # a config ktc built from its own reading of the metadata
     try:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # transformers raises ValueError/KeyError/... for what it cannot map
-        return RunFiles(None, None, (), "gguf metadata",
-                        f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")
+        config = _deepseek_config(transformers, path, model_config)
+        if config is None:
+            return RunFiles(None, None, (), "gguf metadata",
+                            f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")
+        own = True
     if model_config is not None and model_config.num_experts and config.model_type in ("llama", "mistral"):
         config = _as_mixtral(transformers, config, model_config)
     if model_config is not None:
@@ -196,7 +252,9 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
             return RunFiles(None, None, (), "gguf metadata", disagreement)
     config_dict = model_config_json(config.to_dict())
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # without a config transformers derives, AutoTokenizer has no class to pick: the generic one
+        tokenizer = (transformers.PreTrainedTokenizerFast if own else transformers.AutoTokenizer).from_pretrained(
+            folder, gguf_file=name)
     except Exception as exc:
         return RunFiles(config_dict, None, (), "gguf metadata",
                         f"transformers cannot build a tokenizer from this GGUF's metadata "
@@ -204,7 +262,7 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
     resplit = _split_as_llamacpp(tokenizer, path)
     with tempfile.TemporaryDirectory(prefix="ktc-tokenizer-") as tmp:
         tokenizer.save_pretrained(tmp)
-        if resplit:  # the architecture's class would impose its own split again on loading
+        if resplit or own:  # the architecture's class would impose its own split again on loading
             _generic_class(os.path.join(tmp, "tokenizer_config.json"))
         files = tuple(sorted((n, _read_file(os.path.join(tmp, n))) for n in os.listdir(tmp)
                              if n in TOKENIZER_FILES))

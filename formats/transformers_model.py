@@ -120,12 +120,28 @@ def gguf_name_map(model: Any, architecture: str) -> dict[str, str]:
 
     # The GGUF architecture, not the model's type: llama.cpp writes Mixtral as "llama".
     names = get_gguf_hf_weights_map(model, gguf_processor(model, architecture), model_type=architecture)
-    # A parameter named without a .weight or .bias suffix (gpt-oss's attention sinks, self_attn.sinks)
-    # is keyed here without one too, where llama.cpp's converter writes it as NAME.weight
-    # (blk.N.attn_sinks.weight): a gpt-oss GGUF's bundle refused to load without its sinks.
+    # A parameter named without a .weight or .bias suffix (gpt-oss's attention sinks, self_attn.sinks;
+    # DeepSeek-V3's e_score_correction_bias) is keyed here without one too, where llama.cpp's
+    # converter writes it with one (blk.N.attn_sinks.weight, blk.N.exp_probs_b.bias): a gpt-oss
+    # GGUF's bundle refused to load without its sinks.
     for gguf_name, hf_name in list(names.items()):
         if not gguf_name.endswith((".weight", ".bias")):
             names.setdefault(gguf_name + ".weight", hf_name)
+            names.setdefault(gguf_name + ".bias", hf_name)
+    # DeepSeek-V3's router bias, e_score_correction_bias, which llama.cpp's converter renames
+    # e_score_correction.bias before mapping it (blk.N.exp_probs_b.bias): transformers' map has
+    # no name for it
+    import gguf
+
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture), None)
+    if arch is not None:
+        tensor_map = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+        mapped = set(names.values())
+        for hf_name in model.state_dict():
+            if hf_name.endswith("_bias") and hf_name not in mapped:
+                found = tensor_map.get_name(hf_name[: -len("_bias")])
+                if found is not None:
+                    names.setdefault(found + ".bias", hf_name)
     return names
 
 

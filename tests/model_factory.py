@@ -286,12 +286,13 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
         if cfg.get("q_lora_rank"):
             writer.add_q_lora_rank(cfg["q_lora_rank"])
         writer.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    if family.startswith("deepseek"):  # as llama.cpp's converter writes them for both
+        writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        writer.add_value_length(cfg["v_head_dim"])
     if family == "deepseek_v3":
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_group_count(cfg["n_group"])
         writer.add_expert_group_used_count(cfg["topk_group"])
-        writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
-        writer.add_value_length(cfg["v_head_dim"])
     tensors = gguf_tensors(st_folder)
     if family == "gpt_oss":  # llama.cpp's gpt-oss: the norm before the experts is post_attention_norm
         tensors = {n.replace(".ffn_norm.", ".post_attention_norm."): v for n, v in tensors.items()}

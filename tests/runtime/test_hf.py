@@ -182,14 +182,16 @@ def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tm
         assert relative(single, model(ids[:, :1]).logits) < bound
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"])
 def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, tmp_path):
     """A GGUF with llama.cpp's tensor names and tokenizer metadata (written by the gguf package;
     Mixtral as llama.cpp writes it: the llama architecture with experts, Q and K rows permuted)
     compiles into a bundle that carries a config and tokenizer derived from the GGUF's metadata,
     and gives the same logits as the bundle of its safetensors twin. Qwen2-MoE's shared expert
     and gpt-oss's heads are as wide as the file says (transformers' mapping left them at its
-    classes' defaults), gpt-oss's attention sinks found under llama.cpp's name."""
+    classes' defaults), gpt-oss's attention sinks found under llama.cpp's name; DeepSeek-V2/V3
+    (llama.cpp's deepseek2, which transformers' mapping lacks) run from a config ktc builds from
+    the metadata, V3's router bias found under llama.cpp's exp_probs_b."""
     base = mf.build_hf_model(family)
     twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 300})).eval()
     folder = str(tmp_path / "st")
