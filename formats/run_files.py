@@ -175,8 +175,8 @@ def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | N
     ``deepseek2`` architecture, from ktc's reading of its metadata (``model_config``: the MLA
     widths, the experts, their groups and scaling), or None for any other file. transformers'
     GGUF mapping has no ``deepseek2``: without this such a bundle compiled and could not run.
-    A file whose key/value projection llama.cpp stored split (``attn_k_b``, ``attn_v_b``) loads
-    no further than before: the model's ``kv_b_proj`` is not in it."""
+    (The key/value up-projection that llama.cpp's converter stores split, ``attn_k_b`` and
+    ``attn_v_b``, is joined again at load: ``runtime.hf``.)"""
     from ktc.ir import Gating
 
     if model_config is None or model_config.architecture != "deepseek2" or model_config.attention != Attention.MLA:

@@ -782,6 +782,28 @@ class _Loader:
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         setattr(parent, child, new)
 
+    def _kv_b_from_split(self, name: str) -> np.ndarray | None:
+        """DeepSeek's MLA key/value up-projection ``name`` (``model.layers.N.self_attn.kv_b_proj``)
+        as float32 [heads * (nope + v), kv_lora_rank], from the halves llama.cpp's converter
+        stores in its place since MLA's absorption: ``blk.N.attn_k_b`` (each head's key rows,
+        transposed: [heads, kv_lora_rank, nope]) and ``blk.N.attn_v_b`` ([heads, v, kv_lora_rank]);
+        None where the bundle has no such halves."""
+        parts = name.split(".")
+        if not name.endswith("self_attn.kv_b_proj") or "layers" not in parts:
+            return None
+        layer = parts[parts.index("layers") + 1]
+        by_source = {t.source or t.name: t.name for t in self.bundle.tensors.values()}
+        k_name, v_name = (by_source.get(f"blk.{layer}.attn_{half}_b.weight") for half in ("k", "v"))
+        if k_name is None or v_name is None:
+            return None
+        config = self.model.config
+        heads, lora = config.num_attention_heads, config.kv_lora_rank
+        nope, v = config.qk_nope_head_dim, config.v_head_dim
+        k_b = tensor_float32(self.bundle, k_name).reshape(heads, lora, nope)
+        v_b = tensor_float32(self.bundle, v_name).reshape(heads, v, lora)
+        return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, lora),
+                                    dtype=np.float32)
+
     def _tensor_for(self, key: str) -> str:
         tensor = self.keys.get(key)
         if tensor is None:
@@ -832,6 +854,15 @@ class _Loader:
         from .linear import DeviceLinear, HostLinear
 
         key = f"{name}.weight"
+        joined = self._kv_b_from_split(name) if key not in self.keys else None
+        if joined is not None:  # f32 [out, in], made here from the two halves llama.cpp stores
+            if joined.shape != (module.out_features, module.in_features):
+                raise BundleError(f"the key and value halves of '{name}' make {list(joined.shape)}; the model's is "
+                                  f"[{module.out_features}, {module.in_features}]", path=self.bundle.path)
+            if self.device is None:
+                return HostLinear(joined, "f32", module.in_features, module.out_features, None)
+            module.weight = torch.nn.Parameter(self._place(joined, key), requires_grad=False)
+            return module
         if key not in self.keys and tied and getattr(self.model.config, "tie_word_embeddings", False):
             embed_name = next(n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings())
             key = f"{embed_name}.weight"

@@ -240,14 +240,17 @@ def _quantized_tensor(value: np.ndarray, qtype: str, seed: int):
 
 
 def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
-               dense_qtype: dict | None = None, fuse_gate_up: bool = False, tokenizer_pre: str = "gpt-2") -> str:
+               dense_qtype: dict | None = None, fuse_gate_up: bool = False, tokenizer_pre: str = "gpt-2",
+               split_kv_b: bool = False) -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
     (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
     ``expert_qtype``: the ggml type of the expert stacks, a type per projection
     (``{"gate": ..., "up": ..., "down": ...}``), or a function of (layer, projection).
     ``dense_qtype``: ggml types of other matrices by name suffix (``{"attn_v.weight": "Q6_K"}``).
     ``tokenizer_pre``: llama.cpp's name of the tokenizer's pre-tokenizer (the factory's byte-level
-    BPE splits text as GPT-2 does: "gpt-2")."""
+    BPE splits text as GPT-2 does: "gpt-2"). ``split_kv_b``: DeepSeek's MLA as llama.cpp's converter
+    writes it now, the key/value up-projection split into ``attn_k_b`` (transposed) and
+    ``attn_v_b``, with the absorbed widths as key and value lengths."""
     import gguf
 
     spec = FAMILIES[family]
@@ -286,7 +289,12 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
         if cfg.get("q_lora_rank"):
             writer.add_q_lora_rank(cfg["q_lora_rank"])
         writer.add_rope_dimension_count(cfg["qk_rope_head_dim"])
-    if family.startswith("deepseek"):  # as llama.cpp's converter writes them for both
+    if family.startswith("deepseek") and split_kv_b:  # llama.cpp's converter since MLA's absorption
+        writer.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        writer.add_value_length(cfg["kv_lora_rank"])
+        writer.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        writer.add_value_length_mla(cfg["v_head_dim"])
+    elif family.startswith("deepseek"):  # as llama.cpp's converter wrote them before, for both
         writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         writer.add_value_length(cfg["v_head_dim"])
     if family == "deepseek_v3":
@@ -294,6 +302,12 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
         writer.add_expert_group_count(cfg["n_group"])
         writer.add_expert_group_used_count(cfg["topk_group"])
     tensors = gguf_tensors(st_folder)
+    if split_kv_b:
+        heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        for name in [n for n in tensors if n.endswith("attn_kv_b.weight")]:
+            kv = tensors.pop(name).reshape(heads, nope + v, -1)
+            tensors[name.replace("attn_kv_b", "attn_k_b")] = np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1))
+            tensors[name.replace("attn_kv_b", "attn_v_b")] = np.ascontiguousarray(kv[:, nope:])
     if family == "gpt_oss":  # llama.cpp's gpt-oss: the norm before the experts is post_attention_norm
         tensors = {n.replace(".ffn_norm.", ".post_attention_norm."): v for n, v in tensors.items()}
     if arch == "llama":  # llama.cpp's converter permutes Q and K rows for its rope (LlamaModel.permute)

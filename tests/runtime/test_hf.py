@@ -182,8 +182,10 @@ def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tm
         assert relative(single, model(ids[:, :1]).logits) < bound
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"])
-def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, tmp_path):
+@pytest.mark.parametrize("family, split_kv_b", [("qwen3_moe", False), ("mixtral", False), ("qwen2_moe", False),
+                                                ("gpt_oss", False), ("deepseek_v3", False), ("deepseek_v2", False),
+                                                ("deepseek_v3", True)])
+def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, split_kv_b, tmp_path):
     """A GGUF with llama.cpp's tensor names and tokenizer metadata (written by the gguf package;
     Mixtral as llama.cpp writes it: the llama architecture with experts, Q and K rows permuted)
     compiles into a bundle that carries a config and tokenizer derived from the GGUF's metadata,
@@ -191,13 +193,15 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, tmp_pat
     and gpt-oss's heads are as wide as the file says (transformers' mapping left them at its
     classes' defaults), gpt-oss's attention sinks found under llama.cpp's name; DeepSeek-V2/V3
     (llama.cpp's deepseek2, which transformers' mapping lacks) run from a config ktc builds from
-    the metadata, V3's router bias found under llama.cpp's exp_probs_b."""
+    the metadata, V3's router bias found under llama.cpp's exp_probs_b, and the key/value
+    up-projection joined again where the file stores it split (attn_k_b, attn_v_b: llama.cpp's
+    converter since MLA's absorption)."""
     base = mf.build_hf_model(family)
     twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 300})).eval()
     folder = str(tmp_path / "st")
     twin.save_pretrained(folder)
     mf.write_bpe_tokenizer(folder, 300)
-    gguf_path = mf.write_gguf(folder, str(tmp_path / "twin.gguf"), family=family)
+    gguf_path = mf.write_gguf(folder, str(tmp_path / "twin.gguf"), family=family, split_kv_b=split_kv_b)
     compile_bundle(gguf_path, str(tmp_path / "g.ktb"), cpu_scheme="f32", dense_scheme="f32")
     compile_bundle(folder, str(tmp_path / "s.ktb"), cpu_scheme="f32", dense_scheme="f32")
     ids = torch.randint(3, 290, (1, 32), generator=torch.Generator().manual_seed(0))
