@@ -213,10 +213,12 @@ def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | N
         if meta.get(f"tokenizer.ggml.{token}") is not None:
             fields[name] = int(meta[f"tokenizer.ggml.{token}"])
     scaling = key("rope.scaling.type")
-    if scaling == "yarn":  # DeepSeek-V3's long context: the rope's yarn, as its config.json states it
+    if scaling == "yarn":  # the long context of DeepSeek's releases: the rope's yarn as their configs state it
+        # llama.cpp stores 0.1 * mscale_all_dim (V3: 1.0, V2: 0.707, as each release's mscale too)
+        mscale = float(key("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1
         fields["rope_scaling"] = {"type": "yarn", "factor": float(key("rope.scaling.factor", 1.0)),
                                   "original_max_position_embeddings": int(key("rope.scaling.original_context_length", 4096)),
-                                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+                                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": mscale, "mscale_all_dim": mscale}
     elif scaling not in (None, "none"):
         return None
     return (transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config)(**fields)

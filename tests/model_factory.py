@@ -241,7 +241,7 @@ def _quantized_tensor(value: np.ndarray, qtype: str, seed: int):
 
 def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
                dense_qtype: dict | None = None, fuse_gate_up: bool = False, tokenizer_pre: str = "gpt-2",
-               split_kv_b: bool = False) -> str:
+               split_kv_b: bool = False, metadata: dict | None = None) -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
     (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
     ``expert_qtype``: the ggml type of the expert stacks, a type per projection
@@ -250,7 +250,8 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     ``tokenizer_pre``: llama.cpp's name of the tokenizer's pre-tokenizer (the factory's byte-level
     BPE splits text as GPT-2 does: "gpt-2"). ``split_kv_b``: DeepSeek's MLA as llama.cpp's converter
     writes it now, the key/value up-projection split into ``attn_k_b`` (transposed) and
-    ``attn_v_b``, with the absorbed widths as key and value lengths."""
+    ``attn_v_b``, with the absorbed widths as key and value lengths. ``metadata``: more keys (after
+    the architecture's name), each a string, an int or a float (written as float32)."""
     import gguf
 
     spec = FAMILIES[family]
@@ -301,6 +302,10 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_group_count(cfg["n_group"])
         writer.add_expert_group_used_count(cfg["topk_group"])
+    for key, value in (metadata or {}).items():
+        add = (writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int)
+               else writer.add_float32)
+        add(f"{arch}.{key}", value)
     tensors = gguf_tensors(st_folder)
     if split_kv_b:
         heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]

@@ -249,6 +249,26 @@ def _tokenizer_from_folder(folder: str):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(folder)
 
 
+def test_a_deepseek_gguf_with_yarn_gets_its_rope_scaling(tmp_path):
+    """A DeepSeek GGUF's yarn metadata (as llama.cpp's converter writes DeepSeek-V2's: factor 40,
+    mscale_all_dim 0.707 stored times 0.1) becomes the config's rope parameters, as the release's
+    config.json states them."""
+    from ktc.formats.bundle import open_bundle
+
+    folder = str(tmp_path / "st")
+    mf.build_hf_model("deepseek_v2").save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 300)
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 40.0, "rope.scaling.original_context_length": 4096,
+            "rope.scaling.yarn_log_multiplier": 0.0707}
+    gguf_path = mf.write_gguf(folder, str(tmp_path / "y.gguf"), family="deepseek_v2", metadata=yarn)
+    compile_bundle(gguf_path, str(tmp_path / "y.ktb"), cpu_scheme="f32", dense_scheme="f32")
+    with open_bundle(str(tmp_path / "y.ktb")) as bundle:
+        config = bundle.manifest["run"]["config"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 40.0 and rope["original_max_position_embeddings"] == 4096
+    assert rope["mscale_all_dim"] == pytest.approx(0.707, rel=1e-5) and rope["mscale"] == pytest.approx(0.707, rel=1e-5)
+
+
 def test_gguf_mixtral_rows_reordered_take_the_compiled_attention_step(tmp_path):
     """A Mixtral GGUF's query and key rows, put back from llama.cpp's rotary order into arrays of
     their own beside the bundle's read-only map, still go through the attention half's one
