@@ -146,17 +146,32 @@ GPT2_SPLIT = frozenset({"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jin
                         "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling"})
 
 
+# llama.cpp's DeepSeek-V3 split (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM): three
+# patterns, each splitting the pieces of the one before (digits by threes, runs of CJK and kana,
+# then words, punctuation and spaces), as DeepSeek-V3's own tokenizer.json splits.
+DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
 def _split_as_llamacpp(tokenizer: Any, path: str) -> bool:
     """The tokenizer transformers built from a GGUF split as llama.cpp splits it, where the file
-    names a GPT-2-pattern pre-tokenizer (``GPT2_SPLIT``) of a BPE vocabulary: whether it did."""
+    names a pre-tokenizer of a BPE vocabulary that transformers' conversion does not know and ktc
+    does (``GPT2_SPLIT``, "deepseek-v3"): whether it did."""
     from .gguf_reader import read_gguf_header
 
     meta, _ = read_gguf_header(path)
-    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") not in GPT2_SPLIT:
+    pre = meta.get("tokenizer.ggml.pre")
+    if meta.get("tokenizer.ggml.model") != "gpt2" or (pre not in GPT2_SPLIT and pre != "deepseek-v3"):
         return False
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers
 
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "deepseek-v3":
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in DEEPSEEK3_SPLITS]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     return True
 
 
