@@ -15,12 +15,15 @@ quantized activations and accumulation orders).
 
 The converter's pre-tokenizer check knows only released models' BPE tokenizers by a hash: the
 demo's byte-level BPE uses GPT-2's pre-tokenizer, so the conversion names it so ("gpt-2"); the
-tensors and every other field are the converter's own.
+tensors and every other field are the converter's own. ``--pre NAME`` names another of llama.cpp's
+pre-tokenizers instead (the demo's merges then meet another split, and its perplexity rises, the
+same text split alike by both tools or not: a check of ktc's reading of that name, as
+"deepseek-v3" or "deepseek-llm").
 
 Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and transformers (the demo's
 training).
 
-    python benchmarks/perplexity_vs_llamacpp.py [--ctx 128] [--threads 2] [--types Q8_0,Q4_0,...]
+    python benchmarks/perplexity_vs_llamacpp.py [--ctx 128] [--threads 2] [--types Q8_0,Q4_0,...] [--pre gpt-2]
 """
 
 from __future__ import annotations
@@ -35,15 +38,15 @@ import sys
 CONVERT = "--convert-with-gpt2-pre-tokenizer"  # this file run as llama.cpp's converter, patched
 
 
-def convert_main(src: str, folder: str, out: str) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on ``folder`` (f32), the BPE pre-tokenizer named "gpt-2"."""
+def convert_main(src: str, folder: str, out: str, pre: str = "gpt-2") -> None:
+    """llama.cpp's convert_hf_to_gguf.py on ``folder`` (f32), the BPE pre-tokenizer named ``pre``."""
     import runpy
 
     sys.path.insert(0, src)
     sys.path.insert(1, os.path.join(src, "gguf-py"))
     from conversion import base  # llama.cpp's own package, from its source tree
 
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
     sys.argv = [os.path.join(src, "convert_hf_to_gguf.py"), folder, "--outfile", out, "--outtype", "f32"]
     runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
 
@@ -80,7 +83,7 @@ def ktc_perplexity(bundle: str, text: str, ctx: int, threads: int, reference: st
 
 
 def main() -> int:
-    if len(sys.argv) == 5 and sys.argv[1] == CONVERT:
+    if len(sys.argv) == 6 and sys.argv[1] == CONVERT:
         convert_main(*sys.argv[2:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -88,6 +91,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--types", default="Q8_0,Q4_0,Q6_K,Q4_K_M,MXFP4_MOE", help="llama-quantize types beside f32")
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-perplexity"))
+    parser.add_argument("--pre", default="gpt-2", help="the BPE pre-tokenizer the converted files name")
     parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
     args = parser.parse_args()
     bin_dir = os.path.join(args.llamacpp, "build", "bin")
@@ -105,12 +109,13 @@ def main() -> int:
     if not os.path.exists(os.path.join(model, "config.json")):
         print("training the demo model...", flush=True)
         write_demo_model(model, trained=True, progress=True)
-    files = {"f32": os.path.join(args.workdir, "demo-f32.gguf")}
+    stem = os.path.join(args.workdir, "demo" if args.pre == "gpt-2" else f"demo-{args.pre}")
+    files = {"f32": f"{stem}-f32.gguf"}
     if not os.path.exists(files["f32"]):
         subprocess.run([sys.executable, os.path.abspath(__file__), CONVERT, os.path.join(args.llamacpp, "src"), model,
-                        files["f32"]], check=True, capture_output=True)
+                        files["f32"], args.pre], check=True, capture_output=True)
     for qtype in [t for t in args.types.split(",") if t]:
-        files[qtype] = os.path.join(args.workdir, f"demo-{qtype}.gguf")
+        files[qtype] = f"{stem}-{qtype}.gguf"
         if not os.path.exists(files[qtype]):
             subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--pure", files["f32"], files[qtype], qtype],
                            check=True, capture_output=True)
@@ -121,9 +126,9 @@ def main() -> int:
         plain = {"cpu_scheme": "f32", "dense_scheme": "f32"} if name == "f32" else {}
         compile_bundle(gguf, bundles[name], **plain)
     tool = os.path.join(bin_dir, "llama-perplexity")
-    base_logits = os.path.join(args.workdir, "demo-f32.kld")
+    base_logits = f"{stem}-f32.kld"
     print(f"the demo model's held-out text ({os.path.getsize(text)} bytes), windows of {args.ctx} tokens, "
-          f"{args.threads} threads")
+          f"{args.threads} threads; the files name the pre-tokenizer {args.pre!r}")
     worst = 0.0
     for name in files:
         extra = ["--kl-divergence-base", base_logits] if name == "f32" else []

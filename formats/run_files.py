@@ -146,29 +146,57 @@ GPT2_SPLIT = frozenset({"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jin
                         "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion", "granite-docling"})
 
 
-# llama.cpp's DeepSeek-V3 split (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM): three
-# patterns, each splitting the pieces of the one before (digits by threes, runs of CJK and kana,
-# then words, punctuation and spaces), as DeepSeek-V3's own tokenizer.json splits.
-DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-                    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
-                    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# llama.cpp's splits of the BPE pre-tokenizers of MoE models that transformers' table lacks
+# (llama-vocab.cpp: each type's regex_exprs, every pattern splitting the pieces of the one before,
+# the pieces isolated): the patterns themselves, which live in llama.cpp's C++ only. DeepSeek-V3's
+# (also named by its Hunyuan and JoyAI relatives): digits by threes, runs of CJK and kana, then
+# words, punctuation and spaces. DeepSeek-LLM's (the DeepSeek-V2 and V2-Lite files name it):
+# newlines apart, runs of letters (Latin, Greek, Cyrillic and more, as one class) and of
+# punctuation each after an optional space, trailing spaces, CJK and Hangul runs, digit runs.
+# DeepSeek-Coder's: as DeepSeek-LLM's with Unicode's letter and punctuation classes, digits one by one.
+_DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+              r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+              r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+LLAMACPP_SPLITS: dict[str, tuple[str, ...]] = {
+    "deepseek-v3": _DEEPSEEK3, "hunyuan-dense": _DEEPSEEK3, "joyai-llm": _DEEPSEEK3, "hy_v4": _DEEPSEEK3,
+    "deepseek-llm": (
+        "[\r\n]",
+        "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+        "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+        "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+        "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+        "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe"
+        "\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc"
+        "\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+        "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3"
+        "\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+        "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+        "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+        "\U0001e900-\U0001e943]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        "\\s+$",
+        _CJK_HANGUL,
+        "\\p{N}+"),
+    "deepseek-coder": ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", _CJK_HANGUL, "\\p{N}"),
+}
 
 
 def _split_as_llamacpp(tokenizer: Any, path: str) -> bool:
     """The tokenizer transformers built from a GGUF split as llama.cpp splits it, where the file
     names a pre-tokenizer of a BPE vocabulary that transformers' conversion does not know and ktc
-    does (``GPT2_SPLIT``, "deepseek-v3"): whether it did."""
+    does (``GPT2_SPLIT``, ``LLAMACPP_SPLITS``): whether it did."""
     from .gguf_reader import read_gguf_header
 
     meta, _ = read_gguf_header(path)
     pre = meta.get("tokenizer.ggml.pre")
-    if meta.get("tokenizer.ggml.model") != "gpt2" or (pre not in GPT2_SPLIT and pre != "deepseek-v3"):
+    if meta.get("tokenizer.ggml.model") != "gpt2" or (pre not in GPT2_SPLIT and pre not in LLAMACPP_SPLITS):
         return False
     from tokenizers import Regex, pre_tokenizers
 
-    if pre == "deepseek-v3":
+    if pre in LLAMACPP_SPLITS:
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in DEEPSEEK3_SPLITS]
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in LLAMACPP_SPLITS[pre]]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -223,9 +223,9 @@ def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tm
     reads it) tokenizes as the tokenizer it came from, whatever the architecture (transformers'
     conversion alone split a Qwen3-MoE file's text as Qwen2's tokenizer does: digits one by one,
     newlines apart; a Mixtral file, read through Llama's class, kept GPT-2's); a file that names
-    Qwen2's keeps that split; one that names DeepSeek-V3's gets llama.cpp's (transformers' table
-    lacks it; on the demo model converted with that name, ktc's perplexity 90.1542 and
-    llama-perplexity's 90.1541)."""
+    Qwen2's keeps that split; one that names DeepSeek-V3's or DeepSeek-LLM's (DeepSeek-V2's files)
+    gets llama.cpp's (transformers' table lacks them; on the demo model converted with that name,
+    ktc's perplexity and llama-perplexity's agree: 90.1542 and 90.1541 for DeepSeek-V3's)."""
     from ktc.runtime.hf import tokenizer_from_bundle
 
     base = mf.build_hf_model(family)
@@ -235,7 +235,7 @@ def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tm
     mf.write_bpe_tokenizer(folder, 512)
     text = "float32 weights, a 1-D tensor of 16 or 32 values in f32"  # "32", " 1": one token each
     source = _tokenizer_from_folder(folder)
-    for pre in ("gpt-2", "qwen2", "deepseek-v3"):
+    for pre in ("gpt-2", "qwen2", "deepseek-v3", "deepseek-llm"):
         gguf_path = mf.write_gguf(folder, str(tmp_path / f"{pre}.gguf"), family=family, tokenizer_pre=pre)
         compile_bundle(gguf_path, str(tmp_path / f"{pre}.ktb"), cpu_scheme="f32", dense_scheme="f32")
         tokenizer = tokenizer_from_bundle(str(tmp_path / f"{pre}.ktb"))
@@ -243,9 +243,12 @@ def test_a_gguf_bpe_vocabulary_splits_text_as_its_pre_tokenizer_names(family, tm
             assert tokenizer(text)["input_ids"] == source(text)["input_ids"]
         elif pre == "qwen2":  # the named split, as transformers' conversion sets it
             assert "Split" in str(tokenizer.backend_tokenizer.pre_tokenizer)
-        else:  # llama.cpp's DeepSeek-V3 split: digits by threes before anything else
+        else:
             pieces = [p for p, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("in 12345 steps")]
-            assert "123" in pieces and "45" in pieces, pieces
+            if pre == "deepseek-v3":  # llama.cpp's DeepSeek-V3 split: digits by threes before anything else
+                assert "123" in pieces and "45" in pieces, pieces
+            else:  # DeepSeek-LLM's: letters after an optional space, then digit runs whole
+                assert pieces == ["in", "Ġ", "12345", "Ġsteps"], pieces
 
 
 def _tokenizer_from_folder(folder: str):  # type: ignore[no-untyped-def]
