@@ -439,6 +439,27 @@ def _store_tile(builder, out_a, sums, obase, ostride):  # type: ignore[no-untype
             builder.store(total, builder.gep(out_a.data, [at]))
 
 
+def _q4_blocks_by_permute() -> bool:
+    """Whether the one-token and few-token kernels read q4_0's (and iq4_nl's) four blocks a step
+    in two 64-byte loads, their nibbles and scales picked by permutes, rather than in four 16-byte
+    loads as mxfp4's. By the CPU LLVM compiles for, as measured (q4_0 rows, medians of 15
+    interleaved rounds; per-pair ratios of alternating processes): the permutes 3-10% faster on
+    the Zen 4 machine; on Zen 5 (znver5) the four loads 1.07x (lm_head's 151936 x 2048), 1.25x
+    (14336 x 4096) and 1.2x (2048-value expert rows) of them, the permute's two-source byte
+    shuffle the slower there. Read when the kernels compile: Numba's cache keeps code per CPU
+    name, so a cached kernel is always this choice's."""
+    try:
+        import llvmlite.binding as llvm
+
+        name = config.CPU_NAME if (config.CPU_NAME or "host") != "host" else llvm.get_host_cpu_name()
+    except Exception:  # pragma: no cover - no CPU query on this platform
+        return True
+    return name != "znver5"
+
+
+_Q4_PERMUTE = _q4_blocks_by_permute()
+
+
 def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
     """``row(flat, at, steps, xq, lanes, lbase, lspan, e8m0) -> float32``: the dot product of the ``steps`` * n
     blocks of BLOCK_KINDS ``kind`` at byte ``at`` of ``flat`` with the int8 activations xq (block
@@ -510,17 +531,17 @@ def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[n
                                                    load(flat_a, plus(at_i, size + scale_bytes), vector(i8, 32)),
                                                    mask(range(64)))
                 pairs = [(builder.xor(codes, ir.Constant(bytes64, [0x80] * 64)), 0)]
-            elif kind == 2 or kind == 4:
+            elif (kind == 2 or kind == 4) and _Q4_PERMUTE:
                 # q4_0 (and iq4_nl, the same layout): the four blocks' 72 bytes in two 64-byte loads, their 16 bytes of
-                # nibbles each picked by one permute (3-10% faster than four 16-byte loads
-                # and inserts; slower for mxfp4's 17-byte blocks, 22-26 against 26-28 GB/s)
+                # nibbles each picked by one permute (where ``_q4_blocks_by_permute``; slower
+                # for mxfp4's 17-byte blocks, 22-26 against 26-28 GB/s)
                 head = load(flat_a, at_i, bytes64)
                 tail_from = 4 * size - 64
                 tail = load(flat_a, plus(at_i, tail_from), bytes64)
                 picks = [j * size + scale_bytes + t for j in range(4) for t in range(16)]
                 packed = builder.shuffle_vector(head, tail, mask([p if p < 64 else 64 + p - tail_from
                                                                   for p in picks]))
-            else:  # mxfp4: 16 bytes of nibbles a block
+            else:  # mxfp4 (and elsewhere q4_0, iq4_nl): 16 bytes of nibbles a block
                 parts = [load(flat_a, plus(at_i, j * size + scale_bytes), vector(i8, 16)) for j in range(4)]
                 packed = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], mask(range(32))),
                                                 builder.shuffle_vector(parts[2], parts[3], mask(range(32))),
@@ -546,7 +567,7 @@ def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[n
                     scales = builder.insert_element(scales, value, ir.Constant(i32, j))
                 scales = per_lane(scales)
             elif kind != 0:  # fp16 scales, each repeated over its block's lanes before one conversion
-                if kind == 2 or kind == 4:  # from the first load
+                if (kind == 2 or kind == 4) and _Q4_PERMUTE:  # from the first load
                     halves = builder.shuffle_vector(builder.bitcast(head, vector(i16, 32)),
                                                     ir.Constant(vector(i16, 32), ir.Undefined),
                                                     mask([(lane // per_block) * size // 2 for lane in range(16)]))

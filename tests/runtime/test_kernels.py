@@ -751,3 +751,17 @@ def test_no_vnni_kernels_for_another_compile_target():
     proc = subprocess.run([sys.executable, "-c", "from ktc.runtime import vnni; print(vnni.HAVE_VNNI)"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_q4_blocks_read_either_way(tmp_path):
+    """q4_0's and iq4_nl's four blocks a step are read in two 64-byte loads and permutes or in
+    four 16-byte loads, by the CPU (``vnni._q4_blocks_by_permute``): the way this CPU does not
+    take, compiled apart (a Numba cache of its own), passes the same kernel tests."""
+    selected = "(q4_0 or iq4_nl) and (block_vnni or batched_blocks or experts_token)"
+    code = ("import sys, pytest\nfrom ktc.runtime import vnni\nvnni._Q4_PERMUTE = not vnni._Q4_PERMUTE\n"
+            f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', {__file__!r}, '-k', {selected!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)), cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
