@@ -267,6 +267,33 @@ def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | N
     return (transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config)(**fields)
 
 
+def _olmoe_config(transformers: Any, path: str, model_config: ModelConfig | None) -> Any:
+    """OLMoE's config for a GGUF of llama.cpp's ``olmoe`` architecture, from ktc's reading of its
+    metadata (``model_config``), or None for any other file. transformers' GGUF mapping has no
+    ``olmoe``: without this such a bundle compiled and could not run. llama.cpp's converter writes
+    no ``clip_qkv`` (the released models have none); a file that carries ``clamp_kqv`` gets it."""
+    if model_config is None or model_config.architecture != "olmoe":
+        return None
+    from .gguf_reader import read_gguf_header
+
+    meta, tensors = read_gguf_header(path)
+    mc = model_config
+    clip = meta.get("olmoe.attention.clamp_kqv")
+    fields: dict[str, Any] = dict(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, num_hidden_layers=mc.num_layers,
+        intermediate_size=mc.expert_intermediate_size, num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_kv_heads, num_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
+        norm_topk_prob=mc.norm_topk_prob, max_position_embeddings=int(meta.get("olmoe.context_length", 4096)),
+        rms_norm_eps=float(meta.get("olmoe.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get("olmoe.rope.freq_base", 10000.0)),
+        clip_qkv=None if clip is None else float(clip), tie_word_embeddings="output.weight" not in tensors,
+        architectures=["OlmoeForCausalLM"])
+    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        if meta.get(f"tokenizer.ggml.{name}") is not None:
+            fields[name.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{name}"])
+    return transformers.OlmoeConfig(**fields)
+
+
 def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFiles:
     """Config and tokenizer derived from a GGUF file's metadata by transformers (the same
     conversion ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` does), the experts' width
@@ -283,7 +310,8 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
     try:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # transformers raises ValueError/KeyError/... for what it cannot map
-        config = _deepseek_config(transformers, path, model_config)
+        config = (_deepseek_config(transformers, path, model_config)
+                  or _olmoe_config(transformers, path, model_config))
         if config is None:
             return RunFiles(None, None, (), "gguf metadata",
                             f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")

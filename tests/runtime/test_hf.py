@@ -184,7 +184,7 @@ def test_quantized_dense_weights_run_through_ktc_kernels(scheme, checkpoints, tm
 
 @pytest.mark.parametrize("family, split_kv_b", [("qwen3_moe", False), ("mixtral", False), ("qwen2_moe", False),
                                                 ("gpt_oss", False), ("deepseek_v3", False), ("deepseek_v2", False),
-                                                ("deepseek_v3", True)])
+                                                ("deepseek_v3", True), ("olmoe", False)])
 def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, split_kv_b, tmp_path):
     """A GGUF with llama.cpp's tensor names and tokenizer metadata (written by the gguf package;
     Mixtral as llama.cpp writes it: the llama architecture with experts, Q and K rows permuted)
@@ -192,8 +192,8 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, split_k
     and gives the same logits as the bundle of its safetensors twin. Qwen2-MoE's shared expert
     and gpt-oss's heads are as wide as the file says (transformers' mapping left them at its
     classes' defaults), gpt-oss's attention sinks found under llama.cpp's name; DeepSeek-V2/V3
-    (llama.cpp's deepseek2, which transformers' mapping lacks) run from a config ktc builds from
-    the metadata, V3's router bias found under llama.cpp's exp_probs_b, and the key/value
+    (llama.cpp's deepseek2, which transformers' mapping lacks) and OLMoE run from a config ktc
+    builds from the metadata, V3's router bias found under llama.cpp's exp_probs_b, and the key/value
     up-projection joined again where the file stores it split (attn_k_b, attn_v_b: llama.cpp's
     converter since MLA's absorption)."""
     base = mf.build_hf_model(family)
