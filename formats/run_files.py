@@ -281,8 +281,9 @@ def _olmoe_config(transformers: Any, path: str, model_config: ModelConfig | None
     clip = meta.get("olmoe.attention.clamp_kqv")
     fields: dict[str, Any] = dict(
         vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, num_hidden_layers=mc.num_layers,
-        intermediate_size=mc.expert_intermediate_size, num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_kv_heads, num_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
+        # llama.cpp's converter writes the experts' width as the feed-forward length alone
+        intermediate_size=mc.expert_intermediate_size or mc.dense_intermediate_size,
+        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_kv_heads, num_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
         norm_topk_prob=mc.norm_topk_prob, max_position_embeddings=int(meta.get("olmoe.context_length", 4096)),
         rms_norm_eps=float(meta.get("olmoe.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get("olmoe.rope.freq_base", 10000.0)),

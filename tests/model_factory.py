@@ -275,7 +275,8 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     writer.add_expert_count(EXPERTS)
     writer.add_expert_used_count(TOP_K)
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    writer.add_expert_feed_forward_length(inter)
+    if family != "olmoe":  # llama.cpp's OLMoE converter writes the experts' width as feed_forward_length alone
+        writer.add_expert_feed_forward_length(inter)
     writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", family in ("mixtral", "gpt_oss"))))
     if cfg.get("head_dim") and not family.startswith("deepseek"):
         writer.add_key_length(cfg["head_dim"])
