@@ -295,6 +295,51 @@ def _olmoe_config(transformers: Any, path: str, model_config: ModelConfig | None
     return transformers.OlmoeConfig(**fields)
 
 
+def _gpt_oss_config(transformers: Any, path: str, model_config: ModelConfig | None) -> Any:
+    """gpt-oss's config for a GGUF of llama.cpp's ``gpt-oss`` architecture, from ktc's reading of
+    its metadata, or None for any other file: transformers' own mapping fails on every file whose
+    rope scaling is written (its yarn keys are read from the wrong part of the field), as llama.cpp's
+    converter writes the released models'. The yarn parameters are the file's; the rest of gpt-oss's
+    (SwiGLU limit, sliding window pattern) the config class's own, which llama.cpp also fixes."""
+    if model_config is None or model_config.architecture != "gpt-oss":
+        return None
+    from .gguf_reader import read_gguf_header
+
+    meta, tensors = read_gguf_header(path)
+    mc = model_config
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"gpt-oss.{name}", default)
+
+    defaults = transformers.GptOssConfig()
+    rope = dict(defaults.rope_parameters or {})
+    rope["rope_theta"] = float(key("rope.freq_base", rope.get("rope_theta", 150000.0)))
+    scaling = key("rope.scaling.type")
+    if scaling == "yarn":
+        rope.update(rope_type="yarn", factor=float(key("rope.scaling.factor", rope.get("factor", 1.0))),
+                    original_max_position_embeddings=int(key("rope.scaling.original_context_length",
+                                                             rope.get("original_max_position_embeddings", 4096))),
+                    beta_fast=float(key("rope.scaling.yarn_beta_fast", rope.get("beta_fast", 32.0))),
+                    beta_slow=float(key("rope.scaling.yarn_beta_slow", rope.get("beta_slow", 1.0))))
+    elif scaling == "none":
+        rope = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    elif scaling is not None:
+        return None
+    fields: dict[str, Any] = dict(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, num_hidden_layers=mc.num_layers,
+        intermediate_size=mc.expert_intermediate_size or mc.dense_intermediate_size,
+        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        num_local_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
+        max_position_embeddings=int(key("context_length", 131072)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        sliding_window=int(key("attention.sliding_window", defaults.sliding_window)), rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in tensors, architectures=["GptOssForCausalLM"])
+    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        if meta.get(f"tokenizer.ggml.{name}") is not None:
+            fields[name.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{name}"])
+    return transformers.GptOssConfig(**fields)
+
+
 def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFiles:
     """Config and tokenizer derived from a GGUF file's metadata by transformers (the same
     conversion ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` does), the experts' width
@@ -312,7 +357,8 @@ def gguf_run_files(path: str, model_config: ModelConfig | None = None) -> RunFil
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # transformers raises ValueError/KeyError/... for what it cannot map
         config = (_deepseek_config(transformers, path, model_config)
-                  or _olmoe_config(transformers, path, model_config))
+                  or _olmoe_config(transformers, path, model_config)
+                  or _gpt_oss_config(transformers, path, model_config))
         if config is None:
             return RunFiles(None, None, (), "gguf metadata",
                             f"transformers cannot derive a config from this GGUF ({type(exc).__name__}: {exc})")

@@ -299,6 +299,15 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     elif family.startswith("deepseek"):  # as llama.cpp's converter wrote them before, for both
         writer.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         writer.add_value_length(cfg["v_head_dim"])
+    if family == "gpt_oss":  # as llama.cpp's converter writes the released models' yarn and window
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_sliding_window(cfg["sliding_window"])
     if family == "deepseek_v3":
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_group_count(cfg["n_group"])

@@ -192,8 +192,9 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, split_k
     and gives the same logits as the bundle of its safetensors twin. Qwen2-MoE's shared expert
     and gpt-oss's heads are as wide as the file says (transformers' mapping left them at its
     classes' defaults), gpt-oss's attention sinks found under llama.cpp's name; DeepSeek-V2/V3
-    (llama.cpp's deepseek2, which transformers' mapping lacks) and OLMoE run from a config ktc
-    builds from the metadata, V3's router bias found under llama.cpp's exp_probs_b, and the key/value
+    (llama.cpp's deepseek2, which transformers' mapping lacks), OLMoE and gpt-oss (whose yarn
+    rope keys, written as llama.cpp's converter writes the released models', transformers' mapping
+    fails to read) run from a config ktc builds from the metadata, V3's router bias found under llama.cpp's exp_probs_b, and the key/value
     up-projection joined again where the file stores it split (attn_k_b, attn_v_b: llama.cpp's
     converter since MLA's absorption)."""
     base = mf.build_hf_model(family)
