@@ -96,8 +96,8 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=48, help="generated tokens a decode")
     parser.add_argument("--runs", type=int, default=3, help="decodes a measurement (their median)")
     parser.add_argument("--no-mmap", action="store_true",
-                        help="measure with the bundle read into memory (ktc run --no-mmap), as the calibration's "
-                             "probes lie in the process's own memory")
+                        help="measure with the bundle read into memory (ktc run --no-mmap), and calibrate with the "
+                             "probes' weights in memory too (by default both are read through a file's map)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
     args = parser.parse_args()
@@ -130,7 +130,7 @@ def main() -> int:
                 costs = []
                 for side in ("before", "after"):  # a calibration on each side of the measurement
                     hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidth),
-                                   schemes=schemes[name], rounds=3, bundles=probes)
+                                   schemes=schemes[name], rounds=3, bundles=probes, mapped=not args.no_mmap)
                     with open_bundle(path) as bundle:
                         costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
                     if side == "before":

@@ -1127,11 +1127,14 @@ def _planned_decode(plan: Any) -> tuple[float | None, int]:
               help="Also measure what the CPU decode cost model assumes (a minute or two): ktc's "
                    "kernels' bytes/s at each scheme and the fixed cost of a layer's and a token's "
                    "step; into the profile.")
+@click.option("--no-mmap", "no_mmap", is_flag=True,
+              help="With --calibrate: the kernels' weights in the process's memory, for ktc run --no-mmap "
+                   "(by default read through a file's map, as ktc run reads a bundle).")
 @click.option("--disk", "disk_folder", type=click.Path(file_okay=False),
               help="Also measure the read bandwidth of the disk under this folder (where bundles will be; "
                    "writes and reads back a 256 MiB file): ktc plan's disk tier, written into the profile.")
 @_handle_errors
-def doctor(as_json: bool, write_profile: str | None, calibrate: bool, disk_folder: str | None) -> None:
+def doctor(as_json: bool, write_profile: str | None, calibrate: bool, no_mmap: bool, disk_folder: str | None) -> None:
     """Check this machine: versions, CPU features, cores, RAM, CUDA devices, measured memory
     bandwidth, Numba's threading layer, and what will hurt, with the fix.
 
@@ -1162,7 +1165,8 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, disk_folde
         written = report["hardware_profile"]
         base = HardwareProfile.from_json(written, "ktc doctor", vram_bytes=written.get("vram_bytes", 0))
         profile = measure(base, progress=None if as_json else lambda text: click.echo(f"calibrating {text}",
-                                                                                       err=True))
+                                                                                       err=True),
+                          mapped=not no_mmap)
         report["hardware_profile"] = {**profile.to_json(), "source": "ktc doctor --calibrate"}
         if "vram_bytes" not in written:
             del report["hardware_profile"]["vram_bytes"]

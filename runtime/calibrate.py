@@ -83,6 +83,37 @@ def probe_bytes() -> int:
     return max(WORKING_SET, min(wanted, free // 16))
 
 
+def mapped_copy(array: np.ndarray, folder: str) -> np.ndarray:
+    """``array``'s bytes (uint8) read through a file's map, as ``ktc run`` reads a bundle: written
+    to a file in ``folder``, its cached pages dropped and read afresh from its start (as a first run
+    after reading the bundle finds them), then mapped read-only; the file is unlinked at once (the
+    map keeps it). Through the page cache's 4 KiB pages, a matrix read slower than from the
+    process's own memory on the Zen 5 machine (a whole model's decode 15-53% longer), which
+    probes in that memory did not see."""
+    import mmap
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="ktc-probe-", delete=False) as f:
+        path = f.name
+        f.write(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
+        f.flush()
+        os.fsync(f.fileno())  # written back, so that its pages can be dropped
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while os.read(fd, 64 << 20):
+                pass
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+    return np.frombuffer(mapped, dtype=np.uint8)
+
+
 def cpu_schemes() -> tuple[str, ...]:
     """Every scheme with a CPU kernel that a decode step can read."""
     return tuple(name for name, s in SCHEMES.items() if "cpu" in s.devices and _has_kernel(name))
@@ -125,7 +156,7 @@ class _ExpertsProbe:
     a scheme's probes then hold one working set, not one each)."""
 
     def __init__(self, scheme: str, shape: tuple[int, int, int], working_set: int = WORKING_SET,
-                 shared: np.ndarray | None = None):
+                 shared: np.ndarray | None = None, mapped: str | None = None):
         k, hidden, inter = shape
         gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set)
         self.bytes_per_call = k * per_expert
@@ -135,6 +166,8 @@ class _ExpertsProbe:
             gate_up = scheme_rows(scheme, 2 * inter, hidden)
             down = scheme_rows(scheme, hidden, inter, seed=1)
             self.file = np.tile(np.concatenate([gate_up.reshape(-1), down.reshape(-1)]), k * copies)
+            if mapped is not None:
+                self.file = mapped_copy(self.file, mapped)
         starts = np.arange(k * copies, dtype=np.int64).reshape(copies, k) * per_expert
         self.offsets = [(s, s + gate_up_bytes) for s in starts]
         self.scheme, self.hidden, self.inter = scheme, hidden, inter
@@ -171,7 +204,7 @@ class _MatrixProbe:
     of its own: a scheme's probes then hold one working set, not one each (twice a 480 MiB L3)."""
 
     def __init__(self, scheme: str, working_set: int = WORKING_SET, rows: int | None = None,
-                 cols: int = MATRIX_COLS, shared: np.ndarray | None = None):
+                 cols: int = MATRIX_COLS, shared: np.ndarray | None = None, mapped: str | None = None):
         row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
         if shared is not None and shared.nbytes >= max(64, 2 * (rows or 0)) * row_bytes:
             # whole blocks either way: a row of ``cols`` is the next ``row_bytes`` bytes (for
@@ -180,6 +213,8 @@ class _MatrixProbe:
             raw = flat[: flat.nbytes // row_bytes * row_bytes].reshape(-1, row_bytes)
         else:
             raw = scheme_rows(scheme, max(64, working_set // row_bytes, 2 * (rows or 0)), cols)
+            if mapped is not None:
+                raw = mapped_copy(raw, mapped).reshape(raw.shape)
         self.raw = raw
         plain = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}.get(scheme)
         if plain is not None:  # the plain schemes' kernels take their own dtype
@@ -221,7 +256,8 @@ def _median_seconds(probes: dict[Any, Any], rounds: int, calls: int) -> dict[Any
 def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, calls: int = 8,
                       working_set: int | None = None, shapes: tuple[tuple[int, int, int], ...] = EXPERT_SHAPES,
                       matrix_calls: tuple[tuple[int | None, int], ...] = MATRIX_CALLS,
-                      progress: Callable[[str], None] | None = None) -> dict[str, dict[str, float]]:
+                      progress: Callable[[str], None] | None = None,
+                      mapped: str | None = None) -> dict[str, dict[str, float]]:
     """``{"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
     {scheme: bytes}, and the same three of "matrix"}``: what the one-token kernels reach on this
     machine (see the module's docstring) through the fused experts call (fitted over calls at
@@ -229,7 +265,9 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
     then larger ones at ``MATRIX_COLS`` columns and at other row lengths, each of whose rates is
     ``"matrix@COLS"``): the rate, the fixed part of a call, and the bytes of the smaller call
     (where the fixed part was measured).
-    Schemes whose experts the fused call cannot take on this CPU are measured as a matrix only."""
+    Schemes whose experts the fused call cannot take on this CPU are measured as a matrix only.
+    ``mapped``: a folder where the weights are read through a file's map (``mapped_copy``), as
+    ``ktc run`` reads a bundle; None: from the process's own memory (``ktc run --no-mmap``)."""
     names = tuple(cpu_schemes() if schemes is None else schemes)
     working_set = working_set or probe_bytes()
     result: dict[str, dict[str, float]] = {f"{path}{part}": {} for path in ("experts", "matrix")
@@ -244,7 +282,7 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         for n in group:  # the call that cycles over the most bytes first: the others read its file
             shared = None
             for i in sorted(range(len(shapes)), key=lambda i: -_ExpertsProbe.bytes_needed(n, shapes[i], working_set)):
-                probes[n, i] = _ExpertsProbe(n, shapes[i], working_set, shared)
+                probes[n, i] = _ExpertsProbe(n, shapes[i], working_set, shared, mapped)
                 shared = probes[n, i].file if shared is None else shared
         seconds = _median_seconds(probes, rounds, calls)
         for n in group:
@@ -259,7 +297,7 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         for n in group:
             shared = None
             for i, (call_rows, cols) in enumerate(matrix_calls):
-                probes[n, i] = _MatrixProbe(n, working_set, call_rows, cols, shared)
+                probes[n, i] = _MatrixProbe(n, working_set, call_rows, cols, shared, mapped)
                 if cols == MATRIX_COLS and shared is None:
                     shared = probes[n, i].raw
         seconds = _median_seconds(probes, rounds, calls)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,21 @@ def test_probe_weights_are_valid_rows_of_every_scheme(scheme):
     assert raw.shape == (70, get_scheme(scheme).matrix_bytes(1, 256)) and raw.dtype == np.uint8
     values = get_scheme(scheme).dequantize(raw, 256)
     assert np.all(np.isfinite(values)) and np.any(values != 0)
+
+
+def test_weights_read_through_a_map_as_a_bundle_is(tmp_path):
+    """``mapped``: the probes' weights read through a file's map, as ``ktc run`` reads a bundle
+    (the file gone from the folder, its bytes the same), and rates measured on them."""
+    raw = calibrate.scheme_rows("q4_0", 64, 256)
+    mapped = calibrate.mapped_copy(raw, str(tmp_path))
+    assert np.array_equal(mapped.reshape(raw.shape), raw) and not mapped.flags.writeable
+    assert not os.listdir(tmp_path)
+    got = calibrate.scheme_bandwidths(("int8", "q4_0"), rounds=1, calls=1, working_set=1 << 20,
+                                      shapes=((2, 256, 128), (2, 512, 256)),
+                                      matrix_calls=((64, 4096), (None, 1024), (None, 4096), (None, 7168)),
+                                      mapped=str(tmp_path))
+    assert all(v > 0 for table in ("matrix", "experts") for v in got[table].values())
+    assert set(got["matrix"]) == {"int8", "q4_0"}
 
 
 def test_rates_are_measured_for_both_paths():
