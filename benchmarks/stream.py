@@ -23,6 +23,11 @@ routing (the whole replay for steady traces) and switched for free at the window
 policy that keeps experts a while does better, so where the goal (1.2x the static plan on
 drifting routing) is above the ceiling, no cache policy reaches it under this time model.
 
+Beside it, the planner's split (``planned``): as ``ktc plan --trace`` chooses, 0, 1, 2, 4 or 8
+slots a layer with the residents solved again under what they leave, each replayed on a planning
+trace (another draw of the same kind and drift, another seed: the trace a user records on other
+text of the workload), the fastest kept and then replayed on the same tokens as the others.
+
 With ``--trace FILE`` (``ktc profile BUNDLE --text FILE -o p.json --trace FILE``) a recorded
 model's routing is replayed too, its first quarter (at most ``--profile-tokens``) as the profile.
 
@@ -102,12 +107,18 @@ def static_plan(profile: np.ndarray, scale: Scale, budget: float) -> list[tuple[
 
 
 def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profile: np.ndarray, hw,
-           cached: bool) -> tuple[float, float, int]:
-    """(tokens/s, hit rate, bytes uploaded) of the trace under the plan, with the cache or not."""
+           cached: bool, slots: int | None = None) -> tuple[float, float, int]:
+    """(tokens/s, hit rate, bytes uploaded) of the trace under the plan, with the cache or not:
+    the plan's experts as the cache's slots at the start, or with ``slots``, the plan's experts
+    resident and that many slots a layer beside them (the planner's split)."""
     from ktc.runtime.expert_cache import LayerCache, replay_trace
 
-    caches = ([LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li], initial=plan[li])
-               for li in range(scale.layers)] if cached else None)
+    if slots is not None:
+        caches = ([LayerCache(scale.experts, slots, scale.expert_bytes, resident=plan[li], prior=profile[li])
+                   for li in range(scale.layers)] if slots else None)
+    else:
+        caches = ([LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li],
+                              initial=plan[li]) for li in range(scale.layers)] if cached else None)
     shape = (scale.layers, scale.experts)
     result = replay_trace(routes, caches, [frozenset(p) for p in plan],
                           np.full(shape, scale.expert_bytes / hw.gpu_bandwidth),
@@ -135,15 +146,43 @@ def hindsight(run: np.ndarray, scale: Scale, budget: float, window: int, hw) -> 
     return len(run) / seconds
 
 
+PLAN_TOKENS = 1024  # the planner's trace (ktc.streaming.REPLAY_TOKENS: what it replays at most)
+SPLITS = (0, 1, 2, 4, 8)  # slots a layer the planner tries (ktc.streaming: none and CANDIDATE_SLOTS)
+
+
+def planned(scale: Scale, profile: np.ndarray, budget: float, plan_routes: np.ndarray, run: np.ndarray,
+            hw) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+    """The planner's split of the budget between residents and cache slots (as ``ktc plan
+    --trace`` makes it: each of ``SPLITS`` slots a layer, the residents chosen again from the
+    profile under what the slots leave, replayed on the planning trace ``plan_routes``, the
+    fastest kept), then replayed on ``run``: (slots a layer, tokens/s)."""
+    best, chosen = 0.0, 0
+    for slots in SPLITS:
+        left = int(budget * scale.layers * scale.experts) - slots * scale.layers
+        if left < 0 or slots > scale.experts - scale.top_k:
+            break
+        rate, _, _ = replay(plan_routes, scale, static_plan(profile, scale, left / (scale.layers * scale.experts)),
+                            profile, hw, cached=False, slots=slots)
+        if rate > best:
+            best, chosen = rate, slots
+    left = int(budget * scale.layers * scale.experts) - chosen * scale.layers
+    plan = static_plan(profile, scale, left / (scale.layers * scale.experts))
+    rate, _, _ = replay(run, scale, plan, profile, hw, cached=False, slots=chosen)
+    return chosen, rate
+
+
 def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str, window: int,
-            hw) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+            hw, plan_routes: np.ndarray | None = None) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """Prints the static plan's and the cache's predicted tokens/s at each budget, the plan and
     the cache's priors from the routes' first ``profile_tokens`` tokens (as ``ktc profile`` would
     record them on other text), the rest replayed, beside the ``hindsight`` ceiling over windows
-    of ``window`` tokens; returns the worst cache/static ratio and that case's ceiling's."""
+    of ``window`` tokens; with ``plan_routes`` (another trace of the same kind, as ``ktc profile
+    --trace`` records one for ``ktc plan --trace``), also the planner's split (``planned``).
+    Returns the worst cache/static ratio and that case's ceiling's (with ``plan_routes``, also the
+    worst planned/static)."""
     head, run = routes[:profile_tokens], routes[profile_tokens:]
     profile = counts(head, scale)
-    worst, its_ceiling = float("inf"), float("inf")
+    worst, its_ceiling, worst_planned = float("inf"), float("inf"), float("inf")
     for budget in (0.10, 0.25, 0.50):
         plan = static_plan(profile, scale, budget)
         s_rate, s_hit, _ = replay(run, scale, plan, profile, hw, cached=False)
@@ -151,11 +190,16 @@ def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str, wi
         ceiling = hindsight(run, scale, budget, window, hw)
         if c_rate / s_rate < worst:
             worst, its_ceiling = c_rate / s_rate, ceiling / s_rate
+        split = ""
+        if plan_routes is not None:
+            slots, p_rate = planned(scale, profile, budget, plan_routes, run, hw)
+            worst_planned = min(worst_planned, p_rate / s_rate)
+            split = f"; planned {slots} slot{'s' * (slots != 1)} a layer {p_rate:7.1f} tok/s ({p_rate / s_rate:.4f}x)"
         print(f"{scale.name:<14} {kind:<9} {100 * budget:3.0f}% in VRAM: static {s_rate:7.1f} tok/s "
               f"(hits {100 * s_hit:5.1f}%), cache {c_rate:7.1f} tok/s (hits {100 * c_hit:5.1f}%, "
               f"{moved / len(run) / 1e6:6.1f} MB uploaded a token): {c_rate / s_rate:.2f}x; hindsight "
-              f"{ceiling:7.1f} tok/s ({ceiling / s_rate:.2f}x)")
-    return worst, its_ceiling
+              f"{ceiling:7.1f} tok/s ({ceiling / s_rate:.2f}x){split}")
+    return (worst, its_ceiling) if plan_routes is None else (worst, its_ceiling, worst_planned)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,21 +497,31 @@ def main() -> int:
 
 def synthetic(args, hw) -> None:  # type: ignore[no-untyped-def]
     """The synthetic traces through the time model, each scale steady and drifting."""
-    worst_drift, worst_steady = (float("inf"), 0.0), (float("inf"), 0.0)
+    worst_drift, worst_steady = (float("inf"), 0.0, 0.0), (float("inf"), 0.0, 0.0)
+    planned_worst = {"drifting": float("inf"), "steady": float("inf")}
     for scale in SCALES:
         for kind, period in (("steady", None), ("drifting", args.period)):
             # the drift starts after the profile's tokens
             routes = trace(scale, args.profile_tokens + args.tokens, args.zipf, period,
                            np.random.default_rng(args.seed), start=args.profile_tokens)
-            worst = compare(scale, routes, args.profile_tokens, kind, args.period if period else args.tokens, hw)
+            # the planner's trace: another draw of the same kind (another seed), as ktc profile
+            # --trace records one on other text of the workload; drifting from its start
+            plan_routes = trace(scale, PLAN_TOKENS, args.zipf, period, np.random.default_rng(args.seed + 1))
+            worst = compare(scale, routes, args.profile_tokens, kind, args.period if period else args.tokens, hw,
+                            plan_routes)
+            planned_worst[kind] = min(planned_worst[kind], worst[2])
             if kind == "drifting":
                 worst_drift = min(worst_drift, worst)
             else:
                 worst_steady = min(worst_steady, worst)
-    (drift, drift_ceiling), (steady, _) = worst_drift, worst_steady
+    (drift, drift_ceiling, _), (steady, _, _) = worst_drift, worst_steady
     print(f"\nworst cache/static: drifting {drift:.3f}x (goal at least 1.2x: {'met' if drift >= 1.2 else 'NOT met'}; "
           f"the hindsight ceiling of that case {drift_ceiling:.3f}x), steady {steady:.4f}x (goal never below "
           f"1.0x: {'met' if steady >= 1.0 else 'NOT met'})")
+    p_drift, p_steady = planned_worst["drifting"], planned_worst["steady"]
+    print(f"worst planned/static (the planner's split from another trace of the kind): drifting {p_drift:.3f}x "
+          f"(goal at least 1.2x: {'met' if p_drift >= 1.2 else 'NOT met'}), steady {p_steady:.4f}x (goal never "
+          f"below 1.0x: {'met' if p_steady >= 1.0 else 'NOT met'})")
 
 
 if __name__ == "__main__":
