@@ -213,6 +213,13 @@ def _generic_class(config_path: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def _token_ids(meta: dict[str, Any]) -> dict[str, int]:
+    """The config's special token ids (bos, eos, pad) that a GGUF's tokenizer metadata gives."""
+    return {name.replace("padding", "pad"): int(meta[f"tokenizer.ggml.{name}"])
+            for name in ("bos_token_id", "eos_token_id", "padding_token_id")
+            if meta.get(f"tokenizer.ggml.{name}") is not None}
+
+
 def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | None) -> Any:
     """DeepSeek-V3's config (sigmoid routing) or DeepSeek-V2's (softmax) for a GGUF of llama.cpp's
     ``deepseek2`` architecture, from ktc's reading of its metadata (``model_config``: the MLA
@@ -252,9 +259,7 @@ def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | N
         fields.update(n_group=mc.num_expert_groups, topk_group=mc.topk_groups)
         if not v3:
             fields["topk_method"] = "group_limited_greedy"
-    for name, token in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        if meta.get(f"tokenizer.ggml.{token}") is not None:
-            fields[name] = int(meta[f"tokenizer.ggml.{token}"])
+    fields.update(_token_ids(meta))
     scaling = key("rope.scaling.type")
     if scaling == "yarn":  # the long context of DeepSeek's releases: the rope's yarn as their configs state it
         # llama.cpp stores 0.1 * mscale_all_dim (V3: 1.0, V2: 0.707, as each release's mscale too)
@@ -283,15 +288,14 @@ def _olmoe_config(transformers: Any, path: str, model_config: ModelConfig | None
         vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, num_hidden_layers=mc.num_layers,
         # llama.cpp's converter writes the experts' width as the feed-forward length alone
         intermediate_size=mc.expert_intermediate_size or mc.dense_intermediate_size,
-        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_kv_heads, num_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
+        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_kv_heads,
+        num_experts=mc.num_experts, num_experts_per_tok=mc.top_k,
         norm_topk_prob=mc.norm_topk_prob, max_position_embeddings=int(meta.get("olmoe.context_length", 4096)),
         rms_norm_eps=float(meta.get("olmoe.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get("olmoe.rope.freq_base", 10000.0)),
         clip_qkv=None if clip is None else float(clip), tie_word_embeddings="output.weight" not in tensors,
         architectures=["OlmoeForCausalLM"])
-    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
-        if meta.get(f"tokenizer.ggml.{name}") is not None:
-            fields[name.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{name}"])
+    fields.update(_token_ids(meta))
     return transformers.OlmoeConfig(**fields)
 
 
@@ -334,9 +338,7 @@ def _gpt_oss_config(transformers: Any, path: str, model_config: ModelConfig | No
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         sliding_window=int(key("attention.sliding_window", defaults.sliding_window)), rope_parameters=rope,
         tie_word_embeddings="output.weight" not in tensors, architectures=["GptOssForCausalLM"])
-    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
-        if meta.get(f"tokenizer.ggml.{name}") is not None:
-            fields[name.replace("padding", "pad")] = int(meta[f"tokenizer.ggml.{name}"])
+    fields.update(_token_ids(meta))
     return transformers.GptOssConfig(**fields)
 
 
