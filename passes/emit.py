@@ -316,8 +316,11 @@ def emit_bundle(layout: BundleLayout, out_path: str, manifest_base: dict[str, An
                 os.fsync(f.fileno())
             except OSError as exc:
                 raise _os_error(exc, tmp) from None
-        os.replace(tmp, out_path)
-        mark_written(out_path)
+        # the rename and its record as one step: a stop that landed between them left a whole
+        # bundle in place that the command then said it had not written
+        with signals_held():
+            os.replace(tmp, out_path)
+            mark_written(out_path)
     except BaseException:
         try:
             os.unlink(tmp)
