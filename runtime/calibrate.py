@@ -87,9 +87,10 @@ def mapped_copy(array: np.ndarray, folder: str) -> np.ndarray:
     """``array``'s bytes (uint8) read through a file's map, as ``ktc run`` reads a bundle: written
     to a file in ``folder``, its cached pages dropped and read afresh from its start (as a first run
     after reading the bundle finds them), then mapped read-only; the file is unlinked at once (the
-    map keeps it). Through the page cache's 4 KiB pages, a matrix read slower than from the
-    process's own memory on the Zen 5 machine (a whole model's decode 15-53% longer), which
-    probes in that memory did not see."""
+    map keeps it). A file's cached pages can read slower than the process's own memory, by where
+    the page cache put them (docs/runtime.md: 19.5-20.6 against 27-33 GB/s on one machine); on
+    the Zen 5 machine the two measured alike (matrix rates 52-64 GB/s either way, three
+    interleaved pairs)."""
     import mmap
     import tempfile
 
