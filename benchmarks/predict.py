@@ -50,22 +50,16 @@ def demo_bundle(workdir: str) -> str:
 
 
 def in_page_cache(path: str) -> None:
-    """The whole file in the page cache, read afresh from its start: the cost model predicts a
-    step whose weights are in RAM (a first use of an uncached page reads the disk: an embedding
-    row of a token not seen since the bundle was written took 0.5 ms here, an expert a few ms),
-    and the measurement should find the file's pages as a first run after reading it does. Its
-    cached pages (those no process maps) are dropped first: the rate of reading a file through a
-    map follows where the page cache put its pages (19.5-20.6 against 27-33 GB/s here, measured
-    in docs/runtime.md), which the calibration's probes, in the process's own memory, do not
-    see."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while os.read(fd, 64 << 20):
-            pass
-    finally:
-        os.close(fd)
+    """The whole file in the page cache, read afresh from its start (``read_afresh``): the cost
+    model predicts a step whose weights are in RAM (a first use of an uncached page reads the
+    disk: an embedding row of a token not seen since the bundle was written took 0.5 ms here, an
+    expert a few ms), and the measurement should find the file's pages as a first run after
+    reading it does, as the calibration's mapped probes find theirs: the rate of reading a file
+    through a map follows where the page cache put its pages (19.5-20.6 against 27-33 GB/s on one
+    machine, docs/runtime.md)."""
+    from ktc.runtime.calibrate import read_afresh
+
+    read_afresh(path)
 
 
 def measure(path: str, new: int, runs: int = 1, mapped: bool = True) -> tuple[float, float, float]:

@@ -172,14 +172,14 @@ def planned(scale: Scale, profile: np.ndarray, budget: float, plan_routes: np.nd
 
 
 def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str, window: int,
-            hw, plan_routes: np.ndarray | None = None) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+            hw, plan_routes: np.ndarray | None = None) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
     """Prints the static plan's and the cache's predicted tokens/s at each budget, the plan and
     the cache's priors from the routes' first ``profile_tokens`` tokens (as ``ktc profile`` would
     record them on other text), the rest replayed, beside the ``hindsight`` ceiling over windows
     of ``window`` tokens; with ``plan_routes`` (another trace of the same kind, as ``ktc profile
     --trace`` records one for ``ktc plan --trace``), also the planner's split (``planned``).
-    Returns the worst cache/static ratio and that case's ceiling's (with ``plan_routes``, also the
-    worst planned/static)."""
+    Returns the worst cache/static ratio, that case's ceiling's and the worst planned/static
+    (infinite without ``plan_routes``)."""
     head, run = routes[:profile_tokens], routes[profile_tokens:]
     profile = counts(head, scale)
     worst, its_ceiling, worst_planned = float("inf"), float("inf"), float("inf")
@@ -199,7 +199,7 @@ def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str, wi
               f"(hits {100 * s_hit:5.1f}%), cache {c_rate:7.1f} tok/s (hits {100 * c_hit:5.1f}%, "
               f"{moved / len(run) / 1e6:6.1f} MB uploaded a token): {c_rate / s_rate:.2f}x; hindsight "
               f"{ceiling:7.1f} tok/s ({ceiling / s_rate:.2f}x){split}")
-    return (worst, its_ceiling) if plan_routes is None else (worst, its_ceiling, worst_planned)
+    return worst, its_ceiling, worst_planned
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +484,8 @@ def main() -> int:
         scale = Scale(os.path.splitext(os.path.basename(args.trace))[0][:14], routes.shape[1], args.experts or int(routes.max()) + 1,
                       routes.shape[2], args.expert_bytes)
         # the first quarter (at most --profile-tokens) as the profile, the rest replayed
-        worst, ceiling = compare(scale, routes, min(args.profile_tokens, len(routes) // 4), "recorded", args.period, hw)
+        worst, ceiling, _ = compare(scale, routes, min(args.profile_tokens, len(routes) // 4), "recorded", args.period,
+                                    hw)
         print(f"recorded trace ({len(routes)} tokens): worst cache/static {worst:.2f}x (hindsight there "
               f"{ceiling:.2f}x)\n")
     if args.synthetic:
