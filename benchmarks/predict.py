@@ -84,6 +84,12 @@ def measure(path: str, new: int, runs: int = 1, mapped: bool = True) -> tuple[fl
     return sorted(got)[len(got) // 2]
 
 
+def sides(got: list[tuple[float, float, dict]]) -> str:
+    """Each round's errors of the prediction from the calibration before the measurement and from
+    the one after, alone: where they part, the machine changed under the round."""
+    return " ".join("/".join(f"{ms / (measured * 1e3) - 1:+.1%}" for ms in parts["sides"]) for _, measured, parts in got)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -132,7 +138,8 @@ def main() -> int:
                 cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in
                         zip(costs[0].items(), costs[1].values())}
                 rows[name].append((cost["ms_per_token"] / 1e3, seconds, {**cost, "measured_layers_ms": 1e3 * layers,
-                                                                         "measured_lm_head_ms": 1e3 * head}))
+                                                                         "measured_lm_head_ms": 1e3 * head,
+                                                                         "sides": [c["ms_per_token"] for c in costs]}))
             print(f"round {r + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s; last calibration: a layer "
                   f"{hw.cpu_layer_seconds * 1e6:.0f} us, a token {hw.cpu_token_seconds * 1e6:.0f} us "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
@@ -147,7 +154,8 @@ def main() -> int:
         layers = med["matrices_ms"] + med["experts_ms"] + med["kv_ms"] + med["layer_fixed_ms"]
         measured = statistics.median(m for _, m, _ in got) * 1e3
         print(f"{name:<20} predicted {statistics.median(p for p, _, _ in got) * 1e3:7.3f} ms/token, measured "
-              f"{measured:7.3f}: error {error * 100:+5.1f}% (rounds {' '.join(f'{e * 100:+.1f}' for e in errors)})")
+              f"{measured:7.3f}: error {error * 100:+5.1f}% (rounds {' '.join(f'{e * 100:+.1f}' for e in errors)}; "
+              f"the calibration before/after alone {sides(got)})")
         print(f"{'':<20} predicted/measured: layers {layers:.3f}/{med['measured_layers_ms']:.3f}, lm_head "
               f"{med['lm_head_ms']:.3f}/{med['measured_lm_head_ms']:.3f}, the rest {med['token_fixed_ms']:.3f}/"
               f"{measured - med['measured_layers_ms'] - med['measured_lm_head_ms']:.3f}")

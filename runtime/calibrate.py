@@ -45,10 +45,18 @@ MATRIX_COLS = 4096
 # and 11-13% fast (7168 was not among the lengths then).
 MATRIX_ROW_LENGTHS = (1024, 2048, 4096, 7168)
 # Matrix calls (rows, columns): as many bytes as Qwen3-30B-A3B's attention projections (the
-# fixed part of a call, fitted with the rate at MATRIX_COLS columns), and WORKING_SET bytes
-# (lm_head's size) in rows of each of MATRIX_ROW_LENGTHS.
+# fixed part of a call, fitted with the rate at MATRIX_COLS columns), and CALL_BYTES (lm_head's
+# size) in rows of each of MATRIX_ROW_LENGTHS.
 MATRIX_CALLS = ((2048, MATRIX_COLS), *((None, cols) for cols in MATRIX_ROW_LENGTHS))
-WORKING_SET = 128 * 1024 * 1024  # bytes a measurement cycles over at least: four times a 32 MiB L3
+CALL_BYTES = 128 * 1024 * 1024  # the bytes of a large matrix call (lm_head's size)
+# Bytes a measurement cycles over at least: four large calls, sixteen times a 32 MiB L3. A cache
+# keeps part of what it was read through even when that is a few times its size: on the Zen 5
+# machine (32 MiB L3) q8_0 rows of 2048 read 55.3 GB/s in calls that re-read one 128 MiB, 52.9
+# cycling over two, 51.4-51.8 over four to eight, and 49.4-50.4 through a 330 MB lm_head (a
+# bundle's, and a probe of its size; medians of 7 interleaved rounds): with one 128 MiB call
+# cycled over, lm_head came out 5-20% faster than measured in every case of
+# benchmarks/predict.py.
+WORKING_SET = 4 * CALL_BYTES
 _HALF_SCALE = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
 
 
@@ -74,7 +82,8 @@ def probe_bytes() -> int:
     """Bytes a measurement cycles over: ``WORKING_SET``, or twice the last-level cache where that
     is larger, so that every call reads from memory as a decode step's weights do. With 128 MiB
     on a CPU whose L3 holds 480 MiB, matrices read 13-18% faster than from memory (q8_0 33-34
-    against 28-29 GB/s), and `lm_head` took 12-27% longer than predicted in every case."""
+    against 28-29 GB/s), and `lm_head` took 12-27% longer than predicted in every case; with
+    one 128 MiB on a 32 MiB L3, 10% faster (``WORKING_SET``'s note)."""
     wanted = max(WORKING_SET, 2 * last_level_cache_bytes())
     try:  # a few schemes' probes are held at once (``scheme_bandwidths``): a sixteenth of free RAM each at most
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -207,7 +216,7 @@ class _ExpertsProbe:
 
 class _MatrixProbe:
     """A matrix of ``cols`` columns in ``scheme``, larger than the cache; ``run()`` multiplies
-    ``rows`` of it (the next ones each call; by default as many as ``WORKING_SET`` bytes hold) by
+    ``rows`` of it (the next ones each call; by default as many as ``CALL_BYTES`` hold) by
     one vector (a projection, or ``lm_head``, in a decode step). ``shared``: the bytes of another
     probe of the scheme (``scheme_rows`` at ``MATRIX_COLS``) to read as this one's rows, instead
     of its own: a scheme's probes then hold one working set, not one each (twice a 480 MiB L3)."""
@@ -228,8 +237,8 @@ class _MatrixProbe:
         plain = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}.get(scheme)
         if plain is not None:  # the plain schemes' kernels take their own dtype
             raw = raw.view(plain)
-        if rows is None:  # lm_head's size: ``WORKING_SET`` bytes a call (the next ones of the whole)
-            rows = max(1, min(raw.shape[0], min(WORKING_SET, working_set) // row_bytes))
+        if rows is None:  # lm_head's size: ``CALL_BYTES`` a call (the next ones of the whole)
+            rows = max(1, min(raw.shape[0], min(CALL_BYTES, working_set // 4) // row_bytes))
         self.parts = [raw[at:at + rows] for at in range(0, raw.shape[0] - rows + 1, rows)]
         self.scales = [kernels.int8_row_scales(part, cols) if scheme == "int8" else None
                        for part in self.parts]
