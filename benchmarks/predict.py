@@ -1,19 +1,22 @@
 """Predicted against measured decode time per token of CPU-only bundles, with a calibrated profile.
 
-In each round, for every case: calibrate (``ktc doctor --calibrate``'s measurements: ktc's
-kernels' bytes/s at the schemes the case uses, the fixed costs of a layer's and a token's step
-from probe models of their own shape), measure the decode time per token as ``ktc run`` does
-(greedy decode after a warm-up, the model loaded in this process; the median of ``--runs``
-decodes one after another: a decode lasts about a second, and on this shared machine one in
-several was slowed by half for a second while the calibrations around it, each a few seconds of
-medians, were not), calibrate again, and predict
-it with the CPU cost model (``passes/decode_cost.py``) as the mean of the two calibrations'
-predictions: the machine's bandwidth drifts within seconds here, and the two calibrations
-bracket the measurement. Printed per case: the medians over rounds of
-predicted and measured ms per token, the median of the per-round errors (predicted/measured -
-1) and each round's, and the prediction's parts. The read bandwidth drifts within minutes here,
-so a profile calibrated in one minute predicts the next minute's run; a calibration an hour old
-carries the drift between the two.
+For every case, its bundle read afresh into the page cache and loaded as ``ktc run`` loads it
+(a warm-up run first), then rounds of: calibrate (``ktc doctor --calibrate``'s measurements:
+ktc's kernels' bytes/s at the schemes the case uses, the fixed costs of a layer's and a token's
+step from probe models of their own shape), measure the decode time per token as ``ktc run``
+does (greedy; the median of ``--runs`` decodes one after another: a decode lasts about a second,
+and on this shared machine one in several was slowed by half for a second while the calibrations
+around it, each a few seconds of medians, were not), calibrate again, and predict it with the
+CPU cost model (``passes/decode_cost.py``) as the mean of the two calibrations' predictions. The
+machine's bandwidth drifts within seconds here, and the two calibrations bracket the
+measurement: the kernels' probes (hundreds of MiB a scheme, written and read afresh) are made
+once a case and measured again in each calibration, so that a calibration takes a second or two,
+not the several seconds making them took, and the bracket is that much tighter. Printed per case:
+the medians over rounds of predicted and measured ms per token, the median of the per-round
+errors (predicted/measured - 1), each round's, and each round's error from either calibration
+alone (where those part, the machine changed under the round), and the prediction's parts. The
+read bandwidth drifts within minutes here, so a profile calibrated in one minute predicts the
+next minute's run; a calibration an hour old carries the drift between the two.
 
 Cases: the demo model (trained, every expert on the CPU at int8) and, where
 ``benchmarks/vs_llamacpp.py`` has built them in ``--workdir``, the one-layer models at
@@ -31,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 CASES = ("demo", "qwen3-Q8_0-pure", "qwen3-Q4_0-pure", "qwen3-MXFP4_MOE", "qwen3-Q4_K_M", "qwen3-4l-Q4_0-pure",
          "qwen3-4l-Q4_K_M", "mixtral-Q8_0-pure", "mixtral-Q4_0-pure", "mixtral-MXFP4_MOE", "mixtral-Q4_K_M")
@@ -62,25 +66,33 @@ def in_page_cache(path: str) -> None:
     read_afresh(path)
 
 
-def measure(path: str, new: int, runs: int = 1, mapped: bool = True) -> tuple[float, float, float]:
-    """Seconds a decode step, as ``ktc run`` measures it (after a short warm-up run, the bundle
-    in the page cache), and of that its layers' and its lm_head's (ktc's decode step times them):
-    those of the median of ``runs`` decodes, one after another. ``mapped=False``: the bundle read
-    into memory, as ``ktc run --no-mmap`` reads it."""
+def loaded(path: str, mapped: bool = True) -> Any:
+    """The bundle at ``path`` read afresh into the page cache (``in_page_cache``) and loaded as
+    ``ktc run`` loads it (``mapped=False``: read into memory, as ``ktc run --no-mmap`` reads it),
+    after a short warm-up run: a context manager."""
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
 
     in_page_cache(path)
+    km = from_bundle(path, mapped=mapped)
+    generate(km, PROMPT[:4], max_new_tokens=4, sampling=Sampling(temperature=0), stop_at_eos=False)
+    return km
+
+
+def measure(km: Any, new: int, runs: int = 1) -> tuple[float, float, float]:
+    """Seconds a decode step of the loaded model ``km``, as ``ktc run`` measures it, and of that
+    its layers' and its lm_head's (ktc's decode step times them): those of the median of ``runs``
+    decodes, one after another."""
+    from ktc.runtime.generate import Sampling, generate
+
     got = []
-    with from_bundle(path, mapped=mapped) as km:
-        generate(km, PROMPT[:4], max_new_tokens=4, sampling=Sampling(temperature=0), stop_at_eos=False)
-        for _ in range(runs):
-            km.fast.seconds[:] = 0
-            km.fast.steps = 0
-            result = generate(km, PROMPT, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False)
-            parts = km.fast.seconds / km.fast.steps
-            got.append((result.decode_seconds / (len(result.generated_tokens) - 1), float(parts[:-1].sum()),
-                        float(parts[-1])))
+    for _ in range(runs):
+        km.fast.seconds[:] = 0
+        km.fast.steps = 0
+        result = generate(km, PROMPT, max_new_tokens=new, sampling=Sampling(temperature=0), stop_at_eos=False)
+        parts = km.fast.seconds / km.fast.steps
+        got.append((result.decode_seconds / (len(result.generated_tokens) - 1), float(parts[:-1].sum()),
+                    float(parts[-1])))
     return sorted(got)[len(got) // 2]
 
 
@@ -123,25 +135,30 @@ def main() -> int:
     rows: dict[str, list[tuple[float, float, dict]]] = {name: [] for name in cases}
     with tempfile.TemporaryDirectory(prefix="ktc-predict-") as tmp:
         probes = probe_bundles(tmp)
-        for r in range(args.rounds):
+        for name, path in cases.items():
             started = time.perf_counter()
-            bandwidth = read_bandwidth()
-            for name, path in cases.items():
-                costs = []
-                for side in ("before", "after"):  # a calibration on each side of the measurement
-                    hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidth),
-                                   schemes=schemes[name], rounds=3, bundles=probes, mapped=not args.no_mmap)
-                    with open_bundle(path) as bundle:
-                        costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
-                    if side == "before":
-                        seconds, layers, head = measure(path, args.new, args.runs, mapped=not args.no_mmap)
-                cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in
-                        zip(costs[0].items(), costs[1].values())}
-                rows[name].append((cost["ms_per_token"] / 1e3, seconds, {**cost, "measured_layers_ms": 1e3 * layers,
-                                                                         "measured_lm_head_ms": 1e3 * head,
-                                                                         "sides": [c["ms_per_token"] for c in costs]}))
-            print(f"round {r + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s; last calibration: a layer "
-                  f"{hw.cpu_layer_seconds * 1e6:.0f} us, a token {hw.cpu_token_seconds * 1e6:.0f} us "
+            kept: dict = {}  # the case's kernel probes, made by its first calibration
+            bandwidths = []
+            with loaded(path, mapped=not args.no_mmap) as km:
+                for r in range(args.rounds):
+                    bandwidths.append(read_bandwidth())
+                    costs = []
+                    for side in ("before", "after"):  # a calibration on each side of the measurement
+                        hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidths[-1]),
+                                       schemes=schemes[name], rounds=3, bundles=probes, mapped=not args.no_mmap,
+                                       kept=kept)
+                        with open_bundle(path) as bundle:
+                            costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
+                        if side == "before":
+                            seconds, layers, head = measure(km, args.new, args.runs)
+                    cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in
+                            zip(costs[0].items(), costs[1].values())}
+                    rows[name].append((cost["ms_per_token"] / 1e3, seconds,
+                                       {**cost, "measured_layers_ms": 1e3 * layers, "measured_lm_head_ms": 1e3 * head,
+                                        "sides": [c["ms_per_token"] for c in costs]}))
+            del kept
+            print(f"{name}: read bandwidth {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s; last "
+                  f"calibration: a layer {hw.cpu_layer_seconds * 1e6:.0f} us, a token {hw.cpu_token_seconds * 1e6:.0f} us "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"\nmedians over {args.rounds} rounds, calibrated before and after each measurement"
           f"{' (ktc run --no-mmap)' if args.no_mmap else ''}:")

@@ -275,7 +275,7 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
                       working_set: int | None = None, shapes: tuple[tuple[int, int, int], ...] = EXPERT_SHAPES,
                       matrix_calls: tuple[tuple[int | None, int], ...] = MATRIX_CALLS,
                       progress: Callable[[str], None] | None = None,
-                      mapped: str | None = None) -> dict[str, dict[str, float]]:
+                      mapped: str | None = None, kept: dict[Any, Any] | None = None) -> dict[str, dict[str, float]]:
     """``{"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
     {scheme: bytes}, and the same three of "matrix"}``: what the one-token kernels reach on this
     machine (see the module's docstring) through the fused experts call (fitted over calls at
@@ -285,7 +285,10 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
     (where the fixed part was measured).
     Schemes whose experts the fused call cannot take on this CPU are measured as a matrix only.
     ``mapped``: a folder where the weights are read through a file's map (``mapped_copy``), as
-    ``ktc run`` reads a bundle; None: from the process's own memory (``ktc run --no-mmap``)."""
+    ``ktc run`` reads a bundle; None: from the process's own memory (``ktc run --no-mmap``).
+    ``kept``: probes made by an earlier call with the same arguments, by key, measured again
+    instead of made again (making them, hundreds of MiB a scheme written and read afresh, takes
+    most of a call); those made here are added to it (its holder keeps their memory)."""
     names = tuple(cpu_schemes() if schemes is None else schemes)
     working_set = working_set or probe_bytes()
     result: dict[str, dict[str, float]] = {f"{path}{part}": {} for path in ("experts", "matrix")
@@ -300,7 +303,8 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         for n in group:  # the call that cycles over the most bytes first: the others read its file
             shared = None
             for i in sorted(range(len(shapes)), key=lambda i: -_ExpertsProbe.bytes_needed(n, shapes[i], working_set)):
-                probes[n, i] = _ExpertsProbe(n, shapes[i], working_set, shared, mapped)
+                probes[n, i] = _kept(kept, ("experts", n, i),
+                                     lambda: _ExpertsProbe(n, shapes[i], working_set, shared, mapped))
                 shared = probes[n, i].file if shared is None else shared
         seconds = _median_seconds(probes, rounds, calls)
         for n in group:
@@ -315,7 +319,8 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
         for n in group:
             shared = None
             for i, (call_rows, cols) in enumerate(matrix_calls):
-                probes[n, i] = _MatrixProbe(n, working_set, call_rows, cols, shared, mapped)
+                probes[n, i] = _kept(kept, ("matrix", n, i),
+                                     lambda: _MatrixProbe(n, working_set, call_rows, cols, shared, mapped))
                 if cols == MATRIX_COLS and shared is None:
                     shared = probes[n, i].raw
         seconds = _median_seconds(probes, rounds, calls)
@@ -324,6 +329,16 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
                                      for i, (_, cols) in enumerate(matrix_calls)])
         del probes
     return result
+
+
+def _kept(kept: dict[Any, Any] | None, key: Any, make: Callable[[], Any]) -> Any:
+    """``kept[key]``, made by ``make`` and put there first where it is not there (``make()`` alone
+    without ``kept``)."""
+    if kept is None:
+        return make()
+    if key not in kept:
+        kept[key] = make()
+    return kept[key]
 
 
 def _fit(result: dict[str, dict[str, float]], path: str, name: str, b0: float, t0: float, b1: float,

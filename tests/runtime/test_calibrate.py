@@ -35,6 +35,31 @@ def test_weights_read_through_a_map_as_a_bundle_is(tmp_path):
     assert set(got["matrix"]) == {"int8", "q4_0"}
 
 
+def test_kept_probes_are_measured_again_not_made_again(monkeypatch):
+    """A second calibration with the first one's probes kept measures the same probe objects
+    (benchmarks/predict.py brackets a decode with calibrations seconds apart)."""
+    made = []
+    for cls in (calibrate._ExpertsProbe, calibrate._MatrixProbe):
+        monkeypatch.setattr(cls, "__init__", _counting(cls.__init__, made))
+    kept: dict = {}
+    args = dict(rounds=1, calls=1, working_set=1 << 20, shapes=((2, 256, 128), (2, 512, 256)),
+                matrix_calls=((64, 4096), (None, 1024), (None, 4096)), kept=kept)
+    first = calibrate.scheme_bandwidths(("int8", "q4_0"), **args)
+    assert len(made) == len(kept) == 2 * (2 + 3)  # two schemes' expert and matrix probes
+    objects = dict(kept)
+    second = calibrate.scheme_bandwidths(("int8", "q4_0"), **args)
+    assert len(made) == 10 and all(kept[key] is probe for key, probe in objects.items())
+    assert set(second) == set(first) and all(v > 0 for v in second["matrix"].values())
+
+
+def _counting(init, made):  # type: ignore[no-untyped-def]
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    return counted
+
+
 def test_rates_are_measured_for_both_paths():
     got = calibrate.scheme_bandwidths(("int8", "q4_0", "f32"), rounds=1, calls=1, working_set=1 << 20,
                                       shapes=((2, 256, 128), (2, 512, 256)),
