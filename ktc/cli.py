@@ -1170,6 +1170,13 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, no_mmap: b
         report["hardware_profile"] = {**profile.to_json(), "source": "ktc doctor --calibrate"}
         if "vram_bytes" not in written:
             del report["hardware_profile"]["vram_bytes"]
+        from ktc.runtime.doctor import read_bandwidth, unsteady_warning
+
+        after = read_bandwidth(256 * 1024 * 1024, repeat=3)  # as diagnose() measured it before
+        report["read_bandwidth_after_calibration_gbps"] = after / 1e9
+        warning = unsteady_warning(report["read_bandwidth_gbps"] * 1e9, after)
+        if warning:
+            report["warnings"].append(warning)
     if disk_folder is not None:
         from ktc.runtime.doctor import disk_read_bandwidth
 
@@ -1189,7 +1196,9 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, no_mmap: b
     click.echo(f"{'ram':<14}{report['ram_bytes'] / 2**30:.1f} GiB")
     click.echo(f"{'cuda':<14}" + (", ".join(f"{d['name']} {d['memory_bytes'] / 2**30:.0f} GiB" for d in report["cuda"])
                                   or "no CUDA device"))
-    click.echo(f"{'bandwidth':<14}{report['read_bandwidth_gbps']:.1f} GB/s read, measured")
+    after = report.get("read_bandwidth_after_calibration_gbps")
+    click.echo(f"{'bandwidth':<14}{report['read_bandwidth_gbps']:.1f} GB/s read, measured"
+               + (f"; {after:.1f} after the calibration" if after is not None else ""))
     if disk_folder is not None:
         click.echo(f"{'disk':<14}{report['disk_read_gbps']:.2f} GB/s read under {disk_folder}, measured "
                    "(the disk tier's rate in the profile)")

@@ -141,6 +141,25 @@ def _cpu_only_torch() -> bool:
     return torch.version.cuda is None or "+cpu" in torch.__version__
 
 
+# How far the read bandwidth may move between the start and the end of a calibration before
+# ``ktc doctor --calibrate`` says so. On the Zen 5 machine it switched between about 48 and 83
+# GB/s within seconds to minutes, and a layer's fixed cost between 19 and 37-40 us with it: a
+# profile calibrated in one phase predicted the other phase's decode 30-80% off
+# (benchmarks/predict.py, each round's error from either calibration alone).
+UNSTEADY = 0.15
+
+
+def unsteady_warning(before: float, after: float) -> str | None:
+    """The warning for a read bandwidth of ``before`` bytes/s at a calibration's start and
+    ``after`` at its end, where they differ by more than ``UNSTEADY``; None otherwise."""
+    if before <= 0 or after <= 0 or abs(after / before - 1) <= UNSTEADY:
+        return None
+    return (f"the read bandwidth moved from {before / 1e9:.1f} to {after / 1e9:.1f} GB/s while the kernels were "
+            "measured: the machine's speed changed under the calibration (other work, or the host's own phases), "
+            "and the profile holds medians across both; calibrate again when the machine is quiet, and compare two "
+            "runs before trusting a prediction within 10%")
+
+
 def disk_read_bandwidth(folder: str, nbytes: int = 256 * 1024 * 1024, chunk: int = 4 * 1024 * 1024) -> float:
     """The read bandwidth (bytes/s) of the disk under ``folder``: a file of ``nbytes`` written
     there, synced, dropped from the page cache (``posix_fadvise(DONTNEED)``, which drops clean

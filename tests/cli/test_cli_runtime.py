@@ -66,6 +66,28 @@ def test_doctor_calibrate_writes_what_the_cpu_cost_model_reads(tmp_path, demo_mo
     assert plan(demo_model, hardware=str(profile), vram="16MiB", reserve=0).hardware.cpu_scheme_bandwidth
 
 
+@pytest.mark.parametrize("after, warned", [(30e9, False), (34e9, False), (40e9, True), (20e9, True)])
+def test_doctor_calibrate_warns_when_the_bandwidth_moves_under_it(monkeypatch, after, warned):
+    """The read bandwidth measured again after the calibration; a move of more than 15% from
+    the one before it is warned of (the calibration itself stands in here: the real one takes a
+    minute)."""
+    import dataclasses
+
+    import ktc.calibrate
+    import ktc.runtime.doctor as doctor
+
+    rates = iter([30e9, after])
+    monkeypatch.setattr(doctor, "read_bandwidth", lambda *args, **kwargs: next(rates))
+    monkeypatch.setattr(ktc.calibrate, "calibrate", lambda base, **kwargs: dataclasses.replace(
+        base, cpu_scheme_bandwidth={"experts": {"int8": 1e10}, "matrix": {"int8": 1e10}}))
+    result = CliRunner().invoke(main, ["doctor", "--calibrate", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["read_bandwidth_gbps"] == 30 and report["read_bandwidth_after_calibration_gbps"] == after / 1e9
+    assert any("moved from 30.0 to" in w for w in report["warnings"]) == warned
+    assert doctor.unsteady_warning(0, after) is None
+
+
 def test_doctor_disk_measures_the_disk_tier_rate_and_plan_uses_it(tmp_path, demo_model, monkeypatch):
     """ktc doctor --disk DIR writes the disk's read bandwidth into the profile; ktc plan with it
     and a short --ram keeps the least used experts on disk and says so."""
