@@ -144,7 +144,7 @@ def _cpu_only_torch() -> bool:
 # How far the read bandwidth may move between the start and the end of a calibration before
 # ``ktc doctor --calibrate`` says so. On the Zen 5 machine it switched between about 48 and 83
 # GB/s within seconds to minutes, and a layer's fixed cost between 19 and 37-40 us with it: a
-# profile calibrated in one phase predicted the other phase's decode 30-80% off
+# profile calibrated in one phase predicted the other phase's decode up to 78% off
 # (benchmarks/predict.py, each round's error from either calibration alone).
 UNSTEADY = 0.15
 
