@@ -139,7 +139,7 @@ def main() -> int:
             started = time.perf_counter()
             kept: dict = {}  # the case's kernel probes, made by its first calibration
             bandwidths = []
-            with loaded(path, mapped=not args.no_mmap) as km:
+            with loaded(path, mapped=not args.no_mmap) as km, open_bundle(path) as bundle:
                 for r in range(args.rounds):
                     bandwidths.append(read_bandwidth())
                     costs = []
@@ -147,8 +147,7 @@ def main() -> int:
                         hw = calibrate(HardwareProfile(vram_bytes=0, ram_bytes=1, cpu_bandwidth=bandwidths[-1]),
                                        schemes=schemes[name], rounds=3, bundles=probes, mapped=not args.no_mmap,
                                        kept=kept)
-                        with open_bundle(path) as bundle:
-                            costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
+                        costs.append(bundle_decode_cost(bundle, hw, context=len(PROMPT) + args.new // 2).to_json())
                         if side == "before":
                             seconds, layers, head = measure(km, args.new, args.runs)
                     cost = {k: (a + b) / 2 if isinstance(a, float) else a for (k, a), b in

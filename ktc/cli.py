@@ -1170,9 +1170,9 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, no_mmap: b
         report["hardware_profile"] = {**profile.to_json(), "source": "ktc doctor --calibrate"}
         if "vram_bytes" not in written:
             del report["hardware_profile"]["vram_bytes"]
-        from ktc.runtime.doctor import read_bandwidth, unsteady_warning
+        from ktc.runtime.doctor import doctor_bandwidth, unsteady_warning
 
-        after = read_bandwidth(256 * 1024 * 1024, repeat=3)  # as diagnose() measured it before
+        after = doctor_bandwidth()
         report["read_bandwidth_after_calibration_gbps"] = after / 1e9
         warning = unsteady_warning(report["read_bandwidth_gbps"] * 1e9, after)
         if warning:

@@ -34,6 +34,12 @@ def _ram() -> int:
         return 0
 
 
+def doctor_bandwidth() -> float:
+    """The read bandwidth (bytes/s) as ``ktc doctor`` measures it: before, and with
+    ``--calibrate`` again after, the calibration."""
+    return read_bandwidth(256 * 1024 * 1024, repeat=3)
+
+
 def diagnose() -> dict[str, Any]:
     from importlib import metadata
 
@@ -54,7 +60,7 @@ def diagnose() -> dict[str, Any]:
                 for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     except ImportError:
         torch_version, cuda = "not installed", []
-    bandwidth = read_bandwidth(256 * 1024 * 1024, repeat=3)
+    bandwidth = doctor_bandwidth()
     cpu = _cpu()
     try:
         layer = numba.threading_layer()
