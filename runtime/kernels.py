@@ -503,10 +503,24 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
                          activation: str = "silu", gate_up_bias: np.ndarray | None = None,
                          down_bias: np.ndarray | None = None, limit: float | None = None,
                          alpha: float | None = None) -> np.ndarray:
-    """Tokens ``x`` [T, hidden] routed to one expert, each product through ``linear``."""
+    """Tokens ``x`` [T, hidden] routed to one expert, each product through ``linear``; where both
+    products go to ``lanes.matmul``, gate/up's by row, its activation quantized for down 16 tokens
+    at a time (``lanes.activated``)."""
     x = np.asarray(x, dtype=np.float32)
     inter = gate_up.shape[0] // 2
     scheme, down_scheme = (s.name for s in expert_schemes(scheme))
+    n = x.shape[0]
+    if (activation in ("silu", "swiglu_clamped") and _by_lanes(gate_up, scheme, n, x.shape[1])
+            and _by_lanes(down, down_scheme, n, inter)):
+        h_rows = lanes.matmul(x, gate_up, scheme, by_row=True,  # this call's alone: in ``lanes.scratch``
+                              out=lanes.scratch("h_rows", gate_up.shape[0] * (-(-n // 16) * 16), np.float32).reshape(
+                                  gate_up.shape[0], -1))
+        quantized = lanes.activated(h_rows, n, inter, down_scheme, activation == "swiglu_clamped",
+                                    7.0 if limit is None else limit, 1.702 if alpha is None else alpha, gate_up_bias)
+        y = lanes.product(quantized, n, inter, down, down_scheme)
+        if down_bias is not None:
+            y += down_bias
+        return y
     h = linear(x, gate_up, scheme)
     if gate_up_bias is not None:
         h += gate_up_bias
@@ -515,6 +529,13 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
     if down_bias is not None:
         y += down_bias
     return y
+
+
+def _by_lanes(raw: np.ndarray, scheme: str, n: int, cols: int) -> bool:
+    """Whether ``linear`` sends n tokens times ``raw`` to ``lanes.matmul`` (``in_place``)."""
+    return (cpu_kernels(scheme).in_place is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous
+            and lanes.fits(scheme, cols) and n >= LANES_MIN_TOKENS[scheme]
+            and not (n >= AMX_MIN_TOKENS[scheme] and amx.fits(scheme, cols)))
 
 
 def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:

@@ -23,6 +23,8 @@ Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and t
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
@@ -32,6 +34,8 @@ from ktc.formats.float_bits import bf16_value
 from ktc.formats.kernel_args import read_only, writable
 
 from . import vnni
+
+_SCRATCH = threading.local()  # ``scratch``'s arrays, per thread
 
 LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
 # Rows x groups of 16 tokens a call of the tile. Measured at Mixtral's 14336 x 4096 with 64
@@ -230,13 +234,13 @@ def _int4_codes_intrinsic(group: int):  # type: ignore[no-untyped-def]
 
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # type: ignore[no-untyped-def]
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
-    dstride, out, obase, ostride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r at
+    dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r at
     w[wbase + r * cols]; its blocks' scales, and with ``minimums`` their minimums, at sc/mn[pbase
     + r * blocks * halves], ``halves`` a block) times ``groups`` groups of 16 tokens (group m's
     int8 activations at act[abase + m * astride] as ``activations`` lays them out; their scales,
     minus the codes' offset times their sums and their scales times their sums at
     dx/shift/dsum[dbase + m * dstride]). Row r's 16 sums for group m are stored at out[obase +
-    m * ostride + 16 r]. Each block also prefetches two cache lines at ahead[aat + 128 b]."""
+    m * ostride + r * rstride]. Each block also prefetches two cache lines at ahead[aat + 128 b]."""
     from llvmlite import ir
 
     rows = TILE_ROWS
@@ -246,12 +250,13 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
 
     @intrinsic
     def tile(typingctx, w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
-             out, obase, ostride, ahead, aat):  # type: ignore[no-untyped-def]
+             out, obase, ostride, rstride, ahead, aat):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             w_a, sc_a, mn_a, act_a, dx_a, shift_a, dsum_a, out_a, ahead_a = vnni._arrays(
-                context, builder, signature, args, (0, 3, 4, 7, 10, 11, 12, 15, 18))
+                context, builder, signature, args, (0, 3, 4, 7, 10, 11, 12, 15, 19))
             (wbase_v, cols_v, pbase_v, blocks_v, abase_v, astride_v, dbase_v, dstride_v, obase_v, ostride_v,
-             aat_v) = vnni._indices(context, builder, signature, args, (1, 2, 5, 6, 8, 9, 13, 14, 16, 17, 19))
+             rstride_v, aat_v) = vnni._indices(context, builder, signature, args,
+                                               (1, 2, 5, 6, 8, 9, 13, 14, 16, 17, 18, 20))
             index_t = wbase_v.type
             load = _loader(builder)
 
@@ -314,15 +319,83 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
                             builder.store(total, accs[r][m])
             for r in range(rows):
                 for m in range(groups):
-                    at = builder.add(vnni._nth(builder, obase_v, ostride_v, m), const(16 * r))
+                    at = builder.add(vnni._nth(builder, obase_v, ostride_v, m), vnni._nth(builder, const(0), rstride_v, r))
                     builder.store(builder.load(accs[r][m]), builder.bitcast(builder.gep(out_a.data, [at]),
                                                                             floats.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return (types.void(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
-                           out, obase, ostride, ahead, aat), codegen)
+                           out, obase, ostride, rstride, ahead, aat), codegen)
 
     return tile
+
+
+def _transpose_stages() -> list[list[tuple[int, int, list[int]]]]:
+    """The four stages of a 16 x 16 transpose in two-source shuffles, as ``shufflevector``
+    operands: per stage and output vector, its two inputs' numbers and the mask (lane k takes
+    element mask[k] of the two inputs' 32). The stages are AVX-512's usual sequence (interleave
+    32-bit pairs, then 64-bit pairs within 128-bit lanes, then two rounds of 128-bit lane
+    shuffles), derived here by following each element, so that LLVM picks the instructions."""
+    vectors = [[(i, j) for j in range(16)] for i in range(16)]
+
+    def interleave(a, b, high, unit):  # unpack{lo,hi}_ps (unit 1) or _pd (unit 2) within 128-bit lanes
+        out = []
+        for lane in range(4):
+            first = 4 * lane + (2 if high else 0)
+            out += ([a[first], b[first], a[first + 1], b[first + 1]] if unit == 1
+                    else [a[first], a[first + 1], b[first], b[first + 1]])
+        return out
+
+    def lanes(a, b, odd):  # shuffle_f32x4 with 0x88 (odd False) or 0xdd: a's lanes 0, 2 (1, 3), then b's
+        pick = (1, 3) if odd else (0, 2)
+        return [v for src in (a, b) for k in pick for v in src[4 * k:4 * k + 4]]
+
+    plans = [
+        [(2 * (o // 2), 2 * (o // 2) + 1, lambda a, b, o=o: interleave(a, b, o % 2 == 1, 1)) for o in range(16)],
+        [(4 * (o // 4) + (o % 4) // 2, 4 * (o // 4) + (o % 4) // 2 + 2, lambda a, b, o=o: interleave(a, b, o % 2 == 1, 2))
+         for o in range(16)],
+        [(8 * (o // 8) + o % 4, 8 * (o // 8) + o % 4 + 4, lambda a, b, o=o: lanes(a, b, (o % 8) >= 4)) for o in range(16)],
+        [(o % 8, o % 8 + 8, lambda a, b, o=o: lanes(a, b, o >= 8)) for o in range(16)],
+    ]
+    stages = []
+    for plan in plans:
+        stage, produced = [], []
+        for first, second, make in plan:
+            a, b = vectors[first], vectors[second]
+            out = make(a, b)
+            stage.append((first, second, [a.index(e) if e in a else 16 + b.index(e) for e in out]))
+            produced.append(out)
+        stages.append(stage)
+        vectors = produced
+    assert all(vectors[j] == [(i, j) for i in range(16)] for j in range(16))
+    return stages
+
+
+@intrinsic
+def _transpose16(typingctx, sums, sbase, out, obase, ostride):  # type: ignore[no-untyped-def]
+    """``_transpose16(sums, sbase, out, obase, ostride)``: the 16 x 16 floats at sums[sbase:] (16
+    rows' sums for 16 tokens, a row's after another's) to out[obase + t * ostride:][:16] for token
+    t (its 16 rows' sums), through registers. Element by element, the transposition took 3 of a
+    256-token q4_0 product's 25 ms at Mixtral's 14336 x 4096 (two threads)."""
+    from llvmlite import ir
+
+    floats = ir.VectorType(ir.FloatType(), 16)
+    stages = _transpose_stages()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        sums_a, out_a = vnni._arrays(context, builder, signature, args, (0, 2))
+        sbase_v, obase_v, ostride_v = vnni._indices(context, builder, signature, args, (1, 3, 4))
+        load = _loader(builder)
+        vectors = [load(sums_a, builder.add(sbase_v, ir.Constant(sbase_v.type, 16 * r)), floats, 4) for r in range(16)]
+        for stage in stages:
+            vectors = [builder.shuffle_vector(vectors[a], vectors[b], ir.Constant(ir.VectorType(ir.IntType(32), 16),
+                                                                                   mask))
+                       for a, b, mask in stage]
+        for t in range(16):
+            _store(builder, vectors[t], out_a, vnni._nth(builder, obase_v, ostride_v, t))
+        return context.get_dummy_value()
+
+    return types.void(sums, sbase, out, obase, ostride), codegen
 
 
 _unpack_q8_0, _unpack_q4_0, _unpack_mxfp4, _unpack_iq4_nl = (_unpack_intrinsic(kind) for kind in range(1, 5))
@@ -333,26 +406,54 @@ _tile_pair_minimums, _tile_one_minimums = _tile_intrinsic(TILE_GROUPS, minimums=
 _tile_pair_halves, _tile_one_halves = _tile_intrinsic(TILE_GROUPS, halves=2), _tile_intrinsic(1, halves=2)
 
 
+def scratch(key: str, size: int, dtype: type) -> np.ndarray:
+    """A 64-byte-aligned array of ``size`` values of ``dtype`` that this thread keeps for the
+    next call asking for ``key`` (its contents: whatever the last user left). The batched products'
+    working arrays (the quantized activations, gate/up's products by row) are tens of MB at a
+    few hundred tokens; allocated afresh each call, glibc's malloc handed back new pages about half
+    the time (trimmed or mapped), and the first touch of each page cost 6-8 of a 256-token q4_0
+    expert's 70 ms at Mixtral's shape (2700-2800 page faults a call)."""
+    held = _SCRATCH.__dict__.setdefault("arrays", {})
+    array = held.get(key)
+    if array is None or array.size < size or array.dtype != dtype:
+        array = held[key] = vnni.zeros64(max(size, 1), dtype)
+    return array[:size]
+
+
+def quantized(x: np.ndarray, scheme: str) -> tuple[np.ndarray, ...]:
+    """Tokens x [n, cols] quantized for a matrix of ``scheme`` (``_activations``), in this
+    thread's ``scratch`` arrays: valid until the next call."""
+    n, cols = x.shape
+    kind = KINDS[scheme]
+    halves = 2 if kind == _HALVES else 1
+    groups, blocks = (n + LANE_TOKENS - 1) // LANE_TOKENS, cols // 32
+    act, scales, shift, dsum = _layout(groups * blocks, halves)
+    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, scratch("xq", n * cols, np.int8),
+                 scratch("dx", n * blocks, np.float32), scratch("sums", n * blocks, np.float32), act, scales, shift,
+                 dsum)
+    return act.view(np.int8), scales, shift, dsum
+
+
+def _layout(items: int, halves: int) -> tuple[np.ndarray, ...]:
+    """The scratch arrays of ``items`` groups of 16 tokens by 32 values for the tiles: their codes
+    (int32 words), scales, shifts and scaled sums."""
+    return (scratch("act", items * 128, np.int32), scratch("scales", items * 16, np.float32),
+            scratch("shift", items * halves * 16, np.int32), scratch("dsum", items * 16, np.float32))
+
+
 @njit(cache=True, nogil=True)
-def activations(x, n, cols, offset, halves):  # pragma: no cover - compiled
-    """The n tokens' activations x (float32, n * cols values) quantized to int8 per 32 values
-    (``vnni._quantize_groups``, as the one-token block kernels) and laid out for the tile: for
-    each group of 16 tokens and each block of 32 values, 8 vectors of four values of each
-    token; per group and block the 16 tokens' scales (``scales``) and their scales times their
-    sums (``dsum``), and per group, block and each of its ``halves`` minus ``offset`` times the
-    tokens' sums (``shift``, int32). Tokens past n (padding the last group) are zeros with scale
-    0."""
+def _activations(x, n, cols, offset, halves, xq, dx, sums, act, scales, shift, dsum):  # pragma: no cover - compiled
+    # The n tokens' activations x (float32, n * cols values) quantized to int8 per 32 values
+    # (``vnni._quantize_groups``, as the one-token block kernels; into xq, dx, sums) and laid out
+    # for the tile: for each group of 16 tokens and each block of 32 values, 8 vectors of four
+    # values of each token (act); per group and block the 16 tokens' scales (``scales``) and
+    # their scales times their sums (``dsum``), and per group, block and each of its ``halves``
+    # minus ``offset`` times the tokens' sums (``shift``, int32). Tokens past n (padding the last
+    # group) are zeros with scale 0.
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     blocks = cols // 32
-    xq = np.empty(n * cols, np.int8)
-    dx = np.empty(n * blocks, np.float32)
-    sums = np.empty(n * blocks, np.float32)
     vnni._quantize_groups(x, 32, 0, xq, dx, sums)
     words = xq.view(np.int32)
-    act = np.zeros(groups * blocks * 128, np.int32)
-    scales = np.zeros(groups * blocks * 16, np.float32)
-    dsum = np.zeros(groups * blocks * 16, np.float32)
-    shift = np.zeros(groups * blocks * halves * 16, np.int32)
     span = 32 // halves
     for t in range(n):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
@@ -373,7 +474,98 @@ def activations(x, n, cols, offset, halves):  # pragma: no cover - compiled
                 for k in range(span):
                     total += np.int32(xq[t * cols + 32 * b + span * h + k])
                 shift[((g * blocks + b) * halves + h) * 16 + lane] = -offset * total
+    for t in range(n, groups * LANE_TOKENS):
+        g, lane = t // LANE_TOKENS, t % LANE_TOKENS
+        for b in range(blocks):
+            _padding(g * blocks + b, lane, halves, act, scales, shift, dsum)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _padding(item, lane, halves, act, scales, shift, dsum):  # pragma: no cover - compiled
+    # Token ``lane`` of work item ``item`` (16 tokens by 32 values) a padding one: zeros, scale 0.
+    for j in range(8):
+        act[item * 128 + 16 * j + lane] = 0
+    scales[item * 16 + lane] = 0
+    dsum[item * 16 + lane] = 0
+    for h in range(halves):
+        shift[(item * halves + h) * 16 + lane] = 0
+
+
+def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool = False, limit: float = 7.0,
+              alpha: float = 1.702, bias: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """The activation of n tokens' gate/up products given by row (``matmul(..., by_row=True)``:
+    [2 * inter, n rounded up to 16], ``bias`` [2 * inter] added first), SiLU(gate) * up or
+    gpt-oss's clamped SwiGLU (``clamped``, ``limit``, ``alpha``), quantized for a matrix of
+    ``scheme`` with rows of ``inter`` values as ``activations`` quantizes tokens, for
+    ``product``. The products arrive 16 tokens a vector, which is the tiles' own layout: the
+    activation, each token's scales per 32 values and the codes are computed 16 tokens at a time
+    where token by token they took an activation pass (numpy's, 7 of a 256-token q4_0 expert's 92
+    ms at Mixtral's shape), a transposition and a quantization pass."""
+    kind = KINDS[scheme]
+    halves = 2 if kind == _HALVES else 1
+    has_bias = bias is not None
+    gu_bias = np.ascontiguousarray(bias, dtype=np.float32) if has_bias else np.zeros(1, np.float32)
+    act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS * (inter // 32), halves)
+    _activated(h_rows, n, inter, clamped, np.float32(limit), np.float32(alpha), gu_bias, has_bias, _OFFSET[kind],
+               halves, max(1, get_num_threads()), act, scales, shift, dsum)
     return act.view(np.int8), scales, shift, dsum
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
+def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, workers, act, scales, shift,
+               dsum):  # pragma: no cover - compiled
+    # ``activated``: each work item a group of 16 tokens by 32 values (a block of the down rows).
+    groups = h.shape[1] // LANE_TOKENS
+    blocks = inter // 32
+    items = groups * blocks
+    one = np.float32(1.0)
+    slope = np.float32(-1.4426950408889634) * (alpha if clamped else one)
+    span = 32 // halves
+    for worker in prange(workers):
+        values = np.empty((32, LANE_TOKENS), np.float32)
+        codes = np.empty((32, LANE_TOKENS), np.int32)
+        amax = np.empty(LANE_TOKENS, np.float32)
+        d = np.empty(LANE_TOKENS, np.float32)
+        inverse = np.empty(LANE_TOKENS, np.float32)
+        total = np.empty((2, LANE_TOKENS), np.int32)
+        for item in range(worker * items // workers, (worker + 1) * items // workers):
+            g, b = item // blocks, item % blocks
+            amax[:] = 0
+            for j in range(32):
+                gate, up = h[32 * b + j, g * LANE_TOKENS:], h[inter + 32 * b + j, g * LANE_TOKENS:]
+                add_gate = bias[32 * b + j] if has_bias else np.float32(0.0)
+                add_up = bias[inter + 32 * b + j] if has_bias else np.float32(0.0)
+                for lane in range(LANE_TOKENS):
+                    x, u = gate[lane] + add_gate, up[lane] + add_up
+                    if clamped:  # gpt-oss's clamped SwiGLU
+                        x = min(x, limit)
+                        u = min(max(u, -limit), limit) + one
+                    v = x / (one + vnni._exp2_neg(x * slope)) * u
+                    values[j, lane] = v
+                    amax[lane] = max(amax[lane], abs(v))
+            for lane in range(LANE_TOKENS):  # as vnni._quantize_groups: times the inverse, ties to even
+                d[lane] = amax[lane] / np.float32(127) if amax[lane] > 0 else one
+                inverse[lane] = one / d[lane]
+            total[:] = 0
+            for j in range(32):
+                for lane in range(LANE_TOKENS):
+                    q = np.int32(np.rint(values[j, lane] * inverse[lane]))
+                    codes[j, lane] = q
+                    total[j // span, lane] += q
+            at = item * 128
+            for j4 in range(8):
+                for lane in range(LANE_TOKENS):
+                    act[at + 16 * j4 + lane] = ((codes[4 * j4, lane] & 255) | ((codes[4 * j4 + 1, lane] & 255) << 8)
+                                                | ((codes[4 * j4 + 2, lane] & 255) << 16)
+                                                | (codes[4 * j4 + 3, lane] << 24))
+            for lane in range(LANE_TOKENS):
+                if g * LANE_TOKENS + lane >= n:  # padding: zeros with scale 0, as ``_activations``
+                    _padding(item, lane, halves, act, scales, shift, dsum)
+                    continue
+                scales[item * 16 + lane] = d[lane]
+                dsum[item * 16 + lane] = np.float32(total[0, lane] + (total[1, lane] if halves == 2 else 0)) * d[lane]
+                for half in range(halves):
+                    shift[(item * halves + half) * 16 + lane] = -offset * total[half, lane]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -435,26 +627,30 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, out):  # pragma: no cover - compiled
-    # out [n, rows] = the tokens' ``activations`` times the rows raw of KINDS' ``kind``; each
-    # worker a CHUNK_ROWS-row chunk at a time, with its own buffers for the chunk's codes, scales
-    # and its tiles' sums. Chunks go to whichever worker is free (a counter, ``vnni.fetch_add``):
-    # dealt in turn beforehand, both threads had the same chunks whatever their speed, and an
-    # expert at Mixtral's shape took 2-9% longer at 256 tokens (per-pair medians of 7
-    # interleaved rounds: q4_0 0.91-0.93, q8_0 0.91, mxfp4 0.98, q4_k 0.97; at 64 tokens
-    # 0.92-1.02).
+def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, out, by_row):  # pragma: no cover - compiled
+    # The tokens' ``activations`` times the rows raw of KINDS' ``kind``: out [n, rows], or with
+    # ``by_row`` [rows, 16 * groups] (each row's sums for every token, the tokens padded to whole
+    # groups of 16: the tiles' own layout, stored as they are computed). Each worker takes a
+    # CHUNK_ROWS-row chunk at a time, with its own buffers for the chunk's codes, scales and
+    # (without ``by_row``) its tiles' sums, which go to out 16 x 16 at a time (``_transpose16``).
+    # Chunks go to whichever worker is free (a counter, ``vnni.fetch_add``): dealt in turn
+    # beforehand, both threads had the same chunks whatever their speed, and an expert at
+    # Mixtral's shape took 2-9% longer at 256 tokens (per-pair medians of 7 interleaved rounds:
+    # q4_0 0.91-0.93, q8_0 0.91, mxfp4 0.98, q4_k 0.97; at 64 tokens 0.92-1.02).
     rows, row_bytes = raw.shape
     flat = raw.reshape(-1)
+    flat_out = out.reshape(-1)
     blocks = cols // 32
     halves = 2 if kind == _HALVES else 1
     params = blocks * halves  # scales a row
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
+    padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
     for worker in prange(workers):
         w = np.zeros(CHUNK_ROWS * cols, np.uint8)
         sc = np.zeros(CHUNK_ROWS * params, np.float32)
         mn = np.zeros(CHUNK_ROWS * params, np.float32)
-        sums = np.empty(groups * CHUNK_ROWS * 16, np.float32)
+        sums = vnni.zeros64(groups * CHUNK_ROWS * 16, np.float32)
         while True:
             first, count = vnni.next_chunk(taken, CHUNK_ROWS, rows)
             if count <= 0:
@@ -467,13 +663,17 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
             ahead = (first + workers * CHUNK_ROWS) * row_bytes
             if ahead >= flat.shape[0]:
                 ahead = 0
+            direct = by_row and count == CHUNK_ROWS  # else the sums buffer: rows past the last go nowhere
             g = 0
             while g < groups:
                 pair = g + TILE_GROUPS <= groups
                 for r in range(0, CHUNK_ROWS, TILE_ROWS):
+                    if direct:
+                        target, obase, ostride, rstride = flat_out, (first + r) * padded + g * 16, 16, padded
+                    else:
+                        target, obase, ostride, rstride = sums, (g * CHUNK_ROWS + r) * 16, CHUNK_ROWS * 16, 16
                     args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512, scales,
-                            shift, dsum, g * blocks * 16, blocks * 16, sums, (g * CHUNK_ROWS + r) * 16,
-                            CHUNK_ROWS * 16, flat, ahead)
+                            shift, dsum, g * blocks * 16, blocks * 16, target, obase, ostride, rstride, flat, ahead)
                     ahead += blocks * 128
                     if kind == _HALVES:
                         if pair:
@@ -490,7 +690,18 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
                     else:
                         _tile_one(*args)
                 g += TILE_GROUPS if pair else 1
-            for t in range(n):
+            if direct:
+                continue
+            if by_row:
+                for g in range(groups):
+                    for r in range(count):
+                        flat_out[(first + r) * padded + g * 16:(first + r) * padded + g * 16 + 16] = \
+                            sums[(g * CHUNK_ROWS + r) * 16:(g * CHUNK_ROWS + r) * 16 + 16]
+                continue
+            whole = n // LANE_TOKENS if count == CHUNK_ROWS else 0  # groups of 16 tokens by 16 rows
+            for g in range(whole):
+                _transpose16(sums, g * CHUNK_ROWS * 16, flat_out, g * LANE_TOKENS * rows + first, rows)
+            for t in range(whole * LANE_TOKENS, n):
                 g, lane = t // LANE_TOKENS, t % LANE_TOKENS
                 for r in range(count):
                     out[t, first + r] = sums[(g * CHUNK_ROWS + r) * 16 + lane]
@@ -502,19 +713,31 @@ def fits(scheme: str, cols: int) -> bool:
     return vnni.HAVE_VNNI and vnni._COMPILED and kind is not None and cols % _VALUES[kind] == 0
 
 
-def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+def matmul(x: np.ndarray, raw: np.ndarray, scheme: str, by_row: bool = False, out: np.ndarray | None = None
+           ) -> np.ndarray:
     """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``KINDS`` stored
     as C-contiguous uint8 rows ``raw`` (``fits``), without decoding it: each token's activations
     quantized to int8 per 32 values (for the block kinds as their one-token kernels quantize
-    them, so each product is theirs up to the order of the float sums)."""
-    x, raw = writable(np.ascontiguousarray(x, dtype=np.float32)), read_only(raw)
-    n, cols = x.shape
-    kind = KINDS[scheme]
-    act, scales, shift, dsum = activations(x.reshape(-1), n, cols, _OFFSET[kind], 2 if kind == _HALVES else 1)
-    out = np.empty((n, raw.shape[0]), dtype=np.float32)
-    chunks = (raw.shape[0] + CHUNK_ROWS - 1) // CHUNK_ROWS
+    them, so each product is theirs up to the order of the float sums). With ``by_row`` its
+    transpose instead, [rows, n rounded up to a multiple of 16] (the tokens past n: zeros).
+    Into ``out`` where given (C-contiguous float32 of that shape)."""
+    x = writable(np.ascontiguousarray(x, dtype=np.float32))
+    return product(quantized(x, scheme), x.shape[0], x.shape[1], raw, scheme, by_row, out)
+
+
+def product(activations: tuple[np.ndarray, ...], n: int, cols: int, raw: np.ndarray, scheme: str,
+            by_row: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """``matmul`` of n tokens of cols values already quantized for ``scheme`` (``quantized``,
+    ``activated``)."""
+    raw = read_only(raw)
+    rows = raw.shape[0]
+    padded = (n + LANE_TOKENS - 1) // LANE_TOKENS * LANE_TOKENS
+    if out is None:
+        out = np.empty((rows, padded) if by_row else (n, rows), dtype=np.float32)
+    chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
     f16, e8m0 = vnni._tables()
-    _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, max(1, min(get_num_threads(), chunks)), out)
+    _matmul(raw, KINDS[scheme], e8m0, f16, *activations, n, cols, max(1, min(get_num_threads(), chunks)), out,
+            by_row)
     return out
 
 

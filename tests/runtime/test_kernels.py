@@ -362,6 +362,72 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
         np.testing.assert_array_equal(got, linear(x, raw, scheme))
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", IN_PLACE)
+@pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 16), (40, 512, 33), (3, 256, 50)])
+def test_lanes_by_row_is_the_transpose(scheme, rows, cols, tokens):
+    """``lanes.matmul(by_row=True)`` stores each row's sums for every token, the tokens padded to
+    whole vectors of 16 with zeros: the transpose of the products by token, exactly (the same
+    tiles' sums; rows past the last whole chunk through the chunk's buffer)."""
+    from ktc.runtime import lanes
+
+    raw, x = _blocks_case(scheme, rows, cols, tokens)
+    by_row = lanes.matmul(x, raw, scheme, by_row=True)
+    assert by_row.shape == (rows, -(-tokens // 16) * 16)
+    np.testing.assert_array_equal(by_row[:, :tokens], lanes.matmul(x, raw, scheme).T)
+    assert not by_row[:, tokens:].any()
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", IN_PLACE)
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_activated_is_the_activation_quantized(scheme, activation):
+    """Gate/up products given by row (``lanes.activated``: the activation and down's quantization
+    16 tokens at a time) multiply down as the activation computed token by token and quantized
+    by ``lanes.matmul`` do (within the exponential's rounding); the padding tokens' products,
+    whatever they hold, change nothing."""
+    from ktc.runtime import lanes
+    from ktc.runtime.kernels import _act
+
+    rng = np.random.default_rng(5)
+    tokens, inter = 37, 256
+    down, _ = _blocks_case(scheme, 24, inter, tokens)
+    h = rng.standard_normal((tokens, 2 * inter)).astype(np.float32) * 3
+    bias = rng.standard_normal(2 * inter).astype(np.float32) if activation != "silu" else None
+    h_rows = np.full((2 * inter, 48), 1e3, np.float32)
+    h_rows[:, :tokens] = h.T
+    clamped = activation == "swiglu_clamped"
+    got = lanes.product(lanes.activated(h_rows, tokens, inter, scheme, clamped, 7.0, 1.702, bias), tokens, inter,
+                        down, scheme)
+    with np.errstate(over="ignore"):
+        a = _act(h if bias is None else h + bias, inter, activation, 7.0, 1.702).astype(np.float32)
+    want = lanes.matmul(a, down, scheme)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_batched_expert_by_row_equals_token_by_token(monkeypatch):
+    """An expert whose gate/up and down both go to ``lanes.matmul`` takes gate/up by row and its
+    activation quantized 16 tokens at a time: the same output as product, activation, product
+    (within the exponential's rounding); calls of other sizes between, which reuse the thread's
+    scratch arrays, change nothing."""
+    from ktc.runtime import kernels
+
+    rng = np.random.default_rng(8)
+    hidden, inter = 128, 96
+    gate_up = quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32), "q4_0")
+    down = quantize(rng.standard_normal((hidden, inter)).astype(np.float32), "q8_0")
+    x = rng.standard_normal((40, hidden)).astype(np.float32)
+    bias = rng.standard_normal(hidden).astype(np.float32)
+    first = expert_forward_batch(gate_up, down, "q4_0+q8_0", x, down_bias=bias)
+    expert_forward_batch(gate_up, down, "q4_0+q8_0", x[:20])
+    expert_forward_batch(gate_up, down, "q4_0+q8_0", np.concatenate([x, x]))
+    np.testing.assert_array_equal(expert_forward_batch(gate_up, down, "q4_0+q8_0", x, down_bias=bias), first)
+    monkeypatch.setattr(kernels, "_by_lanes", lambda *args: False)
+    apart = expert_forward_batch(gate_up, down, "q4_0+q8_0", x, down_bias=bias)
+    np.testing.assert_allclose(first, apart, rtol=1e-4, atol=1e-4 * np.abs(apart).max())
+
+
 def test_bf16_gemm_decodes_in_tiles(monkeypatch):
     """The bf16 path decodes a matrix a tile of rows at a time; the tiles (the last one short) put
     together give the product of the whole matrix decoded at once."""
