@@ -556,6 +556,10 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
     dtype = torch.float32 if device is None else _device_dtype(dense_scheme)
     model = meta_model(transformers, config, dtype=dtype, experts_implementation=EXPERTS_IMPLEMENTATION,
                        buffers=True, path=bundle.path)
+    if device is None and model.config._attn_implementation == "sdpa":  # prompts' attention a block at a time
+        from .attention import register
+
+        model.set_attn_implementation(register())
     loader = _Loader(transformers, bundle, model, device, dtype)
     if (cache_slots or prefill_offload) and device is None:
         raise KtcError("cache slots and prefill offload use device memory: they need a device (--device cuda)")

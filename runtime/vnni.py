@@ -809,11 +809,11 @@ def fp8_rows(flat, at, stride, count, blocks, x, out, oat):  # pragma: no cover 
 
 @njit(cache=True, nogil=True)
 def zeros64(n, dtype):  # pragma: no cover - compiled
-    """``np.zeros(n, dtype)`` starting on a 64-byte boundary (a cache line). numpy aligns its
-    arrays to 16 bytes only, and a large one (glibc's malloc maps it) starts 16 bytes past a page:
-    there every 64-byte load of the batched tiles' activations spans two cache lines. Measured on
-    the Zen 5 machine (one thread, a 4-row x 32-token q4_0 tile over 4096 values, activations in
-    L2): 6.1-6.2 ``vpdpbusd`` a nanosecond aligned, 3.5-3.7 at 4 or 16 bytes past a line."""
+    """``np.zeros(n, dtype)`` starting on a 64-byte boundary (a cache line). Numba's and numpy's
+    arrays are only sure to start on 16 or 32 bytes (Numba's of a few KB started 32 bytes past a
+    line here), and off a line every 64-byte load of the batched tiles' activations spans two:
+    on the Zen 5 machine (one thread, 4-row x 32-token q4_0 tiles over 4096 values, activations
+    in L2) 6.1-6.2 ``vpdpbusd`` a nanosecond aligned, 3.5-3.7 at 4 or 16 bytes past a line."""
     whole = np.zeros(n + 64, dtype)  # 64 spare values: at least a line's bytes for any itemsize
     first = ((-whole.ctypes.data) % 64) // whole.itemsize
     return whole[first:first + n]

@@ -9,6 +9,7 @@ import torch
 
 import model_factory as mf
 from ktc.compile import compile_bundle
+from ktc.runtime import attention
 from ktc.runtime.generate import Sampling, generate
 from ktc.runtime.hf import from_bundle
 
@@ -79,6 +80,23 @@ def test_f32_bundle_equals_transformers(family, checkpoints, tmp_path):
         run = generate(km, ids[0].tolist(), max_new_tokens=16, sampling=Sampling(temperature=0),
                        stop_at_eos=False)
     assert run.generated_tokens == reference_greedy(model, ids, 16)
+
+
+@pytest.mark.parametrize("family", RUN_FAMILIES)
+def test_f32_long_prompt_equals_transformers(family, checkpoints, tmp_path):
+    """A prompt long enough for the CPU's prompt attention a block of queries at a time
+    (``runtime.attention``, where the family's attention is SDPA; gpt-oss's is eager): the logits of
+    transformers' own model."""
+    model, folder = checkpoints[family]
+    path = str(tmp_path / "f32.ktb")
+    compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
+    ids = prompt_ids(attention.MIN_QUERIES + 72, seed=2)
+    with torch.no_grad():
+        want = model(ids).logits
+    with from_bundle(path) as km:
+        assert km.model.config._attn_implementation == (attention.NAME if model.config._attn_implementation == "sdpa"
+                                                         else model.config._attn_implementation)
+        assert relative(logits_of(km, ids), want) < 1e-4
 
 
 def rounded_to_bf16(model):
