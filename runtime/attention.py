@@ -84,8 +84,12 @@ def blocked_attention(module: Any, query: Any, key: Any, value: Any, attention_m
 
 
 def register() -> str:
-    """Registers ``blocked_attention`` with transformers as ``NAME``; returns the name."""
+    """Registers ``blocked_attention`` with transformers as ``NAME``, with SDPA's masks (without a
+    mask function of its own transformers gives a custom attention no mask at all); returns the
+    name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, blocked_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME

@@ -90,13 +90,16 @@ def test_f32_long_prompt_equals_transformers(family, checkpoints, tmp_path):
     model, folder = checkpoints[family]
     path = str(tmp_path / "f32.ktb")
     compile_bundle(folder, path, cpu_scheme="f32", dense_scheme="f32")
-    ids = prompt_ids(attention.MIN_QUERIES + 72, seed=2)
+    chunk = attention.MIN_QUERIES + 8
+    ids = prompt_ids(2 * chunk, seed=2)
     with torch.no_grad():
         want = model(ids).logits
     with from_bundle(path) as km:
         assert km.model.config._attn_implementation == (attention.NAME if model.config._attn_implementation == "sdpa"
                                                          else model.config._attn_implementation)
         assert relative(logits_of(km, ids), want) < 1e-4
+        # in two chunks: the second's queries after the first's keys (SDPA's masks)
+        assert relative(torch.from_numpy(km.forward_window(ids[0].numpy(), 0, 2 * chunk, batch=chunk)), want[0]) < 1e-4
 
 
 def rounded_to_bf16(model):
