@@ -512,9 +512,9 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
     n = x.shape[0]
     if (activation in ("silu", "swiglu_clamped") and _by_lanes(gate_up, scheme, n, x.shape[1])
             and _by_lanes(down, down_scheme, n, inter)):
-        h_rows = lanes.matmul(x, gate_up, scheme, by_row=True,  # this call's alone: in ``lanes.scratch``
-                              out=lanes.scratch("h_rows", gate_up.shape[0] * (-(-n // 16) * 16), np.float32).reshape(
-                                  gate_up.shape[0], -1))
+        padded = -(-n // lanes.LANE_TOKENS) * lanes.LANE_TOKENS  # gate/up's sums by row: this call's alone
+        h_rows = lanes.scratch("h_rows", gate_up.shape[0] * padded, np.float32).reshape(gate_up.shape[0], padded)
+        lanes.matmul(x, gate_up, scheme, by_row=True, out=h_rows)
         quantized = lanes.activated(h_rows, n, inter, down_scheme, activation == "swiglu_clamped",
                                     7.0 if limit is None else limit, 1.702 if alpha is None else alpha, gate_up_bias)
         y = lanes.product(quantized, n, inter, down, down_scheme)

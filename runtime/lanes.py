@@ -6,7 +6,7 @@ every block of 32 values takes a conversion and two multiply-adds per token for 
 ``vpdpbusd`` sums, and that float work, not the integer products, bounds them at about a
 quarter of the CPU's int8 rate. Here 16 tokens share a vector instead: their activations,
 quantized to int8 per 32 values, are laid out four values of each token a 32-bit lane
-(``activations``), and each ``vpdpbusd`` multiplies them by four codes of one row broadcast to
+(``_activations``), and each ``vpdpbusd`` multiplies them by four codes of one row broadcast to
 every lane; a block of 32 values is 8 such products into one int32 sum per token, then one
 conversion and one multiply-add for its 16 tokens. The codes are unpacked to bytes a chunk of
 ``CHUNK_ROWS`` rows at a time (``_unpack_intrinsic``, ``_superblock_intrinsic``: vector code;
@@ -237,7 +237,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
     dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r at
     w[wbase + r * cols]; its blocks' scales, and with ``minimums`` their minimums, at sc/mn[pbase
     + r * blocks * halves], ``halves`` a block) times ``groups`` groups of 16 tokens (group m's
-    int8 activations at act[abase + m * astride] as ``activations`` lays them out; their scales,
+    int8 activations at act[abase + m * astride] as ``_activations`` lays them out; their scales,
     minus the codes' offset times their sums and their scales times their sums at
     dx/shift/dsum[dbase + m * dstride]). Row r's 16 sums for group m are stored at out[obase +
     m * ostride + r * rstride]. Each block also prefetches two cache lines at ahead[aat + 128 b]."""
@@ -319,7 +319,8 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
                             builder.store(total, accs[r][m])
             for r in range(rows):
                 for m in range(groups):
-                    at = builder.add(vnni._nth(builder, obase_v, ostride_v, m), vnni._nth(builder, const(0), rstride_v, r))
+                    at = builder.add(vnni._nth(builder, obase_v, ostride_v, m),
+                                     vnni._nth(builder, const(0), rstride_v, r))
                     builder.store(builder.load(accs[r][m]), builder.bitcast(builder.gep(out_a.data, [at]),
                                                                             floats.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -350,11 +351,15 @@ def _transpose_stages() -> list[list[tuple[int, int, list[int]]]]:
         pick = (1, 3) if odd else (0, 2)
         return [v for src in (a, b) for k in pick for v in src[4 * k:4 * k + 4]]
 
+    def pair(o: int) -> tuple[int, int]:  # the second stage's inputs for output o
+        first = 4 * (o // 4) + (o % 4) // 2
+        return first, first + 2
+
     plans = [
         [(2 * (o // 2), 2 * (o // 2) + 1, lambda a, b, o=o: interleave(a, b, o % 2 == 1, 1)) for o in range(16)],
-        [(4 * (o // 4) + (o % 4) // 2, 4 * (o // 4) + (o % 4) // 2 + 2, lambda a, b, o=o: interleave(a, b, o % 2 == 1, 2))
+        [(*pair(o), lambda a, b, o=o: interleave(a, b, o % 2 == 1, 2)) for o in range(16)],
+        [(8 * (o // 8) + o % 4, 8 * (o // 8) + o % 4 + 4, lambda a, b, o=o: lanes(a, b, (o % 8) >= 4))
          for o in range(16)],
-        [(8 * (o // 8) + o % 4, 8 * (o // 8) + o % 4 + 4, lambda a, b, o=o: lanes(a, b, (o % 8) >= 4)) for o in range(16)],
         [(o % 8, o % 8 + 8, lambda a, b, o=o: lanes(a, b, o >= 8)) for o in range(16)],
     ]
     stages = []
@@ -375,8 +380,10 @@ def _transpose_stages() -> list[list[tuple[int, int, list[int]]]]:
 def _transpose16(typingctx, sums, sbase, out, obase, ostride):  # type: ignore[no-untyped-def]
     """``_transpose16(sums, sbase, out, obase, ostride)``: the 16 x 16 floats at sums[sbase:] (16
     rows' sums for 16 tokens, a row's after another's) to out[obase + t * ostride:][:16] for token
-    t (its 16 rows' sums), through registers. Element by element, the transposition took 3 of a
-    256-token q4_0 product's 25 ms at Mixtral's 14336 x 4096 (two threads)."""
+    t (its 16 rows' sums), through registers. Element by element, the transposition and its
+    writes took about 3 of a 256-token q4_0 product's 25 ms at Mixtral's 14336 x 4096 (two
+    threads); through registers 1-3% of the product came back, the rest being the writes (256
+    scattered 64-byte pieces a chunk), which ``by_row`` avoids."""
     from llvmlite import ir
 
     floats = ir.VectorType(ir.FloatType(), 16)
@@ -410,9 +417,9 @@ def scratch(key: str, size: int, dtype: type) -> np.ndarray:
     """A 64-byte-aligned array of ``size`` values of ``dtype`` that this thread keeps for the
     next call asking for ``key`` (its contents: whatever the last user left). The batched products'
     working arrays (the quantized activations, gate/up's products by row) are tens of MB at a
-    few hundred tokens; allocated afresh each call, glibc's malloc handed back new pages about half
-    the time (trimmed or mapped), and the first touch of each page cost 6-8 of a 256-token q4_0
-    expert's 70 ms at Mixtral's shape (2700-2800 page faults a call)."""
+    few hundred tokens; allocated afresh each call, between calls of other sizes glibc's malloc
+    handed back fresh pages, whose first touch cost a 256-token q4_0 expert at Mixtral's shape
+    2,700-2,800 page faults and 6-8 ms of its 70."""
     held = _SCRATCH.__dict__.setdefault("arrays", {})
     array = held.get(key)
     if array is None or array.size < size or array.dtype != dtype:
@@ -496,7 +503,7 @@ def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool
     """The activation of n tokens' gate/up products given by row (``matmul(..., by_row=True)``:
     [2 * inter, n rounded up to 16], ``bias`` [2 * inter] added first), SiLU(gate) * up or
     gpt-oss's clamped SwiGLU (``clamped``, ``limit``, ``alpha``), quantized for a matrix of
-    ``scheme`` with rows of ``inter`` values as ``activations`` quantizes tokens, for
+    ``scheme`` with rows of ``inter`` values as ``quantized`` quantizes tokens, for
     ``product``. The products arrive 16 tokens a vector, which is the tiles' own layout: the
     activation, each token's scales per 32 values and the codes are computed 16 tokens at a time
     where token by token they took an activation pass (numpy's, 7 of a 256-token q4_0 expert's 92
@@ -627,8 +634,9 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, out, by_row):  # pragma: no cover - compiled
-    # The tokens' ``activations`` times the rows raw of KINDS' ``kind``: out [n, rows], or with
+def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, out,
+            by_row):  # pragma: no cover - compiled
+    # The tokens' quantized activations times the rows raw of KINDS' ``kind``: out [n, rows], or with
     # ``by_row`` [rows, 16 * groups] (each row's sums for every token, the tokens padded to whole
     # groups of 16: the tiles' own layout, stored as they are computed). Each worker takes a
     # CHUNK_ROWS-row chunk at a time, with its own buffers for the chunk's codes, scales and
