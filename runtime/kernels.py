@@ -470,7 +470,19 @@ def _matvec_int4_rows(group: int):  # type: ignore[no-untyped-def]
     return run
 
 
+ACT_PARALLEL_VALUES = 1 << 16  # gate/up values from which ``_act`` runs compiled on every thread
+
+
 def _act(h: np.ndarray, inter: int, activation: str, limit: float | None, alpha: float | None) -> np.ndarray:
+    """SiLU(gate) * up, or gpt-oss's clamped SwiGLU, of gate/up products h [..., 2 * inter]. Many
+    tokens' (a batched expert's) go compiled on every thread (``_activate_rows``, the exponential
+    ``vnni._exp2_neg``'s): numpy's passes took 7 of a 256-token int8 expert's 76 ms at
+    Mixtral's shape."""
+    if vnni._COMPILED and h.size >= ACT_PARALLEL_VALUES and h.dtype == np.float32 and h.shape[-1] == 2 * inter:
+        rows_ = np.ascontiguousarray(h).reshape(-1, 2 * inter)
+        out = _activate_rows(rows_, inter, activation == "swiglu_clamped", np.float32(7.0 if limit is None else limit),
+                             np.float32(1.702 if alpha is None else alpha))
+        return out.reshape(h.shape[:-1] + (inter,))
     gate, up = h[..., :inter], h[..., inter:]
     if activation == "swiglu_clamped":  # gpt-oss
         lim = np.float32(limit if limit is not None else 7.0)
@@ -479,6 +491,26 @@ def _act(h: np.ndarray, inter: int, activation: str, limit: float | None, alpha:
         up = np.clip(up, -lim, lim)
         return (up + 1) * (gate / (1 + np.exp(-a * gate)))
     return gate / (1 + np.exp(-gate)) * up  # SiLU(gate) * up
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
+def _activate_rows(h, inter, clamped, limit, alpha):  # pragma: no cover - compiled
+    # ``_act`` of rows h [n, 2 * inter], a row a work item, each loop without branches (LLVM's
+    # vectors; numpy's error model: no zero-divisor checks, 1 + exp(-g) is never zero).
+    out = np.empty((h.shape[0], inter), np.float32)
+    one = np.float32(1.0)
+    slope = np.float32(-1.4426950408889634) * (alpha if clamped else one)
+    for t in prange(h.shape[0]):
+        gate, up, row = h[t, :inter], h[t, inter:], out[t]
+        if clamped:
+            for j in range(inter):
+                g = min(gate[j], limit)
+                row[j] = g / (one + vnni._exp2_neg(g * slope)) * (min(max(up[j], -limit), limit) + one)
+        else:
+            for j in range(inter):
+                g = gate[j]
+                row[j] = g / (one + vnni._exp2_neg(g * slope)) * up[j]
+    return out
 
 
 def expert_forward(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: np.ndarray, *,

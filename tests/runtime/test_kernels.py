@@ -428,6 +428,22 @@ def test_batched_expert_by_row_equals_token_by_token(monkeypatch):
     np.testing.assert_allclose(first, apart, rtol=1e-4, atol=1e-4 * np.abs(apart).max())
 
 
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_many_tokens_activation_compiled_equals_numpy(activation, monkeypatch):
+    """Many tokens' activation (``kernels._act`` from ``ACT_PARALLEL_VALUES`` gate/up values on,
+    compiled on every thread) equals numpy's within float rounding, large gates included."""
+    from ktc.runtime import kernels
+
+    h = np.random.default_rng(4).standard_normal((40, 2 * 1000)).astype(np.float32) * 6
+    monkeypatch.setattr(kernels, "ACT_PARALLEL_VALUES", h.size)
+    got = kernels._act(h, 1000, activation, None, None)
+    monkeypatch.setattr(kernels, "ACT_PARALLEL_VALUES", h.size + 1)
+    with np.errstate(over="ignore"):
+        want = kernels._act(h, 1000, activation, None, None)
+    assert got.shape == want.shape == (40, 1000)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_gemm_decodes_in_tiles(monkeypatch):
     """The bf16 path decodes a matrix a tile of rows at a time; the tiles (the last one short) put
     together give the product of the whole matrix decoded at once."""
