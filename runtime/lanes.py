@@ -36,6 +36,7 @@ from ktc.formats.kernel_args import read_only, writable
 from . import vnni
 
 _SCRATCH = threading.local()  # ``scratch``'s arrays, per thread
+SCRATCH_KEEP_BYTES = 256 << 20  # larger ones are not kept (``scratch``)
 
 LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
 # Rows x groups of 16 tokens a call of the tile. Measured at Mixtral's 14336 x 4096 with 64
@@ -419,11 +420,15 @@ def scratch(key: str, size: int, dtype: type) -> np.ndarray:
     working arrays (the quantized activations, gate/up's products by row) are tens of MB at a
     few hundred tokens; allocated afresh each call, between calls of other sizes glibc's malloc
     handed back fresh pages, whose first touch cost a 256-token q4_0 expert at Mixtral's shape
-    2,700-2,800 page faults and 6-8 ms of its 70."""
+    2,700-2,800 page faults and 6-8 ms of its 70. Arrays over ``SCRATCH_KEEP_BYTES`` are made
+    for the call and not kept (a long prompt chunk's one popular expert need not hold hundreds of
+    MB for the process's life)."""
     held = _SCRATCH.__dict__.setdefault("arrays", {})
     array = held.get(key)
     if array is None or array.size < size or array.dtype != dtype:
-        array = held[key] = vnni.zeros64(max(size, 1), dtype)
+        array = vnni.zeros64(max(size, 1), dtype)
+        if array.nbytes <= SCRATCH_KEEP_BYTES:
+            held[key] = array
     return array[:size]
 
 

@@ -444,6 +444,28 @@ def test_many_tokens_activation_compiled_equals_numpy(activation, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_scratch_arrays_are_kept_per_thread_up_to_a_size(monkeypatch):
+    """``lanes.scratch`` gives the same aligned array again for its key (a larger one when asked
+    for more), another thread its own, and keeps none above ``SCRATCH_KEEP_BYTES``."""
+    import threading
+
+    from ktc.runtime import lanes
+
+    first = lanes.scratch("test", 100, np.float32)
+    assert first.ctypes.data % 64 == 0 and first.shape == (100,)
+    assert lanes.scratch("test", 50, np.float32).ctypes.data == first.ctypes.data
+    grown = lanes.scratch("test", 1000, np.float32)
+    assert grown.shape == (1000,) and lanes.scratch("test", 10, np.float32).ctypes.data == grown.ctypes.data
+    other = []
+    thread = threading.Thread(target=lambda: other.append(lanes.scratch("test", 10, np.float32).ctypes.data))
+    thread.start()
+    thread.join()
+    assert other[0] != grown.ctypes.data
+    monkeypatch.setattr(lanes, "SCRATCH_KEEP_BYTES", 4096)
+    big = lanes.scratch("test", 2000, np.float32)
+    assert big.shape == (2000,) and lanes.scratch("test", 10, np.float32).ctypes.data == grown.ctypes.data
+
+
 def test_bf16_gemm_decodes_in_tiles(monkeypatch):
     """The bf16 path decodes a matrix a tile of rows at a time; the tiles (the last one short) put
     together give the product of the whole matrix decoded at once."""
