@@ -35,6 +35,10 @@ def blocked_attention(module: Any, query: Any, key: Any, value: Any, attention_m
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    def sdpa() -> tuple[Any, None]:  # transformers' own path, with the arguments as they came
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     mask = attention_mask
@@ -43,8 +47,7 @@ def blocked_attention(module: Any, query: Any, key: Any, value: Any, attention_m
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))
             or getattr(module, "sinks", None) is not None or (mask is None and not causal)
             or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != length))):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa()
     if mask is None:  # causal from the first key, as SDPA's is_causal (transformers crops the keys to the queries)
         key, value = key[:, :, :length], value[:, :, :length]
         visible = torch.ones(length, length, dtype=torch.bool).tril()
@@ -54,8 +57,7 @@ def blocked_attention(module: Any, query: Any, key: Any, value: Any, attention_m
         visible = mask[0, 0] > torch.finfo(mask.dtype).min / 2
     if (not bool(visible[:, : key.shape[2]].any(dim=1).all())  # a query that sees no key: SDPA's own answer
             or int(visible.any(dim=0).nonzero().max()) + 1 > FAR * length):  # mostly earlier keys: SDPA's faster
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa()
     groups = heads // kv_heads
     scale = dim ** -0.5 if scaling is None else scaling
     grouped = (query * scale).view(batch, kv_heads, groups, length, dim)

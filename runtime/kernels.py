@@ -476,8 +476,8 @@ ACT_PARALLEL_VALUES = 1 << 16  # gate/up values from which ``_act`` runs compile
 def _act(h: np.ndarray, inter: int, activation: str, limit: float | None, alpha: float | None) -> np.ndarray:
     """SiLU(gate) * up, or gpt-oss's clamped SwiGLU, of gate/up products h [..., 2 * inter]. Many
     tokens' (a batched expert's) go compiled on every thread (``_activate_rows``, the exponential
-    ``vnni._exp2_neg``'s): numpy's passes took 7 of a 256-token int8 expert's 76 ms at
-    Mixtral's shape."""
+    ``vnni._exp2_neg``'s): numpy's passes and the copy after them took 4.2 ms at 256 x 28,672
+    values, the compiled loop 1.2."""
     if vnni._COMPILED and h.size >= ACT_PARALLEL_VALUES and h.dtype == np.float32 and h.shape[-1] == 2 * inter:
         rows_ = np.ascontiguousarray(h).reshape(-1, 2 * inter)
         out = _activate_rows(rows_, inter, activation == "swiglu_clamped", np.float32(7.0 if limit is None else limit),
@@ -498,18 +498,15 @@ def _activate_rows(h, inter, clamped, limit, alpha):  # pragma: no cover - compi
     # ``_act`` of rows h [n, 2 * inter], a row a work item, each loop without branches (LLVM's
     # vectors; numpy's error model: no zero-divisor checks, 1 + exp(-g) is never zero).
     out = np.empty((h.shape[0], inter), np.float32)
-    one = np.float32(1.0)
-    slope = np.float32(-1.4426950408889634) * (alpha if clamped else one)
+    slope = vnni.LOG2E_NEG * (alpha if clamped else np.float32(1.0))
     for t in prange(h.shape[0]):
         gate, up, row = h[t, :inter], h[t, inter:], out[t]
         if clamped:
             for j in range(inter):
-                g = min(gate[j], limit)
-                row[j] = g / (one + vnni._exp2_neg(g * slope)) * (min(max(up[j], -limit), limit) + one)
+                row[j] = vnni.clamped_swiglu(gate[j], up[j], limit, slope)
         else:
             for j in range(inter):
-                g = gate[j]
-                row[j] = g / (one + vnni._exp2_neg(g * slope)) * up[j]
+                row[j] = vnni.silu_times(gate[j], up[j], slope)
     return out
 
 

@@ -531,7 +531,7 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
     blocks = inter // 32
     items = groups * blocks
     one = np.float32(1.0)
-    slope = np.float32(-1.4426950408889634) * (alpha if clamped else one)
+    slope = vnni.LOG2E_NEG * (alpha if clamped else one)
     span = 32 // halves
     for worker in prange(workers):
         values = np.empty((32, LANE_TOKENS), np.float32)
@@ -549,10 +549,7 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
                 add_up = bias[inter + 32 * b + j] if has_bias else np.float32(0.0)
                 for lane in range(LANE_TOKENS):
                     x, u = gate[lane] + add_gate, up[lane] + add_up
-                    if clamped:  # gpt-oss's clamped SwiGLU
-                        x = min(x, limit)
-                        u = min(max(u, -limit), limit) + one
-                    v = x / (one + vnni._exp2_neg(x * slope)) * u
+                    v = vnni.clamped_swiglu(x, u, limit, slope) if clamped else vnni.silu_times(x, u, slope)
                     values[j, lane] = v
                     amax[lane] = max(amax[lane], abs(v))
             for lane in range(LANE_TOKENS):  # as vnni._quantize_groups: times the inverse, ties to even

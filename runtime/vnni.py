@@ -1283,10 +1283,9 @@ def activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias):  # pragma: 
         for e in range(k):
             gate, up, out = h[e, :inter], h[e, inter:], a[e * inter:(e + 1) * inter]
             for j in range(inter):
-                g = gate[j]
-                out[j] = g / (one + _exp2_neg(g * np.float32(-1.4426950408889634))) * up[j]
+                out[j] = silu_times(gate[j], up[j], LOG2E_NEG)
         return a
-    log2e = np.float32(-1.4426950408889634) * (alpha if clamped else one)
+    log2e = LOG2E_NEG * (alpha if clamped else one)
     for e in range(k):
         for j in range(inter):
             g = h[e, j]
@@ -1294,10 +1293,7 @@ def activate(h, inter, clamped, limit, alpha, gu_bias, has_gu_bias):  # pragma: 
             if has_gu_bias:
                 g += gu_bias[e, j]
                 u += gu_bias[e, inter + j]
-            if clamped:  # gpt-oss's clamped SwiGLU
-                g = min(g, limit)
-                u = min(max(u, -limit), limit) + one
-            a[e * inter + j] = g / (one + _exp2_neg(g * log2e)) * u
+            a[e * inter + j] = clamped_swiglu(g, u, limit, log2e) if clamped else silu_times(g, u, log2e)
     return a
 
 
@@ -1315,6 +1311,22 @@ def _exp2_neg(y):  # pragma: no cover - compiled
     p = p * f + np.float32(2.402264791363012e-1)
     p = p * f + np.float32(6.931472028550421e-1)
     return np.int32((np.int32(whole) + np.int32(127)) << np.int32(23)).view(np.float32) * (p * f + np.float32(1.0))
+
+
+LOG2E_NEG = np.float32(-1.4426950408889634)  # exp(-x) = 2^(x * LOG2E_NEG)
+
+
+@njit(nogil=True, fastmath=True, inline="always")
+def silu_times(g, u, slope):  # pragma: no cover - compiled
+    # g * sigmoid(g * slope / LOG2E_NEG) * u: SiLU(gate) * up with slope LOG2E_NEG (a 2^ slope),
+    # the clamped SwiGLU's sigmoid with alpha * LOG2E_NEG; inlined into vectorized loops.
+    return g / (np.float32(1.0) + _exp2_neg(g * slope)) * u
+
+
+@njit(nogil=True, fastmath=True, inline="always")
+def clamped_swiglu(g, u, limit, slope):  # pragma: no cover - compiled
+    # gpt-oss's clamped SwiGLU of one gate/up pair: the gate clamped above, up within +-limit, plus one
+    return silu_times(min(g, limit), min(max(u, -limit), limit) + np.float32(1.0), slope)
 
 
 _NO_ROW_SCALES = read_only(np.zeros(1, dtype=np.float32))  # the block kinds keep their scales in the blocks
