@@ -160,6 +160,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="smaller expert, fewer repeats")
     parser.add_argument("--sections", default="123", help="which of the three parts to run, e.g. 2 or 13")
+    parser.add_argument("--schemes", default=None,
+                        help="part 3's schemes, comma-separated (default: all), e.g. int8,q4_0,int4_g128")
+    parser.add_argument("--tokens", default=None, help="part 3's token counts, comma-separated (default: 64,256)")
     args = parser.parse_args()
     from ktc.formats.quantize import dequantize, quantize
     from ktc.runtime.bandwidth import read_bandwidth
@@ -303,11 +306,17 @@ def main() -> int:
                     "ktc's batched kernels use AVX-512 VNNI here (AMX off: KTC_NO_AMX, or Linux refused it)")
             print("   this CPU has AMX, which torch's bf16 products take (oneDNN's AMX kernels; ONEDNN_VERBOSE=1 "
                   f"names them), so they are not bound by the vdpbf16ps peak; {ours}")
-        for count in (64, 256) if not args.quick else (64,):
+        counts = [int(c) for c in args.tokens.split(",")] if args.tokens else [64, 256] if not args.quick else [64]
+        all_schemes = ("int8", "q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "int4_g32",
+                       "int4_g64", "int4_g128", "fp8_e4m3")
+        chosen = args.schemes.split(",") if args.schemes else all_schemes
+        unknown = sorted(set(chosen) - set(all_schemes))
+        if unknown:
+            parser.error(f"unknown schemes {', '.join(unknown)}; part 3 has {', '.join(all_schemes)}")
+        for count in counts:
             xs = rng.standard_normal((count, hidden)).astype(np.float32)
             ops = 2 * count * 3 * hidden * inter
-            for scheme in ("int8", "q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs", "int4_g32",
-                           "int4_g64", "int4_g128", "fp8_e4m3"):
+            for scheme in (s for s in all_schemes if s in chosen):
                 target = None if scheme == "fp8_e4m3" else 1.5  # fp8: no issue sets one
                 gate_up, down = stored(w_gate_up, scheme), stored(w_down, scheme)
                 wg = torch.from_numpy(dequantize(gate_up, scheme, hidden)).to(torch.bfloat16)

@@ -489,8 +489,9 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
                 _put_tiles(sums, used, first, count, g, n, out, flat_out)
 
 
-# The schemes ``matmul`` takes: ``lanes``' kinds, and fp8_e4m3, decoded from its blocks too.
-KINDS = {**lanes.KINDS, "fp8_e4m3": lanes._FP8}
+# The schemes ``matmul`` takes: ``lanes``' kinds but int8 (multiplied as int8: ``int8_matmul``),
+# and fp8_e4m3, decoded from its blocks too.
+KINDS = {**{name: kind for name, kind in lanes.KINDS.items() if name != "int8"}, "fp8_e4m3": lanes._FP8}
 
 
 def fits(scheme: str, cols: int) -> bool:

@@ -562,9 +562,11 @@ def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: 
 
 def _by_lanes(raw: np.ndarray, scheme: str, n: int, cols: int) -> bool:
     """Whether ``linear`` sends n tokens times ``raw`` to ``lanes.matmul`` (``in_place``)."""
-    return (cpu_kernels(scheme).in_place is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous
-            and lanes.fits(scheme, cols) and n >= LANES_MIN_TOKENS[scheme]
-            and not (n >= AMX_MIN_TOKENS[scheme] and amx.fits(scheme, cols)))
+    kernels = cpu_kernels(scheme)
+    return (kernels.in_place is not None and raw.dtype == np.uint8 and raw.flags.c_contiguous
+            and kernels.in_place[0](scheme, cols) and lanes.fits(scheme, cols)
+            and LANES_MIN_TOKENS[scheme] <= n < LANES_MAX_TOKENS.get(scheme, n + 1)
+            and not (amx.fits(scheme, cols) and n >= AMX_MIN_TOKENS[scheme]))
 
 
 def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
@@ -704,7 +706,19 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 # (``benchmarks/expert_kernels.py``), so these schemes never take the decode-to-bf16 path where they
 # fit.
 LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
-                    "iq4_xs": 4, "int4_g32": 5, "int4_g64": 5, "int4_g128": 5}
+                    "iq4_xs": 4, "int4_g32": 5, "int4_g64": 5, "int4_g128": 5, "int8": 4}
+# int8 (on a CPU without AMX) from this many tokens on goes back to torch's int8 GEMM
+# (``_int8_gemm``, activations one scale a token): the lanes' time grows with the tokens (about
+# 0.27 ms a token through a Mixtral-shaped expert) where the GEMM's falls. Whole Mixtral-shaped
+# experts, lanes against the GEMM (medians of 7, two runs each, Zen 5, two threads): 16 tokens
+# 7.0 / 12.6 ms, 64 18.2 / 22.1-23.2, 128 34.7-36.4 / 36.9-37.7, 192 51.9-52.5 / 50.8-58.1, 256
+# 66.9-69.1 / 63.1-65.8. One product, GEMM time over the lanes' (medians of 9, two runs): Mixtral's
+# gate/up (28672 x 4096) 1.26-1.33 at 3 tokens, 0.79-1.25 at 4, 0.84-1.28 at 6, 0.91-1.45 at 8,
+# 1.34-1.50 at 12-16; at Qwen3-30B-A3B's shapes the two are level within noise from 16 tokens (gate/up
+# 1536 x 2048 0.94-1.28, down 2048 x 768 0.77-1.10 at 16-64) and the GEMM is ahead at 6-12 tokens
+# (0.72-1.04, 0.74-0.91) and 128 (0.87-0.91, 0.67-0.89). Token by token (the one-token kernel)
+# against the lanes: 0.93-1.26 at 3 tokens, 1.12-1.68 at 4, 1.85-3.09 at 8.
+LANES_MAX_TOKENS = {"int8": 192}
 # On a CPU with AMX (``amx.HAVE_AMX``) these schemes' products of this many tokens or more decode
 # the rows to bf16 a chunk at a time and multiply through AMX (``amx.matmul``). The decoding costs
 # the same whatever the tokens, so below this lanes.matmul is faster. lanes/amx time (medians of 7
@@ -739,7 +753,7 @@ def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndar
 
     def multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
         cols = x.shape[1]
-        if x.shape[0] >= AMX_MIN_TOKENS[scheme] and amx.fits(scheme, cols):
+        if amx.fits(scheme, cols) and x.shape[0] >= AMX_MIN_TOKENS[scheme]:
             return amx.matmul(x, raw, scheme)
         if lanes.fits(scheme, cols) and (x.shape[0] >= LANES_MIN_TOKENS[scheme] or not tiles_fit(scheme, cols)):
             return lanes.matmul(x, raw, scheme)
@@ -903,8 +917,25 @@ register_cpu("f32", CpuKernels(_matvec_plain_f32, _decode_plain(np.float32),
                                    raw.shape[0], x.shape[1])), stepwise=False))
 register_cpu("f16", CpuKernels(_matvec_plain_f16, _decode_plain(np.float16), _f32_gemm, stepwise=False))
 register_cpu("bf16", CpuKernels(_matvec_plain_bf16, _decode_plain(np.uint16)))
+
+
+def _int8_in_place(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
+    """int8 on a VNNI CPU without AMX (``in_place``'s multiply): below LANES_MIN_TOKENS token by
+    token, then the lanes (activations per 256 values, integer sums over them), from
+    LANES_MAX_TOKENS torch's int8 GEMM; with AMX, or where the lanes do not fit, ``linear``
+    never comes here (``_int8_gemm``)."""
+    n = x.shape[0]
+    if n < LANES_MIN_TOKENS[scheme]:
+        return stepwise(x, raw, scheme)
+    if n < LANES_MAX_TOKENS[scheme]:
+        return lanes.matmul(x, raw, scheme)
+    return _int8_gemm(x, raw)
+
+
 register_cpu("int8", CpuKernels(_matvec_int8_rows, block_decoder(_decode_int8),
-                                lambda x, raw, scheme, scales: _int8_gemm(x, raw, scales)))
+                                lambda x, raw, scheme, scales: _int8_gemm(x, raw, scales),
+                                in_place=(lambda scheme, cols: lanes.fits(scheme, cols) and not amx.int8_fits(cols),
+                                          _int8_in_place)))
 def _blocks_fit(scheme: str, cols: int) -> bool:
     return vnni.batched_fits(scheme, cols)
 

@@ -50,18 +50,35 @@ CHUNK_ROWS = 16  # rows unpacked at a time; 16: 960 GOP/s, 32: 870, 64: 775 (4 x
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
 KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8,
-         "int4_g32": 9, "int4_g64": 10, "int4_g128": 11}
-_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128, 0, 0, 0, 0)
+         "int4_g32": 9, "int4_g64": 10, "int4_g128": 11, "int8": 13}
+_OFFSET = (0, 128, 8, 12, 128, 0, 0, 32, 128, 0, 0, 0, 0, 128)
 # Per kind: bytes of a block (or super-block), values it holds, and where the block kinds'
 # codes start. int4's rows are not blocks (all codes, then all scales, then all minimums): its
-# size is that of a group's codes, its values the group's. The last, fp8_e4m3 (``_FP8``), is
-# AMX's alone (``amx.KINDS``): its values are no integers for ``vpdpbusd``.
-_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136, 16, 32, 64, 132)
-_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256, 32, 64, 128, 128)
-_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0, 0, 0, 0, 4)
+# size is that of a group's codes, its values the group's. fp8_e4m3 (``_FP8``) is AMX's alone
+# (``amx.KINDS``): its values are no integers for ``vpdpbusd``. int8's rows (``_INT8``) are their
+# codes and one float32 scale: a block here is 32 of its codes.
+_SIZE = (0, 34, 18, 17, 18, 144, 176, 210, 136, 16, 32, 64, 132, 32)
+_VALUES = (0, 32, 32, 32, 32, 256, 256, 256, 256, 32, 64, 128, 128, 32)
+_CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0, 0, 0, 0, 4, 0)
 _FP8 = 12
+_INT8 = 13
 _HALVES = 7  # q6_k: 16-value scales, two a block
 _INT4 = 9  # kinds from here on: int4_g32, g64, g128
+
+
+@njit(cache=True, nogil=True)
+def span(kind, blocks):  # pragma: no cover - compiled
+    """Blocks of 32 values that share one activation scale in a row of ``blocks`` blocks of
+    ``kind``: where one weight scale covers several blocks (int4's groups of 64 and 128 values,
+    int8's whole rows) the tile sums their integer products before its one conversion and
+    multiply-add, and the activations are quantized per span to match (int8: per 256 values, as
+    llama.cpp's q8_K, where the row is whole 256s). Else 1: a scale per block of 32 (the tiles
+    are compiled for these spans alone)."""
+    if kind == _INT8:
+        return 8 if blocks % 8 == 0 else 1
+    if _INT4 <= kind < _FP8:
+        return _VALUES[kind] // 32
+    return 1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -233,21 +250,38 @@ def _int4_codes_intrinsic(group: int):  # type: ignore[no-untyped-def]
     return _codes_intrinsic(body)
 
 
-def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # type: ignore[no-untyped-def]
+def _int8_codes_intrinsic():  # type: ignore[no-untyped-def]
+    """``codes(flat, at, w, wat)``: 32 int8 codes at byte ``at`` of ``flat`` as unsigned bytes
+    (their sign bits flipped: plus 128) at w[wat:wat + 32], in one vector."""
+    from llvmlite import ir
+
+    bytes32 = ir.VectorType(ir.IntType(8), 32)
+
+    def body(builder, load, flat_a, at_v, w_a, wat_v):  # type: ignore[no-untyped-def]
+        _store(builder, builder.xor(load(flat_a, at_v, bytes32), ir.Constant(bytes32, [128] * 32)), w_a, wat_v)
+
+    return _codes_intrinsic(body)
+
+
+def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1):  # type: ignore[no-untyped-def]
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
-    dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r at
-    w[wbase + r * cols]; its blocks' scales, and with ``minimums`` their minimums, at sc/mn[pbase
-    + r * blocks * halves], ``halves`` a block) times ``groups`` groups of 16 tokens (group m's
-    int8 activations at act[abase + m * astride] as ``_activations`` lays them out; their scales,
-    minus the codes' offset times their sums and their scales times their sums at
-    dx/shift/dsum[dbase + m * dstride]). Row r's 16 sums for group m are stored at out[obase +
-    m * ostride + r * rstride]. Each block also prefetches two cache lines at ahead[aat + 128 b]."""
+    dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r
+    at w[wbase + r * cols], ``blocks`` blocks of 32) times ``groups`` groups of 16 tokens (group
+    m's int8 activations at act[abase + m * astride] as ``_activations`` lays them out). The
+    blocks go ``span`` at a time (``span``; one with ``halves`` 2), each span with one scale and
+    (with ``minimums``) one minimum a row at sc/mn[pbase + r * spans * halves], ``halves`` a
+    span, and the tokens' scales, minus the codes' offset times their sums, and their scales
+    times their sums at dx/shift/dsum[dbase + m * dstride] (a span's 16 tokens a vector): the
+    span's integer products summed, then one conversion and multiply-add (two with minimums) a row
+    and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride].
+    Each block also prefetches two cache lines at ahead[aat + 128 b]."""
     from llvmlite import ir
 
     rows = TILE_ROWS
     i32, f32 = ir.IntType(32), ir.FloatType()
     words, floats = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     per_half = 8 // halves
+    assert halves == 1 or span == 1
 
     @intrinsic
     def tile(typingctx, w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
@@ -277,45 +311,55 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False):  # ty
                 "llvm.prefetch.p0i8")
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 16)) for _ in range(groups)]
                     for _ in range(rows)]
-            params_per_row = builder.mul(blocks_v, const(halves))
-            with cgutils.for_range(builder, blocks_v) as loop:
-                b = loop.index
-                for line in (0, 64):  # the next chunk's bytes, into L2, while this one is multiplied
-                    at = builder.add(builder.add(aat_v, builder.mul(b, const(128))), const(line))
-                    builder.call(prefetch, [builder.gep(ahead_a.data, [at]), ir.Constant(i32, 0), ir.Constant(i32, 1),
-                                            ir.Constant(i32, 1)])
-                xs, scales, shifts, dsums = [], [], [], []
+            spans_v = builder.sdiv(blocks_v, const(span))
+            params_per_row = builder.mul(spans_v, const(halves))
+            with cgutils.for_range(builder, spans_v) as loop:
+                s = loop.index
+                scales, shifts, dsums = [], [], []
                 for m in range(groups):
-                    a_i = builder.add(vnni._nth(builder, abase_v, astride_v, m), builder.mul(b, const(512)))
-                    xs.append([load(act_a, builder.add(a_i, const(64 * j)), words) for j in range(8)])
-                    d_i = builder.add(vnni._nth(builder, dbase_v, dstride_v, m), builder.mul(b, const(16)))
+                    d_i = builder.add(vnni._nth(builder, dbase_v, dstride_v, m), builder.mul(s, const(16)))
                     scales.append(load(dx_a, d_i, floats, 4))
                     if minimums:
                         dsums.append(load(dsum_a, d_i, floats, 4))
                     s_i = builder.add(vnni._nth(builder, builder.mul(dbase_v, const(halves)),
                                                 builder.mul(dstride_v, const(halves)), m),
-                                      builder.mul(b, const(16 * halves)))
+                                      builder.mul(s, const(16 * halves)))
                     shifts.append([load(shift_a, builder.add(s_i, const(16 * h)), words, 4) for h in range(halves)])
-                firsts = [builder.add(vnni._nth(builder, wbase_v, cols_v, r), builder.mul(b, const(32)))
+                p_rows = [builder.add(vnni._nth(builder, pbase_v, params_per_row, r), builder.mul(s, const(halves)))
                           for r in range(rows)]
-                p_rows = [builder.add(vnni._nth(builder, pbase_v, params_per_row, r), builder.mul(b, const(halves)))
-                          for r in range(rows)]
+                first_block = builder.mul(s, const(span))
                 for h in range(halves):
                     # the sums start at minus the codes' offset times the tokens' sums (the same
-                    # for every row) and take 8 / halves products, code by code across the rows
+                    # for every row) and take the span's (or half block's) products, code by code
+                    # across the rows
                     sums = [[shifts[m][h] for m in range(groups)] for _ in range(rows)]
-                    for j in range(h * per_half, (h + 1) * per_half):
-                        for r in range(rows):
-                            weights = splat(load(w_a, builder.add(firsts[r], const(4 * j)), i32), words)
-                            sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]]) for m in range(groups)]
-                    for r in range(rows):
+                    for k in range(span):
+                        b = builder.add(first_block, const(k))
+                        if h == 0:
+                            for line in (0, 64):  # the next chunk's bytes, into L2, while this one is multiplied
+                                at = builder.add(builder.add(aat_v, builder.mul(b, const(128))), const(line))
+                                builder.call(prefetch, [builder.gep(ahead_a.data, [at]), ir.Constant(i32, 0),
+                                                        ir.Constant(i32, 1), ir.Constant(i32, 1)])
+                        xs = []
+                        for m in range(groups):
+                            a_i = builder.add(vnni._nth(builder, abase_v, astride_v, m), builder.mul(b, const(512)))
+                            xs.append({j: load(act_a, builder.add(a_i, const(64 * j)), words)
+                                       for j in range(h * per_half, (h + 1) * per_half)})
+                        firsts = [builder.add(vnni._nth(builder, wbase_v, cols_v, r), builder.mul(b, const(32)))
+                                  for r in range(rows)]
+                        for j in range(h * per_half, (h + 1) * per_half):
+                            for r in range(rows):
+                                weights = splat(load(w_a, builder.add(firsts[r], const(4 * j)), i32), words)
+                                sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]])
+                                           for m in range(groups)]
+                    for r in range(rows):  # one conversion and multiply-add by the row's and tokens' scales
                         p = builder.add(p_rows[r], const(h))
                         scale = splat(load(sc_a, p, f32, 4), floats)
                         lowest = splat(load(mn_a, p, f32, 4), floats) if minimums else None
                         for m in range(groups):
                             total = builder.call(fma, [builder.sitofp(sums[r][m], floats),
                                                        builder.fmul(scale, scales[m]), builder.load(accs[r][m])])
-                            if minimums:  # minus the block's minimum times the tokens' sums
+                            if minimums:  # minus the minimum times the tokens' sums
                                 total = builder.call(fma, [lowest, dsums[m], total])
                             builder.store(total, accs[r][m])
             for r in range(rows):
@@ -409,9 +453,13 @@ def _transpose16(typingctx, sums, sbase, out, obase, ostride):  # type: ignore[n
 _unpack_q8_0, _unpack_q4_0, _unpack_mxfp4, _unpack_iq4_nl = (_unpack_intrinsic(kind) for kind in range(1, 5))
 _codes_q4_k, _codes_q5_k, _codes_q6_k, _codes_iq4_xs = (_superblock_intrinsic(kind) for kind in range(5, 9))
 _codes_int4_g32, _codes_int4_g64, _codes_int4_g128 = (_int4_codes_intrinsic(group) for group in (32, 64, 128))
+_codes_int8 = _int8_codes_intrinsic()
 _tile_pair, _tile_one = _tile_intrinsic(TILE_GROUPS), _tile_intrinsic(1)
 _tile_pair_minimums, _tile_one_minimums = _tile_intrinsic(TILE_GROUPS, minimums=True), _tile_intrinsic(1, minimums=True)
 _tile_pair_halves, _tile_one_halves = _tile_intrinsic(TILE_GROUPS, halves=2), _tile_intrinsic(1, halves=2)
+_tile_pair_minimums_2, _tile_one_minimums_2, _tile_pair_minimums_4, _tile_one_minimums_4 = (
+    _tile_intrinsic(groups, minimums=True, span=wide) for wide in (2, 4) for groups in (TILE_GROUPS, 1))
+_tile_pair_8, _tile_one_8 = _tile_intrinsic(TILE_GROUPS, span=8), _tile_intrinsic(1, span=8)
 
 
 def scratch(key: str, size: int, dtype: type) -> np.ndarray:
@@ -439,34 +487,46 @@ def quantized(x: np.ndarray, scheme: str) -> tuple[np.ndarray, ...]:
     kind = KINDS[scheme]
     halves = 2 if kind == _HALVES else 1
     groups, blocks = (n + LANE_TOKENS - 1) // LANE_TOKENS, cols // 32
-    act, scales, shift, dsum = _layout(groups * blocks, halves)
-    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, scratch("xq", n * cols, np.int8),
-                 scratch("dx", n * blocks, np.float32), scratch("sums", n * blocks, np.float32), act, scales, shift,
+    wide = span(kind, blocks)
+    act, scales, shift, dsum = _layout(groups, blocks, wide, halves)
+    spans = blocks // wide
+    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, scratch("xq", n * cols, np.int8),
+                 scratch("dx", n * spans, np.float32), scratch("sums", n * spans, np.float32), act, scales, shift,
                  dsum)
     return act.view(np.int8), scales, shift, dsum
 
 
-def _layout(items: int, halves: int) -> tuple[np.ndarray, ...]:
-    """The scratch arrays of ``items`` groups of 16 tokens by 32 values for the tiles: their codes
-    (int32 words), scales, shifts and scaled sums."""
-    return (scratch("act", items * 128, np.int32), scratch("scales", items * 16, np.float32),
-            scratch("shift", items * halves * 16, np.int32), scratch("dsum", items * 16, np.float32))
+def activation_group(scheme: str, cols: int) -> int:
+    """Values that share one activation scale when tokens of ``cols`` values multiply a matrix of
+    ``scheme`` here (``span``: 32 but for int8 and int4 with groups over 32)."""
+    return 32 * span(KINDS[scheme], cols // 32)
+
+
+def _layout(groups: int, blocks: int, wide: int, halves: int) -> tuple[np.ndarray, ...]:
+    """The scratch arrays of ``groups`` groups of 16 tokens by ``blocks`` blocks of 32 values,
+    ``wide`` blocks a span, for the tiles: their codes (int32 words), and a span's scales, shifts
+    (``halves`` a span) and scaled sums."""
+    items, spans = groups * blocks, groups * (blocks // wide)
+    return (scratch("act", items * 128, np.int32), scratch("scales", spans * 16, np.float32),
+            scratch("shift", spans * halves * 16, np.int32), scratch("dsum", spans * 16, np.float32))
 
 
 @njit(cache=True, nogil=True)
-def _activations(x, n, cols, offset, halves, xq, dx, sums, act, scales, shift, dsum):  # pragma: no cover - compiled
-    # The n tokens' activations x (float32, n * cols values) quantized to int8 per 32 values
-    # (``vnni._quantize_groups``, as the one-token block kernels; into xq, dx, sums) and laid out
-    # for the tile: for each group of 16 tokens and each block of 32 values, 8 vectors of four
-    # values of each token (act); per group and block the 16 tokens' scales (``scales``) and
-    # their scales times their sums (``dsum``), and per group, block and each of its ``halves``
-    # minus ``offset`` times the tokens' sums (``shift``, int32). Tokens past n (padding the last
-    # group) are zeros with scale 0.
+def _activations(x, n, cols, offset, halves, wide, xq, dx, sums, act, scales, shift,
+                 dsum):  # pragma: no cover - compiled
+    # The n tokens' activations x (float32, n * cols values) quantized to int8 per span of
+    # ``wide`` blocks of 32 values (``vnni._quantize_groups``, as the one-token block kernels for
+    # spans of one block; into xq, dx, sums) and laid out for the tile: for each group of 16
+    # tokens and each block of 32 values, 8 vectors of four values of each token (act); per group
+    # and span the 16 tokens' scales (``scales``) and their scales times their sums (``dsum``),
+    # and per group, span and each of its ``halves`` minus ``offset`` times the tokens' code sums
+    # (``shift``, int32). Tokens past n (padding the last group) are zeros with scale 0.
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     blocks = cols // 32
-    vnni._quantize_groups(x, 32, 0, xq, dx, sums)
+    spans = blocks // wide
+    unit = 32 * wide // halves  # values a shift sums
+    vnni._quantize_groups(x, 32 * wide, 0, xq, dx, sums)
     words = xq.view(np.int32)
-    span = 32 // halves
     for t in range(n):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
         for b in range(blocks):
@@ -474,29 +534,38 @@ def _activations(x, n, cols, offset, halves, xq, dx, sums, act, scales, shift, d
             first = (t * cols + 32 * b) // 4
             for j in range(8):
                 act[at + 16 * j] = words[first + j]
-            scales[(g * blocks + b) * 16 + lane] = dx[t * blocks + b]
-            dsum[(g * blocks + b) * 16 + lane] = sums[t * blocks + b]
-            if halves == 1:  # the code sum, back from the scaled one (exact: at most 32 x 127 in magnitude)
-                d = dx[t * blocks + b]
-                total = np.int32(np.rint(sums[t * blocks + b] / d)) if d > 0 else np.int32(0)
-                shift[(g * blocks + b) * 16 + lane] = -offset * total
+        for s in range(spans):
+            scales[(g * spans + s) * 16 + lane] = dx[t * spans + s]
+            dsum[(g * spans + s) * 16 + lane] = sums[t * spans + s]
+            if halves == 1 and wide == 1:  # the code sum, back from the scaled one (exact: at most 32 x 127)
+                d = dx[t * spans + s]
+                total = np.int32(np.rint(sums[t * spans + s] / d)) if d > 0 else np.int32(0)
+                shift[(g * spans + s) * 16 + lane] = -offset * total
                 continue
             for h in range(halves):
                 total = np.int32(0)
-                for k in range(span):
-                    total += np.int32(xq[t * cols + 32 * b + span * h + k])
-                shift[((g * blocks + b) * halves + h) * 16 + lane] = -offset * total
+                first = t * cols + 32 * wide * s + unit * h
+                for k in range(unit):
+                    total += np.int32(xq[first + k])
+                shift[((g * spans + s) * halves + h) * 16 + lane] = -offset * total
     for t in range(n, groups * LANE_TOKENS):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
         for b in range(blocks):
-            _padding(g * blocks + b, lane, halves, act, scales, shift, dsum)
+            _padding_codes(g * blocks + b, lane, act)
+        for s in range(spans):
+            _padding_scales(g * spans + s, lane, halves, scales, shift, dsum)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _padding(item, lane, halves, act, scales, shift, dsum):  # pragma: no cover - compiled
-    # Token ``lane`` of work item ``item`` (16 tokens by 32 values) a padding one: zeros, scale 0.
+def _padding_codes(item, lane, act):  # pragma: no cover - compiled
+    # Token ``lane`` of block ``item`` (16 tokens by 32 values) a padding one: zeros.
     for j in range(8):
         act[item * 128 + 16 * j + lane] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _padding_scales(item, lane, halves, scales, shift, dsum):  # pragma: no cover - compiled
+    # Token ``lane`` of span ``item`` (16 tokens) a padding one: scale 0, no sums.
     scales[item * 16 + lane] = 0
     dsum[item * 16 + lane] = 0
     for h in range(halves):
@@ -510,43 +579,48 @@ def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool
     gpt-oss's clamped SwiGLU (``clamped``, ``limit``, ``alpha``), quantized for a matrix of
     ``scheme`` with rows of ``inter`` values as ``quantized`` quantizes tokens, for
     ``product``. The products arrive 16 tokens a vector, which is the tiles' own layout: the
-    activation, each token's scales per 32 values and the codes are computed 16 tokens at a time
+    activation, each token's scales per span (``span``) and the codes are computed 16 tokens at a time
     where token by token they took an activation pass (numpy's, 7 of a 256-token q4_0 expert's 92
     ms at Mixtral's shape), a transposition and a quantization pass."""
     kind = KINDS[scheme]
     halves = 2 if kind == _HALVES else 1
     has_bias = bias is not None
     gu_bias = np.ascontiguousarray(bias, dtype=np.float32) if has_bias else np.zeros(1, np.float32)
-    act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS * (inter // 32), halves)
+    wide = span(kind, inter // 32)
+    act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS, inter // 32, wide, halves)
     _activated(h_rows, n, inter, clamped, np.float32(limit), np.float32(alpha), gu_bias, has_bias, _OFFSET[kind],
-               halves, max(1, get_num_threads()), act, scales, shift, dsum)
+               halves, wide, max(1, get_num_threads()), act, scales, shift, dsum)
     return act.view(np.int8), scales, shift, dsum
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
-def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, workers, act, scales, shift,
+def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, wide, workers, act, scales, shift,
                dsum):  # pragma: no cover - compiled
-    # ``activated``: each work item a group of 16 tokens by 32 values (a block of the down rows).
+    # ``activated``: each work item a group of 16 tokens by a span of ``wide`` blocks of 32 values
+    # of the down rows.
     groups = h.shape[1] // LANE_TOKENS
     blocks = inter // 32
-    items = groups * blocks
+    spans = blocks // wide
+    items = groups * spans
     one = np.float32(1.0)
     slope = vnni.LOG2E_NEG * (alpha if clamped else one)
-    span = 32 // halves
+    count = 32 * wide  # values a span
+    unit = count // halves  # values a shift sums
     for worker in prange(workers):
-        values = np.empty((32, LANE_TOKENS), np.float32)
-        codes = np.empty((32, LANE_TOKENS), np.int32)
+        values = np.empty((count, LANE_TOKENS), np.float32)
+        codes = np.empty((count, LANE_TOKENS), np.int32)
         amax = np.empty(LANE_TOKENS, np.float32)
         d = np.empty(LANE_TOKENS, np.float32)
         inverse = np.empty(LANE_TOKENS, np.float32)
         total = np.empty((2, LANE_TOKENS), np.int32)
         for item in range(worker * items // workers, (worker + 1) * items // workers):
-            g, b = item // blocks, item % blocks
+            g, s = item // spans, item % spans
+            first = count * s  # the span's first value in a row
             amax[:] = 0
-            for j in range(32):
-                gate, up = h[32 * b + j, g * LANE_TOKENS:], h[inter + 32 * b + j, g * LANE_TOKENS:]
-                add_gate = bias[32 * b + j] if has_bias else np.float32(0.0)
-                add_up = bias[inter + 32 * b + j] if has_bias else np.float32(0.0)
+            for j in range(count):
+                gate, up = h[first + j, g * LANE_TOKENS:], h[inter + first + j, g * LANE_TOKENS:]
+                add_gate = bias[first + j] if has_bias else np.float32(0.0)
+                add_up = bias[inter + first + j] if has_bias else np.float32(0.0)
                 for lane in range(LANE_TOKENS):
                     x, u = gate[lane] + add_gate, up[lane] + add_up
                     v = vnni.clamped_swiglu(x, u, limit, slope) if clamped else vnni.silu_times(x, u, slope)
@@ -556,20 +630,23 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
                 d[lane] = amax[lane] / np.float32(127) if amax[lane] > 0 else one
                 inverse[lane] = one / d[lane]
             total[:] = 0
-            for j in range(32):
+            for j in range(count):
                 for lane in range(LANE_TOKENS):
                     q = np.int32(np.rint(values[j, lane] * inverse[lane]))
                     codes[j, lane] = q
-                    total[j // span, lane] += q
-            at = item * 128
-            for j4 in range(8):
-                for lane in range(LANE_TOKENS):
-                    act[at + 16 * j4 + lane] = ((codes[4 * j4, lane] & 255) | ((codes[4 * j4 + 1, lane] & 255) << 8)
-                                                | ((codes[4 * j4 + 2, lane] & 255) << 16)
-                                                | (codes[4 * j4 + 3, lane] << 24))
+                    total[j // unit, lane] += q
+            for bb in range(wide):
+                at = (g * blocks + s * wide + bb) * 128
+                for j4 in range(8):
+                    c = 32 * bb + 4 * j4
+                    for lane in range(LANE_TOKENS):
+                        act[at + 16 * j4 + lane] = ((codes[c, lane] & 255) | ((codes[c + 1, lane] & 255) << 8)
+                                                    | ((codes[c + 2, lane] & 255) << 16) | (codes[c + 3, lane] << 24))
             for lane in range(LANE_TOKENS):
                 if g * LANE_TOKENS + lane >= n:  # padding: zeros with scale 0, as ``_activations``
-                    _padding(item, lane, halves, act, scales, shift, dsum)
+                    for bb in range(wide):
+                        _padding_codes(g * blocks + s * wide + bb, lane, act)
+                    _padding_scales(item, lane, halves, scales, shift, dsum)
                     continue
                 scales[item * 16 + lane] = d[lane]
                 dsum[item * 16 + lane] = np.float32(total[0, lane] + (total[1, lane] if halves == 2 else 0)) * d[lane]
@@ -579,9 +656,18 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
 
 @njit(cache=True, nogil=True, inline="always")
 def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: no cover - compiled
-    # Row ``row`` of raw: its codes at w[wat:], its blocks' scales (and minimums) from sc/mn[p].
+    # Row ``row`` of raw: its codes at w[wat:], its spans' scales (and minimums) from sc/mn[p].
     size, values = _SIZE[kind], _VALUES[kind]
     base = row * raw.shape[1]
+    if kind == _INT8:  # the codes, their sign bits flipped, then the row's float32 scale for every span
+        cols = raw.shape[1] - 4
+        for b in range(cols // 32):
+            _codes_int8(flat, base + 32 * b, w, wat + 32 * b)
+        scale = flat[base + cols:base + cols + 4].view(np.float32)[0]
+        blocks = cols // 32
+        for s in range(blocks // span(kind, blocks)):
+            sc[p + s] = scale
+        return
     if _INT4 <= kind < _FP8:  # int4: the groups' codes, then their bf16 scales, then their bf16 minimums
         groups = raw.shape[1] * 2 // (values + 8)  # a group's bytes: values / 2 of codes, 4 of parameters
         scales_at = base + groups * size
@@ -593,11 +679,10 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
             else:
                 _codes_int4_g128(flat, base + g * size, w, wat + g * values)
         params = flat.view(np.uint16)  # the row's bytes from its codes' end are bf16 values
-        first, per = scales_at // 2, values // 32
-        for g in range(groups):
-            for j in range(per):
-                sc[p + g * per + j] = bf16_value(params[first + g])
-                mn[p + g * per + j] = bf16_value(params[first + groups + g])
+        first = scales_at // 2
+        for g in range(groups):  # a group a span
+            sc[p + g] = bf16_value(params[first + g])
+            mn[p + g] = bf16_value(params[first + groups + g])
         return
     for b in range(raw.shape[1] // size):
         at = base + b * size
@@ -652,7 +737,9 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
     flat_out = out.reshape(-1)
     blocks = cols // 32
     halves = 2 if kind == _HALVES else 1
-    params = blocks * halves  # scales a row
+    wide = span(kind, blocks)
+    spans = blocks // wide
+    params = spans * halves  # scales a row
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
@@ -682,19 +769,35 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
                         target, obase, ostride, rstride = flat_out, (first + r) * padded + g * 16, 16, padded
                     else:
                         target, obase, ostride, rstride = sums, (g * CHUNK_ROWS + r) * 16, CHUNK_ROWS * 16, 16
-                    args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512, scales,
-                            shift, dsum, g * blocks * 16, blocks * 16, target, obase, ostride, rstride, flat, ahead)
+                    args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512,
+                            scales, shift, dsum, g * spans * 16, spans * 16, target, obase, ostride, rstride, flat,
+                            ahead)
                     ahead += blocks * 128
                     if kind == _HALVES:
                         if pair:
                             _tile_pair_halves(*args)
                         else:
                             _tile_one_halves(*args)
-                    elif has_minimums(kind):  # q4_k, q5_k, int4
-                        if pair:
+                    elif has_minimums(kind):  # q4_k, q5_k, int4 (its groups of 64 and 128: spans of 2 and 4)
+                        if wide == 4:
+                            if pair:
+                                _tile_pair_minimums_4(*args)
+                            else:
+                                _tile_one_minimums_4(*args)
+                        elif wide == 2:
+                            if pair:
+                                _tile_pair_minimums_2(*args)
+                            else:
+                                _tile_one_minimums_2(*args)
+                        elif pair:
                             _tile_pair_minimums(*args)
                         else:
                             _tile_one_minimums(*args)
+                    elif wide == 8:  # int8
+                        if pair:
+                            _tile_pair_8(*args)
+                        else:
+                            _tile_one_8(*args)
                     elif pair:
                         _tile_pair(*args)
                     else:

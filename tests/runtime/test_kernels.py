@@ -318,7 +318,7 @@ def _blocks_case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.nda
 
 
 TILED = ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"]  # row tiles for a few tokens
-IN_PLACE = TILED + ["iq4_xs", "int4_g32", "int4_g64", "int4_g128"]
+IN_PLACE = TILED + ["iq4_xs", "int4_g32", "int4_g64", "int4_g128", "int8"]
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
@@ -346,20 +346,41 @@ def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
 @pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 16), (9, 1024, 21), (40, 512, 33), (3, 256, 50)])
 def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     """Many tokens (16 a vector, the last group padded; chunks of 16 rows, the last one short)
-    give the dequantized weights times each token's activations quantized to int8 per 32 values,
-    up to float rounding; ``linear`` sends them there (below ``AMX_MIN_TOKENS`` where the CPU
-    has AMX)."""
-    from ktc.runtime import amx, lanes
+    give the dequantized weights times each token's activations quantized to int8 per 32 values
+    (per span where a weight scale covers several blocks: int4's wider groups, int8's rows, 256
+    values where the row allows), up to float rounding; ``linear`` sends them there (below
+    ``AMX_MIN_TOKENS`` where the CPU has AMX; int8 not at all there)."""
+    from ktc.runtime import amx, kernels, lanes
     from ktc.runtime.kernels import AMX_MIN_TOKENS, LANES_MIN_TOKENS, linear
 
     raw, x = _blocks_case(scheme, rows, cols, tokens)
     assert lanes.fits(scheme, cols) and tokens >= LANES_MIN_TOKENS[scheme]
-    quantized = np.stack([np.repeat(dx, 32) * xq for xq, dx, _ in (vnni.quantize_activations(row, 32) for row in x)])
+    group = lanes.activation_group(scheme, cols)
+    assert group == {"int4_g64": 64, "int4_g128": 128, "int8": min(256, cols)}.get(scheme, 32)
+    quantized = np.stack([np.repeat(dx, group) * xq
+                          for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
     want = quantized.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
     got = lanes.matmul(x, raw, scheme)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    if tokens < AMX_MIN_TOKENS[scheme] or not amx.HAVE_AMX:
+    if not amx.HAVE_AMX or (scheme != "int8" and tokens < AMX_MIN_TOKENS[scheme]):
         np.testing.assert_array_equal(got, linear(x, raw, scheme))
+        assert kernels._by_lanes(raw, scheme, tokens, cols)
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("cols, group", [(96, 32), (128, 32), (224, 32), (256, 256), (2304, 256)])
+def test_int8_lanes_quantize_per_span(cols, group):
+    """int8 rows (one scale a row) take their activations per 256 values where the row is whole
+    256s (else per 32), and their products sum as integers over them: the dequantized
+    weights times the tokens so quantized, up to float rounding."""
+    from ktc.runtime import lanes
+
+    raw, x = _blocks_case("int8", 21, cols, 19)
+    assert lanes.activation_group("int8", cols) == group
+    quantized = np.stack([np.repeat(dx, group) * xq
+                          for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
+    want = quantized.astype(np.float64) @ dequantize(raw, "int8", cols).astype(np.float64).T
+    np.testing.assert_allclose(lanes.matmul(x, raw, "int8"), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
@@ -503,8 +524,7 @@ def test_batched_blocks_outside_their_tiles(monkeypatch):
         assert np.linalg.norm(linear(x, raw, "q4_0") - want) / np.linalg.norm(want) < 1e-2
     assert taken == ["matmul", "matmul_blocks", "matmul"]
     assert not vnni.batched_fits("q4_0", 96) and vnni.batched_fits("q4_0", 128) and lanes.fits("q4_0", 96)
-    assert not vnni.batched_fits("int8", 128) and not lanes.fits("int8", 128)  # torch's int8 GEMM
-    assert kernels.cpu_kernels("int8").in_place is None
+    assert not vnni.batched_fits("int8", 128) and lanes.fits("int8", 128) and not lanes.fits("int8", 112)
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
