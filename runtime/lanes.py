@@ -14,9 +14,10 @@ the scales beside them), kept in the cache while every token goes over them, and
 bytes are prefetched meanwhile. ``vpdpbusd`` multiplies unsigned bytes by signed ones: the
 codes are stored unsigned (plus their kind's offset), and the offset times each block's sum of
 activations is where the int32 sums start. q4_k's, q5_k's and int4's minimums add one
-multiply-add a block (int4's scale and minimum, one per group of 32-128 values, repeated for each
-block of 32 of the group); q6_k's 16-value scales split a block's sums in two. ``kernels.in_place`` sends a matrix
-here from ``kernels.LANES_MIN_TOKENS`` tokens on.
+multiply-add a block; q6_k's 16-value scales split a block's sums in two. Where one weight
+scale covers several blocks (int4's groups of 64 and 128 values, int8's rows: ``span``) the
+activations are quantized per span and the integer sums run over it before its one conversion.
+``kernels.in_place`` sends a matrix here from ``kernels.LANES_MIN_TOKENS`` tokens on.
 
 Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and torch's bf16
 ``F.linear`` in ``benchmarks/expert_kernels.py`` (part 3) and ``docs/runtime.md``.
