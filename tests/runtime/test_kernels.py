@@ -368,6 +368,21 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl"])
+@pytest.mark.parametrize("cols", [96, 160, 224, 288])
+def test_lanes_unpack_blocks_four_at_a_time_and_the_rest_alone(scheme, cols):
+    """The block kinds' rows are unpacked four blocks a call and the last (a row of 3, 5, 7 or 9
+    blocks) one by one: every block's codes and scale where the tiles read them (the products
+    equal the dequantized weights times the quantized tokens)."""
+    from ktc.runtime import lanes
+
+    raw, x = _blocks_case(scheme, 19, cols, 18)
+    quantized = np.stack([np.repeat(dx, 32) * xq for xq, dx, _ in (vnni.quantize_activations(row, 32) for row in x)])
+    want = quantized.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
+    np.testing.assert_allclose(lanes.matmul(x, raw, scheme), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("cols, group", [(96, 32), (128, 32), (224, 32), (256, 256), (2304, 256)])
 def test_int8_lanes_quantize_per_span(cols, group):
     """int8 rows (one scale a row) take their activations per 256 values where the row is whole
