@@ -368,12 +368,13 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl"])
-@pytest.mark.parametrize("cols", [96, 160, 224, 288])
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "int4_g32"])
+@pytest.mark.parametrize("cols", [96, 160, 224, 288, 544])
 def test_lanes_unpack_blocks_four_at_a_time_and_the_rest_alone(scheme, cols):
-    """The block kinds' rows are unpacked four blocks a call and the last (a row of 3, 5, 7 or 9
-    blocks) one by one: every block's codes and scale where the tiles read them (the products
-    equal the dequantized weights times the quantized tokens)."""
+    """The block kinds' rows (and int4_g32's groups) are unpacked four blocks a call and the last
+    (a row of 3, 5, 7, 9 or 17 blocks) one by one, int4's scales and minimums 16 a vector and the
+    rest one by one: every block's codes and scale where the tiles read them (the products equal
+    the dequantized weights times the quantized tokens)."""
     from ktc.runtime import lanes
 
     raw, x = _blocks_case(scheme, 19, cols, 18)
