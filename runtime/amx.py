@@ -404,7 +404,7 @@ _int8_pair, _int8_one = tiles_intrinsic(2, "tdpbssd"), tiles_intrinsic(1, "tdpbs
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, oat):  # pragma: no cover - compiled
+def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, blocks, offset, wb, oat):  # pragma: no cover - compiled
     # Row ``row`` of raw as bf16 at wb[oat:]: the block kinds in one pass, the others through
     # lanes' unpacking (codes plus the kind's offset, scales, minimums into w, sc, mn) and a second.
     at = row * raw.shape[1]
@@ -419,7 +419,12 @@ def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, 
     elif kind == lanes._FP8:
         _blocks_fp8(flat, at, blocks // 4, wb, oat)
     else:
-        lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0, f16)
+        lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0)
+        per = lanes.span(kind, blocks)  # int4's groups of 64 and 128: a scale a span, here a block
+        if per > 1:
+            for b in range(blocks - 1, -1, -1):  # backwards: each reads a span at or before it
+                sc[b] = sc[b // per]
+                mn[b] = mn[b // per]
         if kind == lanes._HALVES:
             _row_halves(w, 0, sc, mn, 0, blocks, offset, wb, oat)
         elif lanes.has_minimums(kind):
@@ -449,7 +454,7 @@ def _put_tiles(sums, used, first, count, g, n, out, flat_out):  # pragma: no cov
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out):  # pragma: no cover - compiled
+def _matmul(raw, kind, e8m0, xb, n, cols, workers, pairs_a_chunk, cfg, out):  # pragma: no cover - compiled
     # out [n, rows] = the tokens (``activations``) times raw's rows of ``lanes.KINDS``' kind: each
     # worker a chunk of ``pairs_a_chunk`` x 32 rows at a time (taken from a counter, as ``lanes``
     # does), decoded to bf16, then every pair of token groups over every 32 of its rows.
@@ -474,7 +479,7 @@ def _matmul(raw, kind, e8m0, f16, xb, n, cols, workers, pairs_a_chunk, cfg, out)
             if count <= 0:
                 break
             for r in range(count):
-                _decode_row(kind, raw, first + r, flat, w, sc, mn, e8m0, f16, blocks, offset, wb, r * pitch)
+                _decode_row(kind, raw, first + r, flat, w, sc, mn, e8m0, blocks, offset, wb, r * pitch)
             wb[count * pitch:] = 0
             used = (count + ROWS - 1) // ROWS
             for g in range(pairs):
@@ -509,8 +514,7 @@ def matmul(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
     xb = activations(x, n, cols, 2 * ((n + 31) // 32))
     out = np.empty((n, raw.shape[0]), dtype=np.float32)
     workers, per_chunk = _chunking(raw.shape[0], 2 * (cols + PAD))
-    f16, e8m0 = vnni._tables()
-    _matmul(raw, KINDS[scheme], e8m0, f16, xb, n, cols, workers, per_chunk, tile_config(), out)
+    _matmul(raw, KINDS[scheme], vnni._tables()[1], xb, n, cols, workers, per_chunk, tile_config(), out)
     return out
 
 

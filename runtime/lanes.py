@@ -373,6 +373,107 @@ def _bf16x16(typingctx, flat, at, out, oat):  # type: ignore[no-untyped-def]
     return types.void(flat, at, out, oat), codegen
 
 
+@intrinsic
+def _scales_k4(typingctx, flat, at, sc, mn, p):  # type: ignore[no-untyped-def]
+    """The 8 scales and minimums of the q4_k or q5_k super-block at byte ``at`` of ``flat`` (its
+    fp16 d and dmin, then 12 bytes of 6-bit values) as float32, times d at sc[p:p + 8] and times
+    -dmin at mn[p:p + 8], in vectors (``kquants._scale_min_k4``'s bits): a value at a time they
+    were two thirds of these rows' unpacking."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        flat_a, sc_a, mn_a = vnni._arrays(context, builder, signature, args, (0, 2, 3))
+        at_v, p_v = vnni._indices(context, builder, signature, args, (1, 4))
+        load = _loader(builder)
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        eight, floats = ir.VectorType(i8, 8), ir.VectorType(f32, 8)
+
+        def bytes_of(values):  # type: ignore[no-untyped-def]
+            return ir.Constant(eight, values)
+
+        def picked(vector, order):  # type: ignore[no-untyped-def]
+            return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, 8), order))
+
+        def half(offset):  # type: ignore[no-untyped-def]
+            bits = load(flat_a, builder.add(at_v, ir.Constant(at_v.type, offset)), ir.IntType(16))
+            return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
+
+        b = load(flat_a, builder.add(at_v, ir.Constant(at_v.type, 4)), ir.VectorType(i8, 16))  # bytes 4..19
+        top = bytes_of([0, 0, 0, 0, 48, 48, 48, 48])  # sub-blocks 4-7 take two high bits from bytes 0-7
+        # scales: j < 4 the low 6 bits of byte j, else byte j + 4's low 4 and byte j - 4's top 2
+        scales = builder.or_(builder.and_(picked(b, [0, 1, 2, 3, 8, 9, 10, 11]), bytes_of([63] * 4 + [15] * 4)),
+                             builder.and_(builder.lshr(picked(b, [0, 0, 0, 0, 0, 1, 2, 3]), bytes_of([2] * 8)), top))
+        # minimums: j < 4 the low 6 bits of byte j + 4, else byte j + 4's high 4 and byte j's top 2
+        lows = builder.lshr(picked(b, [4, 5, 6, 7, 8, 9, 10, 11]), bytes_of([0] * 4 + [4] * 4))
+        minimums = builder.or_(builder.and_(lows, bytes_of([63] * 4 + [15] * 4)),
+                               builder.and_(builder.lshr(picked(b, [0, 0, 0, 0, 4, 5, 6, 7]), bytes_of([2] * 8)),
+                                            top))
+
+        def put(values, factor, array):  # type: ignore[no-untyped-def]
+            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
+                                                                  ir.Constant(i32, 0)),
+                                           ir.Constant(floats, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            value = builder.fmul(builder.uitofp(values, floats), splat)
+            builder.store(value, builder.bitcast(builder.gep(array.data, [p_v]), floats.as_pointer()), align=4)
+
+        put(scales, half(0), sc_a)
+        put(minimums, builder.fneg(half(2)), mn_a)
+        return context.get_dummy_value()
+
+    return types.void(flat, at, sc, mn, p), codegen
+
+
+def _scales_intrinsic(kind: int):  # type: ignore[no-untyped-def]
+    """``scales(flat, at, sc, p)``: the scales of the q6_k (16, int8 times d) or iq4_xs (8,
+    6-bit minus 32, times d) super-block at byte ``at`` of ``flat`` as float32 at sc[p:], in one
+    vector (a value at a time in a Numba loop: about half of these rows' unpacking)."""
+    from llvmlite import ir
+
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    count = 16 if kind == _HALVES else 8
+    words, floats = ir.VectorType(i32, count), ir.VectorType(f32, count)
+
+    @intrinsic
+    def scales(typingctx, flat, at, sc, p):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, sc_a = vnni._arrays(context, builder, signature, args, (0, 2))
+            at_v, p_v = vnni._indices(context, builder, signature, args, (1, 3))
+            load = _loader(builder)
+
+            def byte_at(offset, t):  # type: ignore[no-untyped-def]
+                return load(flat_a, builder.add(at_v, ir.Constant(at_v.type, offset)), t)
+
+            def lanes_of(values):  # type: ignore[no-untyped-def]
+                return ir.Constant(words, values)
+
+            if kind == _HALVES:  # q6_k: int8 scales at 192, fp16 d at 208
+                values = builder.sitofp(byte_at(192, ir.VectorType(i8, 16)), floats)
+                d = byte_at(208, i16)
+            else:  # iq4_xs: fp16 d at 0, the scales' high bits (2 each) at 2, their low nibbles at 4
+                low = builder.zext(byte_at(4, ir.VectorType(i8, 4)), ir.VectorType(i32, 4))
+                low = builder.shuffle_vector(low, low, ir.Constant(words, [0, 0, 1, 1, 2, 2, 3, 3]))
+                low = builder.and_(builder.lshr(low, lanes_of([0, 4] * 4)), lanes_of([15] * 8))
+                high = builder.zext(byte_at(2, i16), i32)
+                high = builder.shuffle_vector(builder.insert_element(ir.Constant(words, ir.Undefined), high,
+                                                                     ir.Constant(i32, 0)),
+                                              ir.Constant(words, ir.Undefined), ir.Constant(words, [0] * 8))
+                high = builder.and_(builder.lshr(high, lanes_of([2 * j for j in range(8)])), lanes_of([3] * 8))
+                values = builder.sitofp(builder.sub(builder.or_(low, builder.shl(high, lanes_of([4] * 8))),
+                                                    lanes_of([32] * 8)), floats)
+                d = byte_at(0, i16)
+            factor = builder.fpext(builder.bitcast(d, ir.HalfType()), f32)
+            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
+                                                                  ir.Constant(i32, 0)),
+                                           ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * count))
+            value = builder.fmul(values, splat)
+            builder.store(value, builder.bitcast(builder.gep(sc_a.data, [p_v]), floats.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(flat, at, sc, p), codegen
+
+    return scales
+
+
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1):  # type: ignore[no-untyped-def]
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
     dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r
@@ -565,6 +666,7 @@ _unpack4_q8_0, _unpack4_q4_0, _unpack4_mxfp4, _unpack4_iq4_nl = (_unpack4_intrin
 _codes_q4_k, _codes_q5_k, _codes_q6_k, _codes_iq4_xs = (_superblock_intrinsic(kind) for kind in range(5, 9))
 _codes_int4_g32, _codes_int4_g64, _codes_int4_g128 = (_int4_codes_intrinsic(group) for group in (32, 64, 128))
 _codes_int8 = _int8_codes_intrinsic()
+_scales_q6_k, _scales_iq4_xs = _scales_intrinsic(_HALVES), _scales_intrinsic(8)
 _codes128_int4_g32, _codes128_int4_g64, _codes128_int4_g128 = (_int4_codes128_intrinsic(group)
                                                                 for group in (32, 64, 128))
 _tile_pair, _tile_one = _tile_intrinsic(TILE_GROUPS), _tile_intrinsic(1)
@@ -768,7 +870,7 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: no cover - compiled
+def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0):  # pragma: no cover - compiled
     # Row ``row`` of raw: its codes at w[wat:], its spans' scales (and minimums) from sc/mn[p].
     size, values = _SIZE[kind], _VALUES[kind]
     base = row * raw.shape[1]
@@ -840,68 +942,57 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, f16):  # pragma: 
             _unpack_iq4_nl(flat, at, w, at_w, sc, p + b, e8m0)
         elif kind == 8:  # iq4_xs: 8 6-bit scales of 32 values (4 low bits, 2 high), minus 32, times d
             _codes_iq4_xs(flat, at, w, at_w)
-            d = kquants._f16(raw, row, b * size, f16)
-            high = np.int32(flat[at + 2]) | (np.int32(flat[at + 3]) << 8)
-            for j in range(8):
-                low = (np.int32(flat[at + 4 + j // 2]) >> (4 * (j % 2))) & 15
-                sc[p + 8 * b + j] = d * np.float32((low | (((high >> (2 * j)) & 3) << 4)) - 32)
+            _scales_iq4_xs(flat, at, sc, p + 8 * b)
         elif kind == 7:  # q6_k: 16 int8 scales of 16 values, times d
             _codes_q6_k(flat, at, w, at_w)
-            d = kquants._f16(raw, row, b * size + 208, f16)
-            for i in range(16):
-                sc[p + 16 * b + i] = d * np.float32(np.int8(flat[at + 192 + i]))
+            _scales_q6_k(flat, at, sc, p + 16 * b)
         else:  # q4_k, q5_k: 8 6-bit scales and minimums of 32 values, times d and dmin
             if kind == 5:
                 _codes_q4_k(flat, at, w, at_w)
             else:
                 _codes_q5_k(flat, at, w, at_w)
-            d = kquants._f16(raw, row, b * size, f16)
-            dmin = kquants._f16(raw, row, b * size + 2, f16)
-            for j in range(8):
-                scale, lowest = kquants._scale_min_k4(raw, row, b * size + 4, j)
-                sc[p + 8 * b + j] = d * np.float32(scale)
-                mn[p + 8 * b + j] = -(dmin * np.float32(lowest))
+            _scales_k4(flat, at, sc, mn, p + 8 * b)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16):  # pragma: no cover - compiled
+def _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0):  # pragma: no cover - compiled
     # Rows first..first + count of raw unpacked (``_unpack_row``), each kind's loop compiled for
     # it: with the kind a run-time value inside the loop over a row's blocks, q4_k's rows took
     # 2.1 ns a block of 32 to unpack from L2, 0.8 with it a constant.
     if kind == 1:
-        _rows_of(1, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(1, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 2:
-        _rows_of(2, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(2, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 3:
-        _rows_of(3, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(3, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 4:
-        _rows_of(4, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(4, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 5:
-        _rows_of(5, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(5, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 6:
-        _rows_of(6, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(6, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 7:
-        _rows_of(7, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(7, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 8:
-        _rows_of(8, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(8, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 9:
-        _rows_of(9, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(9, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 10:
-        _rows_of(10, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(10, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     elif kind == 11:
-        _rows_of(11, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(11, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
     else:
-        _rows_of(_INT8, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+        _rows_of(_INT8, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16):  # pragma: no cover - compiled
+def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0):  # pragma: no cover - compiled
     for r in range(count):
-        _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, f16)
+        _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, out,
+def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
             by_row):  # pragma: no cover - compiled
     # The tokens' quantized activations times the rows raw of KINDS' ``kind``: out [n, rows], or with
     # ``by_row`` [rows, 16 * groups] (each row's sums for every token, the tokens padded to whole
@@ -932,7 +1023,7 @@ def _matmul(raw, kind, e8m0, f16, act, scales, shift, dsum, n, cols, workers, ou
             first, count = vnni.next_chunk(taken, CHUNK_ROWS, rows)
             if count <= 0:
                 break
-            _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0, f16)
+            _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
             sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)
             mn[count * params:] = 0
             # likely the worker's next chunk (taken in turn while both run at one speed), prefetched by the tiles
@@ -1027,10 +1118,7 @@ def product(activations: tuple[np.ndarray, ...], n: int, cols: int, raw: np.ndar
     if out is None:
         out = np.empty((rows, padded) if by_row else (n, rows), dtype=np.float32)
     chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
-    f16, e8m0 = vnni._tables()
-    _matmul(raw, KINDS[scheme], e8m0, f16, *activations, n, cols, max(1, min(get_num_threads(), chunks)), out,
+    _matmul(raw, KINDS[scheme], vnni._tables()[1], *activations, n, cols, max(1, min(get_num_threads(), chunks)), out,
             by_row)
     return out
 
-
-from . import kquants  # noqa: E402  (kquants imports kernels, which imports this module)

@@ -69,6 +69,41 @@ def test_linear_takes_amx_from_its_token_count(monkeypatch):
     np.testing.assert_allclose(through_amx[: least - 1], through_lanes, rtol=2e-2, atol=2e-2 * np.abs(through_lanes).max())
 
 
+def _have_bf16() -> bool:
+    import llvmlite.binding as llvm
+
+    return vnni.HAVE_VNNI and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+
+
+@pytest.mark.skipif(not _have_bf16(), reason="this CPU has no AVX-512 VNNI and BF16 (or the JIT is off)")
+@pytest.mark.parametrize("scheme", ["q4_k", "q5_k", "q6_k", "iq4_xs", "int4_g32", "int4_g64", "int4_g128"])
+def test_rows_unpacked_by_the_lanes_decode_to_their_values_in_bf16(scheme, monkeypatch):
+    """The kinds AMX decodes through ``lanes``' unpacking (codes, then each block's scale and
+    minimum: int4's wider groups come from it a span at a time and are spread to their blocks)
+    give their dequantized values rounded to bf16, row by row. The decoding needs AVX-512 BF16,
+    not AMX: compiled here as on a CPU with AMX (its row intrinsic emits nothing elsewhere)."""
+    monkeypatch.setattr(amx, "HAVE_AMX", True)
+    cols = 512
+    raw, _ = _case(scheme, 5, cols, 1)
+    kind, blocks = amx.KINDS[scheme], cols // 32
+    halves = 2 if kind == lanes._HALVES else 1
+
+    @njit
+    def decoded(raw, kind, e8m0, out):  # as amx._matmul decodes a chunk's rows
+        w = np.zeros(cols, np.uint8)
+        sc = np.zeros(blocks * halves, np.float32)
+        mn = np.zeros(blocks * halves, np.float32)
+        for r in range(raw.shape[0]):
+            amx._decode_row(kind, raw, r, raw.reshape(-1), w, sc, mn, e8m0, blocks, np.float32(lanes._OFFSET[kind]),
+                            out, r * cols)
+
+    out = np.zeros(raw.shape[0] * cols, np.uint16)
+    decoded(raw, kind, vnni._tables()[1], out)
+    got = (out.astype(np.uint32) << 16).view(np.float32).reshape(raw.shape[0], cols)
+    want = dequantize(raw, scheme, cols)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
+
+
 def test_fp8_rows_decode_to_their_values_in_bf16():
     """fp8_e4m3 rows decoded for AMX (codes to float32 by their bits, times the block's scale,
     rounded to bf16): every one of the 254 finite codes, under block scales small and large,
