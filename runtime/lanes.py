@@ -131,8 +131,8 @@ def _unpack4_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     """``unpack4(flat, at, w, wat, sc, p, e8m0)``: ``_unpack_intrinsic``'s four blocks in a row
     (from byte ``at``; their 128 codes at w[wat:], their scales at sc[p:p + 4]) in 512-bit
     vectors: the four blocks' packed codes joined in one register, split, looked up and put back
-    in order two 64-byte stores. A block a call took 6 cycles a block of 32 (the 18-byte blocks'
-    16-byte loads, a loop step and a scale each)."""
+    in order two 64-byte stores: q4_0's rows from L2 0.97 ns a block of 32 where a block a call
+    took 1.55 (and 0.44 with the kind compiled in, ``_unpack_rows``)."""
     from llvmlite import ir
 
     codes_at, size = _CODES_AT[kind], _SIZE[kind]
