@@ -574,10 +574,11 @@ def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | Non
     ``scheme`` as raw rows (uint8 [rows, row_bytes], or the plain dtype for f32/f16/bf16).
 
     One token reads the weights once through the matrix-vector kernels (memory-bound). The block
-    kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k, q6_k and iq4_xs on a VNNI CPU multiply two
-    tokens or more in place, in int8 (``CpuKernels.in_place``: row tiles, then from
+    kinds (q8_0, q4_0, mxfp4, iq4_nl), q4_k, q5_k, q6_k, iq4_xs and int4 on a VNNI CPU multiply
+    two tokens or more in place, in int8 (``CpuKernels.in_place``: row tiles, then from
     ``LANES_MIN_TOKENS`` 16 tokens a vector; through AMX from ``AMX_MIN_TOKENS`` on a CPU
-    with it). Otherwise from ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix
+    with it); so does int8 from ``LANES_MIN_TOKENS`` up to ``LANES_MAX_TOKENS`` on a VNNI CPU
+    without AMX. Otherwise from ``GEMM_MIN_TOKENS`` tokens on the weights are used as a matrix
     (compute-bound): int8 multiplies in int8 (torch._int_mm, or AMX from ``AMX_INT8_MIN_TOKENS``
     where the CPU has it), bf16 and the other quantized schemes in bf16 (decoded first, in tiles;
     each adds well under 1% relative error), f32 and f16 in float32. Between the two, quantized

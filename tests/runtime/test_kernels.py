@@ -384,6 +384,30 @@ def test_lanes_unpack_blocks_four_at_a_time_and_the_rest_alone(scheme, cols):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_int8_products_take_the_lanes_between_their_token_counts(monkeypatch):
+    """int8 on a VNNI CPU without AMX: below LANES_MIN_TOKENS token by token, from there the
+    lanes, from LANES_MAX_TOKENS torch's int8 GEMM (on a CPU with AMX its int8 product as before);
+    each within the activations' rounding of the float product."""
+    from ktc.runtime import amx, kernels
+
+    if amx.HAVE_AMX:
+        pytest.skip("int8 goes through AMX's int8 product on this CPU")
+    taken = []
+    for module, name in ((kernels, "stepwise"), (kernels.lanes, "matmul"), (kernels, "_int8_gemm")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, real=real, name=name: taken.append(name) or real(*args))
+    monkeypatch.setattr(kernels, "LANES_MAX_TOKENS", {"int8": 24})
+    least = kernels.LANES_MIN_TOKENS["int8"]
+    raw, x = _blocks_case("int8", 40, 256, 24)
+    for tokens in (least - 1, least, 23, 24):
+        want = x[:tokens].astype(np.float64) @ dequantize(raw, "int8", 256).astype(np.float64).T
+        got = kernels.linear(x[:tokens], raw, "int8")
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    assert taken == ["stepwise", "matmul", "matmul", "_int8_gemm"]
+    assert kernels._by_lanes(raw, "int8", 23, 256) and not kernels._by_lanes(raw, "int8", 24, 256)
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("cols, group", [(96, 32), (128, 32), (224, 32), (256, 256), (2304, 256)])
 def test_int8_lanes_quantize_per_span(cols, group):
     """int8 rows (one scale a row) take their activations per 256 values where the row is whole
