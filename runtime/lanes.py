@@ -118,7 +118,7 @@ def _unpack_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                 exponent = builder.zext(load(flat_a, at_v, i8), i32)
                 scale = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
             else:  # fp16, converted by the CPU (F16C)
-                scale = builder.fpext(builder.bitcast(load(flat_a, at_v, i16), ir.HalfType()), f32)
+                scale = _fp16(builder, load(flat_a, at_v, i16))
             builder.store(scale, builder.gep(sc_a.data, [p_v]))
             return context.get_dummy_value()
 
@@ -185,7 +185,7 @@ def _unpack4_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                     exponent = builder.zext(load(flat_a, start, i8), i32)
                     scale = builder.fmul(load(e8m0_a, exponent, f32, 4), ir.Constant(f32, 0.5))
                 else:  # fp16, converted by the CPU (F16C)
-                    scale = builder.fpext(builder.bitcast(load(flat_a, start, i16), ir.HalfType()), f32)
+                    scale = _fp16(builder, load(flat_a, start, i16))
                 builder.store(scale, builder.gep(sc_a.data, [builder.add(p_v, const(k))]))
             return context.get_dummy_value()
 
@@ -200,6 +200,23 @@ def _loader(builder):  # type: ignore[no-untyped-def]
         return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=align)
 
     return load
+
+
+def _fp16(builder, bits):  # type: ignore[no-untyped-def]
+    """An fp16 value's 16 bits (an i16) as float32, converted by the CPU (F16C)."""
+    from llvmlite import ir
+
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+
+def _splat(builder, value, count):  # type: ignore[no-untyped-def]
+    """A vector of ``count`` copies of the scalar ``value``."""
+    from llvmlite import ir
+
+    t = ir.VectorType(value.type, count)
+    one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(t, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), count),
+                                                                                 [0] * count))
 
 
 def _store(builder, value, array, index):  # type: ignore[no-untyped-def]
@@ -395,8 +412,7 @@ def _scales_k4(typingctx, flat, at, sc, mn, p):  # type: ignore[no-untyped-def]
             return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, 8), order))
 
         def half(offset):  # type: ignore[no-untyped-def]
-            bits = load(flat_a, builder.add(at_v, ir.Constant(at_v.type, offset)), ir.IntType(16))
-            return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
+            return _fp16(builder, load(flat_a, builder.add(at_v, ir.Constant(at_v.type, offset)), ir.IntType(16)))
 
         b = load(flat_a, builder.add(at_v, ir.Constant(at_v.type, 4)), ir.VectorType(i8, 16))  # bytes 4..19
         top = bytes_of([0, 0, 0, 0, 48, 48, 48, 48])  # sub-blocks 4-7 take two high bits from bytes 0-7
@@ -410,10 +426,7 @@ def _scales_k4(typingctx, flat, at, sc, mn, p):  # type: ignore[no-untyped-def]
                                             top))
 
         def put(values, factor, array):  # type: ignore[no-untyped-def]
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
-                                                                  ir.Constant(i32, 0)),
-                                           ir.Constant(floats, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-            value = builder.fmul(builder.uitofp(values, floats), splat)
+            value = builder.fmul(builder.uitofp(values, floats), _splat(builder, factor, 8))
             builder.store(value, builder.bitcast(builder.gep(array.data, [p_v]), floats.as_pointer()), align=4)
 
         put(scales, half(0), sc_a)
@@ -453,19 +466,12 @@ def _scales_intrinsic(kind: int):  # type: ignore[no-untyped-def]
                 low = builder.zext(byte_at(4, ir.VectorType(i8, 4)), ir.VectorType(i32, 4))
                 low = builder.shuffle_vector(low, low, ir.Constant(words, [0, 0, 1, 1, 2, 2, 3, 3]))
                 low = builder.and_(builder.lshr(low, lanes_of([0, 4] * 4)), lanes_of([15] * 8))
-                high = builder.zext(byte_at(2, i16), i32)
-                high = builder.shuffle_vector(builder.insert_element(ir.Constant(words, ir.Undefined), high,
-                                                                     ir.Constant(i32, 0)),
-                                              ir.Constant(words, ir.Undefined), ir.Constant(words, [0] * 8))
+                high = _splat(builder, builder.zext(byte_at(2, i16), i32), 8)
                 high = builder.and_(builder.lshr(high, lanes_of([2 * j for j in range(8)])), lanes_of([3] * 8))
                 values = builder.sitofp(builder.sub(builder.or_(low, builder.shl(high, lanes_of([4] * 8))),
                                                     lanes_of([32] * 8)), floats)
                 d = byte_at(0, i16)
-            factor = builder.fpext(builder.bitcast(d, ir.HalfType()), f32)
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, ir.Undefined), factor,
-                                                                  ir.Constant(i32, 0)),
-                                           ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * count))
-            value = builder.fmul(values, splat)
+            value = builder.fmul(values, _splat(builder, _fp16(builder, d), count))
             builder.store(value, builder.bitcast(builder.gep(sc_a.data, [p_v]), floats.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -508,10 +514,6 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
 
             def const(k):  # type: ignore[no-untyped-def]
                 return ir.Constant(index_t, k)
-
-            def splat(value, t):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(t, ir.Undefined), ir.Constant(words, [0] * 16))
 
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
@@ -560,13 +562,13 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                                   for r in range(rows)]
                         for j in range(h * per_half, (h + 1) * per_half):
                             for r in range(rows):
-                                weights = splat(load(w_a, builder.add(firsts[r], const(4 * j)), i32), words)
+                                weights = _splat(builder, load(w_a, builder.add(firsts[r], const(4 * j)), i32), 16)
                                 sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]])
                                            for m in range(groups)]
                     for r in range(rows):  # one conversion and multiply-add by the row's and tokens' scales
                         p = builder.add(p_rows[r], const(h))
-                        scale = splat(load(sc_a, p, f32, 4), floats)
-                        lowest = splat(load(mn_a, p, f32, 4), floats) if minimums else None
+                        scale = _splat(builder, load(sc_a, p, f32, 4), 16)
+                        lowest = _splat(builder, load(mn_a, p, f32, 4), 16) if minimums else None
                         for m in range(groups):
                             total = builder.call(fma, [builder.sitofp(sums[r][m], floats),
                                                        builder.fmul(scale, scales[m]), builder.load(accs[r][m])])
