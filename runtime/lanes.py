@@ -64,6 +64,7 @@ _CODES_AT = (0, 2, 2, 1, 2, 0, 0, 0, 0, 0, 0, 0, 4, 0)
 _FP8 = 12
 _INT8 = 13
 _HALVES = 7  # q6_k: 16-value scales, two a block
+_KQUANT_FIRST = 5  # q4_k, q5_k, q6_k: their tokens' scales a super-block (``token_span``)
 _INT4 = 9  # kinds from here on: int4_g32, g64, g128
 
 
@@ -80,6 +81,18 @@ def span(kind, blocks):  # pragma: no cover - compiled
     if _INT4 <= kind < _FP8:
         return _VALUES[kind] // 32
     return 1
+
+
+@njit(cache=True, nogil=True)
+def token_span(kind, blocks):  # pragma: no cover - compiled
+    """Blocks of 32 values that share one activation scale (a multiple of ``span``): the
+    K-quants' (q4_k, q5_k, q6_k) 256 values, a super-block, as llama.cpp's q8_K and their own
+    one-token kernels quantize them, though their rows' scales are a block's (or a half
+    block's): the tile multiplies each block's sums by the row's scale and a super-block's by the
+    tokens' (``_tile_intrinsic``'s ``shared``). Else ``span``."""
+    if _KQUANT_FIRST <= kind <= _HALVES and blocks % 8 == 0:
+        return 8
+    return span(kind, blocks)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -480,7 +493,8 @@ def _scales_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return scales
 
 
-def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1):  # type: ignore[no-untyped-def]
+def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1,  # type: ignore[no-untyped-def]
+                    shared: int = 1):
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
     dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r
     at w[wbase + r * cols], ``blocks`` blocks of 32) times ``groups`` groups of 16 tokens (group
@@ -491,7 +505,20 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     times their sums at dx/shift/dsum[dbase + m * dstride] (a span's 16 tokens a vector): the
     span's integer products summed, then one conversion and multiply-add (two with minimums) a row
     and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride].
-    Each block also prefetches two cache lines at ahead[aat + 128 b]."""
+    Each block also prefetches two cache lines at ahead[aat + 128 b].
+
+    With ``shared`` (the K-quants: 8), the tokens' scales at dx cover ``shared`` blocks (their
+    activations quantized per 256 values, as llama.cpp's q8_K) while the rows' scales and
+    minimums are a block's (a half block's with ``halves``): the totals are kept in units of the
+    current super-block's tokens' scales, each block's (half block's) sums converted and
+    multiplied by the row's scale into them, the minimums times the tokens' code sums (dsum,
+    then a block's, as the shifts are) too; entering a super-block the totals are multiplied by
+    the ratio of the scales (``_as_ratios``), and at the end by the last. One multiply-add a
+    block and row where the other kinds take a multiply and a multiply-add: ``vpdpbusd`` shares
+    the CPU's multiplying units with both (16 ``vpdpbusd`` and 4 multiplies or multiply-adds took
+    as long as 20 ``vpdpbusd``; conversions and integer adds beside them cost nothing). q6_k's
+    and q4_k's products of 14336 x 4096 at 256 tokens took 24.3 and 24.7 ms against 27.4 and
+    26.1 (and with the eight blocks unrolled, 31.7 for both)."""
     from llvmlite import ir
 
     rows = TILE_ROWS
@@ -499,6 +526,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     words, floats = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     per_half = 8 // halves
     assert halves == 1 or span == 1
+    assert shared == 1 or span == 1
 
     @intrinsic
     def tile(typingctx, w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
@@ -524,57 +552,74 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                 "llvm.prefetch.p0i8")
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 16)) for _ in range(groups)]
                     for _ in range(rows)]
-            spans_v = builder.sdiv(blocks_v, const(span))
-            params_per_row = builder.mul(spans_v, const(halves))
+            spans_v = builder.sdiv(blocks_v, const(span * shared))
+            params_per_row = builder.mul(builder.sdiv(blocks_v, const(span)), const(halves))
             with cgutils.for_range(builder, spans_v) as loop:
                 s = loop.index
-                scales, shifts, dsums = [], [], []
+                scales = [load(dx_a, builder.add(vnni._nth(builder, dbase_v, dstride_v, m), builder.mul(s, const(16))),
+                               floats, 4) for m in range(groups)]
+                if shared > 1:  # the totals so far in units of this super-block's tokens' scales (``_as_ratios``)
+                    for r in range(rows):
+                        for m in range(groups):
+                            builder.store(builder.fmul(builder.load(accs[r][m]), scales[m]), accs[r][m])
+                with cgutils.for_range(builder, const(shared)) as inner:  # a loop (unrolled: slower, above)
+                    u = builder.add(builder.mul(s, const(shared)), inner.index)  # the weights' span
+                    dsums, shifts = [], []
+                    for m in range(groups):
+                        base = builder.mul(vnni._nth(builder, dbase_v, dstride_v, m), const(shared))
+                        if minimums:
+                            dsums.append(load(dsum_a, builder.add(base, builder.mul(u, const(16))), floats, 4))
+                        s_i = builder.add(builder.mul(base, const(halves)), builder.mul(u, const(16 * halves)))
+                        shifts.append([load(shift_a, builder.add(s_i, const(16 * h)), words, 4) for h in range(halves)])
+                    p_rows = [builder.add(vnni._nth(builder, pbase_v, params_per_row, r), builder.mul(u, const(halves)))
+                              for r in range(rows)]
+                    first_block = builder.mul(u, const(span))
+                    for h in range(halves):
+                        # the sums start at minus the codes' offset times the tokens' sums (the same
+                        # for every row) and take the span's (or half block's) products, code by code
+                        # across the rows
+                        sums = [[shifts[m][h] for m in range(groups)] for _ in range(rows)]
+                        for k in range(span):
+                            b = builder.add(first_block, const(k))
+                            if h == 0:
+                                for line in (0, 64):  # the next chunk's bytes, into L2, while this one is multiplied
+                                    at = builder.add(builder.add(aat_v, builder.mul(b, const(128))), const(line))
+                                    builder.call(prefetch, [builder.gep(ahead_a.data, [at]), ir.Constant(i32, 0),
+                                                            ir.Constant(i32, 1), ir.Constant(i32, 1)])
+                            xs = []
+                            for m in range(groups):
+                                a_i = builder.add(vnni._nth(builder, abase_v, astride_v, m), builder.mul(b, const(512)))
+                                xs.append({j: load(act_a, builder.add(a_i, const(64 * j)), words)
+                                           for j in range(h * per_half, (h + 1) * per_half)})
+                            firsts = [builder.add(vnni._nth(builder, wbase_v, cols_v, r), builder.mul(b, const(32)))
+                                      for r in range(rows)]
+                            for j in range(h * per_half, (h + 1) * per_half):
+                                for r in range(rows):
+                                    weights = _splat(builder, load(w_a, builder.add(firsts[r], const(4 * j)), i32), 16)
+                                    sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]])
+                                               for m in range(groups)]
+                        for r in range(rows):  # one conversion and multiply-add by the row's and tokens' scales
+                            p = builder.add(p_rows[r], const(h))
+                            scale = _splat(builder, load(sc_a, p, f32, 4), 16)
+                            lowest = _splat(builder, load(mn_a, p, f32, 4), 16) if minimums else None
+                            for m in range(groups):
+                                if shared > 1:  # the sums times the row's scale, the minimum times the code sums
+                                    total = builder.call(fma, [builder.sitofp(sums[r][m], floats), scale,
+                                                               builder.load(accs[r][m])])
+                                    if minimums:
+                                        total = builder.call(fma, [lowest, dsums[m], total])
+                                    builder.store(total, accs[r][m])
+                                    continue
+                                total = builder.call(fma, [builder.sitofp(sums[r][m], floats),
+                                                           builder.fmul(scale, scales[m]), builder.load(accs[r][m])])
+                                if minimums:  # minus the minimum times the tokens' sums
+                                    total = builder.call(fma, [lowest, dsums[m], total])
+                                builder.store(total, accs[r][m])
+            if shared > 1:  # times the last super-block's tokens' scales, which ``_as_ratios`` keeps first
                 for m in range(groups):
-                    d_i = builder.add(vnni._nth(builder, dbase_v, dstride_v, m), builder.mul(s, const(16)))
-                    scales.append(load(dx_a, d_i, floats, 4))
-                    if minimums:
-                        dsums.append(load(dsum_a, d_i, floats, 4))
-                    s_i = builder.add(vnni._nth(builder, builder.mul(dbase_v, const(halves)),
-                                                builder.mul(dstride_v, const(halves)), m),
-                                      builder.mul(s, const(16 * halves)))
-                    shifts.append([load(shift_a, builder.add(s_i, const(16 * h)), words, 4) for h in range(halves)])
-                p_rows = [builder.add(vnni._nth(builder, pbase_v, params_per_row, r), builder.mul(s, const(halves)))
-                          for r in range(rows)]
-                first_block = builder.mul(s, const(span))
-                for h in range(halves):
-                    # the sums start at minus the codes' offset times the tokens' sums (the same
-                    # for every row) and take the span's (or half block's) products, code by code
-                    # across the rows
-                    sums = [[shifts[m][h] for m in range(groups)] for _ in range(rows)]
-                    for k in range(span):
-                        b = builder.add(first_block, const(k))
-                        if h == 0:
-                            for line in (0, 64):  # the next chunk's bytes, into L2, while this one is multiplied
-                                at = builder.add(builder.add(aat_v, builder.mul(b, const(128))), const(line))
-                                builder.call(prefetch, [builder.gep(ahead_a.data, [at]), ir.Constant(i32, 0),
-                                                        ir.Constant(i32, 1), ir.Constant(i32, 1)])
-                        xs = []
-                        for m in range(groups):
-                            a_i = builder.add(vnni._nth(builder, abase_v, astride_v, m), builder.mul(b, const(512)))
-                            xs.append({j: load(act_a, builder.add(a_i, const(64 * j)), words)
-                                       for j in range(h * per_half, (h + 1) * per_half)})
-                        firsts = [builder.add(vnni._nth(builder, wbase_v, cols_v, r), builder.mul(b, const(32)))
-                                  for r in range(rows)]
-                        for j in range(h * per_half, (h + 1) * per_half):
-                            for r in range(rows):
-                                weights = _splat(builder, load(w_a, builder.add(firsts[r], const(4 * j)), i32), 16)
-                                sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]])
-                                           for m in range(groups)]
-                    for r in range(rows):  # one conversion and multiply-add by the row's and tokens' scales
-                        p = builder.add(p_rows[r], const(h))
-                        scale = _splat(builder, load(sc_a, p, f32, 4), 16)
-                        lowest = _splat(builder, load(mn_a, p, f32, 4), 16) if minimums else None
-                        for m in range(groups):
-                            total = builder.call(fma, [builder.sitofp(sums[r][m], floats),
-                                                       builder.fmul(scale, scales[m]), builder.load(accs[r][m])])
-                            if minimums:  # minus the minimum times the tokens' sums
-                                total = builder.call(fma, [lowest, dsums[m], total])
-                            builder.store(total, accs[r][m])
+                    last = load(dx_a, vnni._nth(builder, dbase_v, dstride_v, m), floats, 4)
+                    for r in range(rows):
+                        builder.store(builder.fmul(builder.load(accs[r][m]), last), accs[r][m])
             for r in range(rows):
                 for m in range(groups):
                     at = builder.add(vnni._nth(builder, obase_v, ostride_v, m),
@@ -677,6 +722,9 @@ _tile_pair_halves, _tile_one_halves = _tile_intrinsic(TILE_GROUPS, halves=2), _t
 _tile_pair_minimums_2, _tile_one_minimums_2, _tile_pair_minimums_4, _tile_one_minimums_4 = (
     _tile_intrinsic(groups, minimums=True, span=wide) for wide in (2, 4) for groups in (TILE_GROUPS, 1))
 _tile_pair_8, _tile_one_8 = _tile_intrinsic(TILE_GROUPS, span=8), _tile_intrinsic(1, span=8)
+_tile_pair_minimums_k, _tile_one_minimums_k = (_tile_intrinsic(groups, minimums=True, shared=8)
+                                               for groups in (TILE_GROUPS, 1))
+_tile_pair_halves_k, _tile_one_halves_k = (_tile_intrinsic(groups, halves=2, shared=8) for groups in (TILE_GROUPS, 1))
 
 
 def scratch(key: str, size: int, dtype: type) -> np.ndarray:
@@ -704,45 +752,50 @@ def quantized(x: np.ndarray, scheme: str) -> tuple[np.ndarray, ...]:
     kind = KINDS[scheme]
     halves = 2 if kind == _HALVES else 1
     groups, blocks = (n + LANE_TOKENS - 1) // LANE_TOKENS, cols // 32
-    wide = span(kind, blocks)
-    act, scales, shift, dsum = _layout(groups, blocks, wide, halves)
-    spans = blocks // wide
-    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, scratch("xq", n * cols, np.int8),
+    wide, shared = span(kind, blocks), token_span(kind, blocks)
+    act, scales, shift, dsum = _layout(groups, blocks, wide, halves, shared)
+    spans = blocks // shared
+    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, scratch("xq", n * cols, np.int8),
                  scratch("dx", n * spans, np.float32), scratch("sums", n * spans, np.float32), act, scales, shift,
                  dsum)
+    if shared > wide:
+        _as_ratios(scales, groups, spans)
     return act.view(np.int8), scales, shift, dsum
 
 
 def activation_group(scheme: str, cols: int) -> int:
     """Values that share one activation scale when tokens of ``cols`` values multiply a matrix of
-    ``scheme`` here (``span``: 32 but for int8 and int4 with groups over 32)."""
-    return 32 * span(KINDS[scheme], cols // 32)
+    ``scheme`` here (``token_span``: 32 but for int8, int4 with groups over 32 and the
+    K-quants)."""
+    return 32 * token_span(KINDS[scheme], cols // 32)
 
 
-def _layout(groups: int, blocks: int, wide: int, halves: int) -> tuple[np.ndarray, ...]:
+def _layout(groups: int, blocks: int, wide: int, halves: int, shared: int) -> tuple[np.ndarray, ...]:
     """The scratch arrays of ``groups`` groups of 16 tokens by ``blocks`` blocks of 32 values,
-    ``wide`` blocks a span, for the tiles: their codes (int32 words), and a span's scales, shifts
-    (``halves`` a span) and scaled sums."""
+    ``wide`` blocks a span, for the tiles: their codes (int32 words), the scales of ``shared``
+    blocks (``token_span``), and a span's shifts (``halves`` a span) and scaled sums."""
     items, spans = groups * blocks, groups * (blocks // wide)
-    return (scratch("act", items * 128, np.int32), scratch("scales", spans * 16, np.float32),
+    return (scratch("act", items * 128, np.int32), scratch("scales", groups * (blocks // shared) * 16, np.float32),
             scratch("shift", spans * halves * 16, np.int32), scratch("dsum", spans * 16, np.float32))
 
 
 @njit(cache=True, nogil=True)
-def _activations(x, n, cols, offset, halves, wide, xq, dx, sums, act, scales, shift,
+def _activations(x, n, cols, offset, halves, wide, shared, xq, dx, sums, act, scales, shift,
                  dsum):  # pragma: no cover - compiled
-    # The n tokens' activations x (float32, n * cols values) quantized to int8 per span of
-    # ``wide`` blocks of 32 values (``vnni._quantize_groups``, as the one-token block kernels for
-    # spans of one block; into xq, dx, sums) and laid out for the tile: for each group of 16
-    # tokens and each block of 32 values, 8 vectors of four values of each token (act); per group
-    # and span the 16 tokens' scales (``scales``) and their scales times their sums (``dsum``),
-    # and per group, span and each of its ``halves`` minus ``offset`` times the tokens' code sums
-    # (``shift``, int32). Tokens past n (padding the last group) are zeros with scale 0.
+    # The n tokens' activations x (float32, n * cols values) quantized to int8 per ``shared``
+    # blocks of 32 values (``token_span``; ``vnni._quantize_groups``, as the one-token block
+    # kernels for spans of one block; into xq, dx, sums) and laid out for the tile: for each
+    # group of 16 tokens and each block of 32 values, 8 vectors of four values of each token
+    # (act); per group and ``shared`` blocks the 16 tokens' scales (``scales``); per group and
+    # span of ``wide`` blocks their scales times their sums (``dsum``), and per group, span and
+    # each of its ``halves`` minus ``offset`` times the tokens' code sums (``shift``, int32).
+    # Tokens past n (padding the last group) are zeros with scale 0.
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     blocks = cols // 32
     spans = blocks // wide
+    scaled = blocks // shared  # scales a token
     unit = 32 * wide // halves  # values a shift sums
-    vnni._quantize_groups(x, 32 * wide, 0, xq, dx, sums)
+    vnni._quantize_groups(x, 32 * shared, 0, xq, dx, sums)
     words = xq.view(np.int32)
     for t in range(n):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
@@ -751,26 +804,34 @@ def _activations(x, n, cols, offset, halves, wide, xq, dx, sums, act, scales, sh
             first = (t * cols + 32 * b) // 4
             for j in range(8):
                 act[at + 16 * j] = words[first + j]
+        for s in range(scaled):
+            scales[(g * scaled + s) * 16 + lane] = dx[t * scaled + s]
         for s in range(spans):
-            scales[(g * spans + s) * 16 + lane] = dx[t * spans + s]
-            dsum[(g * spans + s) * 16 + lane] = sums[t * spans + s]
-            if halves == 1 and wide == 1:  # the code sum, back from the scaled one (exact: at most 32 x 127)
+            if shared == wide:
+                dsum[(g * spans + s) * 16 + lane] = sums[t * spans + s]
+            if halves == 1 and wide == 1 and shared == 1:  # the code sum, back from the scaled one (exact: at most 32 x 127)
                 d = dx[t * spans + s]
                 total = np.int32(np.rint(sums[t * spans + s] / d)) if d > 0 else np.int32(0)
                 shift[(g * spans + s) * 16 + lane] = -offset * total
                 continue
+            whole = np.int32(0)
             for h in range(halves):
                 total = np.int32(0)
                 first = t * cols + 32 * wide * s + unit * h
                 for k in range(unit):
                     total += np.int32(xq[first + k])
                 shift[((g * spans + s) * halves + h) * 16 + lane] = -offset * total
+                whole += total
+            if shared != wide:  # the span's code sum (the tile's sums are in units of the tokens' scales)
+                dsum[(g * spans + s) * 16 + lane] = np.float32(whole)
     for t in range(n, groups * LANE_TOKENS):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
         for b in range(blocks):
             _padding_codes(g * blocks + b, lane, act)
+        for s in range(scaled):
+            scales[(g * scaled + s) * 16 + lane] = 0
         for s in range(spans):
-            _padding_scales(g * spans + s, lane, halves, scales, shift, dsum)
+            _padding_sums(g * spans + s, lane, halves, shift, dsum)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -781,12 +842,30 @@ def _padding_codes(item, lane, act):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _padding_scales(item, lane, halves, scales, shift, dsum):  # pragma: no cover - compiled
-    # Token ``lane`` of span ``item`` (16 tokens) a padding one: scale 0, no sums.
-    scales[item * 16 + lane] = 0
+def _padding_sums(item, lane, halves, shift, dsum):  # pragma: no cover - compiled
+    # Token ``lane`` of span ``item`` (16 tokens) a padding one: no sums (its scales: 0).
     dsum[item * 16 + lane] = 0
     for h in range(halves):
         shift[(item * halves + h) * 16 + lane] = 0
+
+
+@njit(cache=True, nogil=True)
+def _as_ratios(scales, groups, scaled):  # pragma: no cover - compiled
+    """The K-quants' tokens' scales (``scaled`` super-blocks a token, 16 tokens a vector) as the
+    tile reads them (``_tile_intrinsic``'s ``shared``): each super-block's but the first the
+    ratio of the one before it to it, the first the last one. The tile keeps its totals in units
+    of the current super-block's scales, multiplying them by the ratio as it enters each, and by
+    the last scale at the end: one multiply a super-block, where a sum of each super-block's
+    blocks would hold another eight vectors in registers. A padding token's scales are 0, and so
+    its ratios."""
+    for g in range(groups):
+        base = g * scaled * 16
+        for lane in range(LANE_TOKENS):
+            last = scales[base + (scaled - 1) * 16 + lane]
+            for s in range(scaled - 1, 0, -1):
+                now, before = scales[base + s * 16 + lane], scales[base + (s - 1) * 16 + lane]
+                scales[base + s * 16 + lane] = before / now if now > 0 else np.float32(0.0)
+            scales[base + lane] = last
 
 
 def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool = False, limit: float = 7.0,
@@ -803,33 +882,36 @@ def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool
     halves = 2 if kind == _HALVES else 1
     has_bias = bias is not None
     gu_bias = np.ascontiguousarray(bias, dtype=np.float32) if has_bias else np.zeros(1, np.float32)
-    wide = span(kind, inter // 32)
-    act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS, inter // 32, wide, halves)
+    wide, shared = span(kind, inter // 32), token_span(kind, inter // 32)
+    act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS, inter // 32, wide, halves, shared)
     _activated(h_rows, n, inter, clamped, np.float32(limit), np.float32(alpha), gu_bias, has_bias, _OFFSET[kind],
-               halves, wide, max(1, get_num_threads()), act, scales, shift, dsum)
+               halves, wide, shared, max(1, get_num_threads()), act, scales, shift, dsum)
+    if shared > wide:
+        _as_ratios(scales, h_rows.shape[1] // LANE_TOKENS, inter // 32 // shared)
     return act.view(np.int8), scales, shift, dsum
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
-def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, wide, workers, act, scales, shift,
-               dsum):  # pragma: no cover - compiled
-    # ``activated``: each work item a group of 16 tokens by a span of ``wide`` blocks of 32 values
-    # of the down rows.
+def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, wide, shared, workers, act, scales,
+               shift, dsum):  # pragma: no cover - compiled
+    # ``activated``: each work item a group of 16 tokens by ``shared`` blocks of 32 values of the
+    # down rows (``token_span``: one scale a token), ``shared // wide`` spans.
     groups = h.shape[1] // LANE_TOKENS
     blocks = inter // 32
-    spans = blocks // wide
+    spans = blocks // shared
+    per = shared // wide  # spans an item
     items = groups * spans
     one = np.float32(1.0)
     slope = vnni.LOG2E_NEG * (alpha if clamped else one)
-    count = 32 * wide  # values a span
-    unit = count // halves  # values a shift sums
+    count = 32 * shared  # values an item
+    unit = 32 * wide // halves  # values a shift sums
     for worker in prange(workers):
         values = np.empty((count, LANE_TOKENS), np.float32)
         codes = np.empty((count, LANE_TOKENS), np.int32)
         amax = np.empty(LANE_TOKENS, np.float32)
         d = np.empty(LANE_TOKENS, np.float32)
         inverse = np.empty(LANE_TOKENS, np.float32)
-        total = np.empty((2, LANE_TOKENS), np.int32)
+        total = np.empty((16, LANE_TOKENS), np.int32)  # code sums a shift: at most 8 spans of 2 halves
         for item in range(worker * items // workers, (worker + 1) * items // workers):
             g, s = item // spans, item % spans
             first = count * s  # the span's first value in a row
@@ -852,8 +934,8 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
                     q = np.int32(np.rint(values[j, lane] * inverse[lane]))
                     codes[j, lane] = q
                     total[j // unit, lane] += q
-            for bb in range(wide):
-                at = (g * blocks + s * wide + bb) * 128
+            for bb in range(shared):
+                at = (g * blocks + s * shared + bb) * 128
                 for j4 in range(8):
                     c = 32 * bb + 4 * j4
                     for lane in range(LANE_TOKENS):
@@ -861,14 +943,19 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
                                                     | ((codes[c + 2, lane] & 255) << 16) | (codes[c + 3, lane] << 24))
             for lane in range(LANE_TOKENS):
                 if g * LANE_TOKENS + lane >= n:  # padding: zeros with scale 0, as ``_activations``
-                    for bb in range(wide):
-                        _padding_codes(g * blocks + s * wide + bb, lane, act)
-                    _padding_scales(item, lane, halves, scales, shift, dsum)
+                    for bb in range(shared):
+                        _padding_codes(g * blocks + s * shared + bb, lane, act)
+                    scales[item * 16 + lane] = 0
+                    for k in range(per):
+                        _padding_sums(item * per + k, lane, halves, shift, dsum)
                     continue
                 scales[item * 16 + lane] = d[lane]
-                dsum[item * 16 + lane] = np.float32(total[0, lane] + (total[1, lane] if halves == 2 else 0)) * d[lane]
-                for half in range(halves):
-                    shift[(item * halves + half) * 16 + lane] = -offset * total[half, lane]
+                for k in range(per):  # span item * per + k (the items go group by group)
+                    whole = np.int32(0)
+                    for half in range(halves):
+                        whole += total[k * halves + half, lane]
+                        shift[((item * per + k) * halves + half) * 16 + lane] = -offset * total[k * halves + half, lane]
+                    dsum[(item * per + k) * 16 + lane] = np.float32(whole) * (d[lane] if per == 1 else one)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1013,6 +1100,8 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     wide = span(kind, blocks)
     spans = blocks // wide
     params = spans * halves  # scales a row
+    scaled = blocks // token_span(kind, blocks)  # the tokens' scales a token
+    shared = token_span(kind, blocks) > wide  # the K-quants' tiles (``_tile_intrinsic``'s ``shared``)
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
@@ -1042,10 +1131,20 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                     else:
                         target, obase, ostride, rstride = sums, (g * CHUNK_ROWS + r) * 16, CHUNK_ROWS * 16, 16
                     args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512,
-                            scales, shift, dsum, g * spans * 16, spans * 16, target, obase, ostride, rstride, flat,
+                            scales, shift, dsum, g * scaled * 16, scaled * 16, target, obase, ostride, rstride, flat,
                             ahead)
                     ahead += blocks * 128
-                    if kind == _HALVES:
+                    if shared and kind == _HALVES:
+                        if pair:
+                            _tile_pair_halves_k(*args)
+                        else:
+                            _tile_one_halves_k(*args)
+                    elif shared:  # q4_k, q5_k
+                        if pair:
+                            _tile_pair_minimums_k(*args)
+                        else:
+                            _tile_one_minimums_k(*args)
+                    elif kind == _HALVES:
                         if pair:
                             _tile_pair_halves(*args)
                         else:
