@@ -24,6 +24,7 @@ Measured against the tiles of ``vnni.matmul_blocks``, ``kquants.matmul_k`` and t
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -493,6 +494,18 @@ def _scales_intrinsic(kind: int):  # type: ignore[no-untyped-def]
     return scales
 
 
+@contextlib.contextmanager
+def _blocks_of(builder, count, const):  # type: ignore[no-untyped-def]
+    """The index of a span's block, 0 to ``count`` - 1: in a loop where ``count`` is over one
+    (its blocks unrolled instead, LLVM scheduled the K-quants' and int8's tiles worse: below),
+    else the constant 0."""
+    if count == 1:
+        yield const(0)
+        return
+    with cgutils.for_range(builder, const(count)) as loop:
+        yield loop.index
+
+
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1,  # type: ignore[no-untyped-def]
                     shared: int = 1):
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
@@ -562,8 +575,8 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                     for r in range(rows):
                         for m in range(groups):
                             builder.store(builder.fmul(builder.load(accs[r][m]), scales[m]), accs[r][m])
-                with cgutils.for_range(builder, const(shared)) as inner:  # a loop (unrolled: slower, above)
-                    u = builder.add(builder.mul(s, const(shared)), inner.index)  # the weights' span
+                with _blocks_of(builder, shared, const) as inner:
+                    u = builder.add(builder.mul(s, const(shared)), inner)  # the weights' span
                     dsums, shifts = [], []
                     for m in range(groups):
                         base = builder.mul(vnni._nth(builder, dbase_v, dstride_v, m), const(shared))
@@ -579,8 +592,12 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                         # for every row) and take the span's (or half block's) products, code by code
                         # across the rows
                         sums = [[shifts[m][h] for m in range(groups)] for _ in range(rows)]
-                        for k in range(span):
-                            b = builder.add(first_block, const(k))
+                        held = [[cgutils.alloca_once_value(builder, sums[r][m]) for m in range(groups)]
+                                for r in range(rows)] if span > 1 else None
+                        with _blocks_of(builder, span, const) as k:  # a loop where a span has several
+                            b = builder.add(first_block, k)
+                            if held:
+                                sums = [[builder.load(held[r][m]) for m in range(groups)] for r in range(rows)]
                             if h == 0:
                                 for line in (0, 64):  # the next chunk's bytes, into L2, while this one is multiplied
                                     at = builder.add(builder.add(aat_v, builder.mul(b, const(128))), const(line))
@@ -598,6 +615,12 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                                     weights = _splat(builder, load(w_a, builder.add(firsts[r], const(4 * j)), i32), 16)
                                     sums[r] = [builder.call(dpbusd, [sums[r][m], weights, xs[m][j]])
                                                for m in range(groups)]
+                            if held:
+                                for r in range(rows):
+                                    for m in range(groups):
+                                        builder.store(sums[r][m], held[r][m])
+                        if held:
+                            sums = [[builder.load(held[r][m]) for m in range(groups)] for r in range(rows)]
                         for r in range(rows):  # one conversion and multiply-add by the row's and tokens' scales
                             p = builder.add(p_rows[r], const(h))
                             scale = _splat(builder, load(sc_a, p, f32, 4), 16)
