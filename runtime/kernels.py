@@ -709,8 +709,12 @@ def _bf16_gemm(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray |
 LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12, "q5_k": 12, "q6_k": 12,
                     "iq4_xs": 4, "int4_g32": 5, "int4_g64": 5, "int4_g128": 5, "int8": 4}
 # int8 (on a CPU without AMX) from this many tokens on goes back to torch's int8 GEMM
-# (``_int8_gemm``, activations one scale a token): the lanes' time grows with the tokens (about
-# 0.27 ms a token through a Mixtral-shaped expert) where the GEMM's falls. Whole Mixtral-shaped
+# (``_int8_gemm``, activations one scale a token). With the span's blocks in a loop instead of
+# unrolled (``lanes._blocks_of``) the lanes are ahead at every count measured: whole
+# Mixtral-shaped experts, lanes against the GEMM (medians of 5, Zen 5, two threads), 192 tokens
+# 45.3 / 59.7 ms, 256 57.2 / 71.5, 384 85.8 / 122.8, 512 117.4 / 151.7, 1024 252.1 / 307.7, 2048
+# 555.7 / 625.6 (medians of 3); not measured past that (the GEMM kept from 4096). Before
+# (unrolled spans), whole
 # experts, lanes against the GEMM (medians of 7, two runs each, Zen 5, two threads): 16 tokens
 # 7.0 / 12.6 ms, 64 18.2 / 22.1-23.2, 128 34.7-36.4 / 36.9-37.7, 192 51.9-52.5 / 50.8-58.1, 256
 # 66.9-69.1 / 63.1-65.8. One product, GEMM time over the lanes' (medians of 9, two runs): Mixtral's
@@ -719,7 +723,7 @@ LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12
 # 1536 x 2048 0.94-1.28, down 2048 x 768 0.77-1.10 at 16-64) and the GEMM is ahead at 6-12 tokens
 # (0.72-1.04, 0.74-0.91) and 128 (0.87-0.91, 0.67-0.89). Token by token (the one-token kernel)
 # against the lanes: 0.93-1.26 at 3 tokens, 1.12-1.68 at 4, 1.85-3.09 at 8.
-LANES_MAX_TOKENS = {"int8": 192}
+LANES_MAX_TOKENS = {"int8": 4096}
 # On a CPU with AMX (``amx.HAVE_AMX``) these schemes' products of this many tokens or more decode
 # the rows to bf16 a chunk at a time and multiply through AMX (``amx.matmul``). The decoding costs
 # the same whatever the tokens, so below this lanes.matmul is faster. lanes/amx time (medians of 7
