@@ -357,7 +357,7 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     assert lanes.fits(scheme, cols) and tokens >= LANES_MIN_TOKENS[scheme]
     group = lanes.activation_group(scheme, cols)
     assert group == {"int4_g64": 64, "int4_g128": 128, "int8": min(256, cols), "q4_k": 256, "q5_k": 256,
-                     "q6_k": 256}.get(scheme, 32)
+                     "q6_k": 256, "iq4_xs": 256, "int4_g32": 256 if cols % 256 == 0 else 32}.get(scheme, 32)
     quantized = np.stack([np.repeat(dx, group) * xq
                           for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
     want = quantized.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
