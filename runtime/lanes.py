@@ -501,7 +501,8 @@ def _scales_intrinsic(kind: int):  # type: ignore[no-untyped-def]
 @contextlib.contextmanager
 def _blocks_of(builder, count, const):  # type: ignore[no-untyped-def]
     """The index of a span's block, 0 to ``count`` - 1: in a loop where ``count`` is over one
-    (its blocks unrolled instead, LLVM scheduled the K-quants' and int8's tiles worse: below),
+    (its blocks unrolled instead, LLVM scheduled the K-quants' and int8's tiles worse:
+    ``_tile_intrinsic``, ``kernels.LANES_MAX_TOKENS``),
     else the constant 0."""
     if count == 1:
         yield const(0)
@@ -524,9 +525,9 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride].
     Each block also prefetches two cache lines at ahead[aat + 128 b].
 
-    With ``shared`` (the K-quants: 8), the tokens' scales at dx cover ``shared`` blocks (their
-    activations quantized per 256 values, as llama.cpp's q8_K) while the rows' scales and
-    minimums are a block's (a half block's with ``halves``): the totals are kept in units of the
+    With ``shared`` (``token_span``: 8 for the K-quants, iq4_xs and int4_g32), the tokens'
+    scales at dx cover ``shared`` blocks (their activations quantized per 256 values, as
+    llama.cpp's q8_K) while the rows' scales and minimums are a block's (a half block's with ``halves``): the totals are kept in units of the
     current super-block's tokens' scales, each block's (half block's) sums converted and
     multiplied by the row's scale into them, the minimums times the tokens' code sums (dsum,
     then a block's, as the shifts are) too; entering a super-block the totals are multiplied by
