@@ -527,9 +527,9 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
 
     With ``shared`` (``token_span``: 8 for the K-quants, iq4_xs and int4_g32), the tokens'
     scales at dx cover ``shared`` blocks (their activations quantized per 256 values, as
-    llama.cpp's q8_K) while the rows' scales and minimums are a block's (a half block's with ``halves``): the totals are kept in units of the
-    current super-block's tokens' scales, each block's (half block's) sums converted and
-    multiplied by the row's scale into them, the minimums times the tokens' code sums (dsum,
+    llama.cpp's q8_K) while the rows' scales and minimums are a block's (a half block's with
+    ``halves``): the totals are kept in units of the current super-block's tokens' scales, each
+    block's (half block's) sums converted and multiplied by the row's scale into them, the minimums times the tokens' code sums (dsum,
     then a block's, as the shifts are) too; entering a super-block the totals are multiplied by
     the ratio of the scales (``_as_ratios``), and at the end by the last. One multiply-add a
     block and row where the other kinds take a multiply and a multiply-add: ``vpdpbusd`` shares
