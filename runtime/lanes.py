@@ -525,18 +525,18 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride].
     Each block also prefetches two cache lines at ahead[aat + 128 b].
 
-    With ``shared`` (``token_span``: 8 for the K-quants, iq4_xs and int4_g32), the tokens'
-    scales at dx cover ``shared`` blocks (their activations quantized per 256 values, as
-    llama.cpp's q8_K) while the rows' scales and minimums are a block's (a half block's with
-    ``halves``): the totals are kept in units of the current super-block's tokens' scales, each
-    block's (half block's) sums converted and multiplied by the row's scale into them, the minimums times the tokens' code sums (dsum,
-    then a block's, as the shifts are) too; entering a super-block the totals are multiplied by
-    the ratio of the scales (``_as_ratios``), and at the end by the last. One multiply-add a
-    block and row where the other kinds take a multiply and a multiply-add: ``vpdpbusd`` shares
-    the CPU's multiplying units with both (16 ``vpdpbusd`` and 4 multiplies or multiply-adds took
-    as long as 20 ``vpdpbusd``; conversions and integer adds beside them cost nothing). q6_k's
-    and q4_k's products of 14336 x 4096 at 256 tokens took 24.3 and 24.7 ms against 27.4 and
-    26.1 (and with the eight blocks unrolled, 31.7 for both)."""
+    With ``shared`` (``token_span``: 8 for the K-quants, iq4_xs and int4_g32), the tokens' scales at
+    dx cover ``shared`` blocks (their activations quantized per 256 values, as llama.cpp's q8_K)
+    while the rows' scales and minimums are a block's (a half block's with ``halves``): the totals
+    are kept in units of the current super-block's tokens' scales, each block's (half block's) sums
+    converted and multiplied by the row's scale into them, the minimums times the tokens' code sums
+    (dsum, then a block's, as the shifts are) too; entering a super-block the totals are multiplied
+    by the ratio of the scales (``_as_ratios``), and at the end by the last. One multiply-add a
+    block and row where the other kinds take a multiply and a multiply-add: ``vpdpbusd`` shares the
+    CPU's multiplying units with both (16 ``vpdpbusd`` and 4 multiplies or multiply-adds took as
+    long as 20 ``vpdpbusd``; conversions and integer adds beside them cost nothing). q6_k's and
+    q4_k's products of 14336 x 4096 at 256 tokens took 24.3 and 24.7 ms against 27.4 and 26.1 (and
+    with the eight blocks unrolled, 31.7 for both)."""
     from llvmlite import ir
 
     rows = TILE_ROWS
