@@ -713,7 +713,9 @@ LANES_MIN_TOKENS = {"q8_0": 8, "q4_0": 12, "mxfp4": 12, "iq4_nl": 12, "q4_k": 12
 # unrolled (``lanes._blocks_of``) the lanes are ahead at every count measured: whole
 # Mixtral-shaped experts, lanes against the GEMM (medians of 5, Zen 5, two threads), 192 tokens
 # 45.3 / 59.7 ms, 256 57.2 / 71.5, 384 85.8 / 122.8, 512 117.4 / 151.7, 1024 252.1 / 307.7, 2048
-# 555.7 / 625.6 (medians of 3); not measured past that (the GEMM kept from 4096). Before
+# 555.7 / 625.6 (medians of 3); not measured past that (the GEMM kept from 4096). At
+# Qwen3-30B-A3B's shape (2048 x 768, medians of 15) 128 tokens 1.02 / 1.17 ms, 192 1.45 / 1.64, 256
+# 1.92 / 2.11, 512 4.57 / 4.62. Before
 # (unrolled spans), whole
 # experts, lanes against the GEMM (medians of 7, two runs each, Zen 5, two threads): 16 tokens
 # 7.0 / 12.6 ms, 64 18.2 / 22.1-23.2, 128 34.7-36.4 / 36.9-37.7, 192 51.9-52.5 / 50.8-58.1, 256
