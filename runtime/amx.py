@@ -419,7 +419,7 @@ def _decode_row(kind, raw, row, flat, w, sc, mn, e8m0, blocks, offset, wb, oat):
     elif kind == lanes._FP8:
         _blocks_fp8(flat, at, blocks // 4, wb, oat)
     else:
-        lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0)
+        lanes._unpack_row(kind, raw, row, flat, w, 0, sc, mn, 0, e8m0, False)  # minimums as floats
         per = lanes.span(kind, blocks)  # int4's groups of 64 and 128: a scale a span, here a block
         if per > 1:
             for b in range(blocks - 1, -1, -1):  # backwards: each reads a span at or before it

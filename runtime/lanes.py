@@ -100,6 +100,12 @@ def token_span(kind, blocks):  # pragma: no cover - compiled
     return span(kind, blocks)
 
 
+def _paired(kind: int, shared: int) -> bool:
+    """Whether the tokens' code sums go to ``_tile_intrinsic``'s ``pairs`` tiles: q4_k and q5_k
+    in super-blocks."""
+    return shared == 8 and kind in (KINDS["q4_k"], KINDS["q5_k"])
+
+
 @njit(cache=True, nogil=True, inline="always")
 def has_minimums(kind):  # pragma: no cover - compiled
     """Whether a kind's blocks add a minimum to their scaled codes: q4_k, q5_k and int4."""
@@ -408,12 +414,21 @@ def _bf16x16(typingctx, flat, at, out, oat):  # type: ignore[no-untyped-def]
     return types.void(flat, at, out, oat), codegen
 
 
-@intrinsic
-def _scales_k4(typingctx, flat, at, sc, mn, p):  # type: ignore[no-untyped-def]
-    """The 8 scales and minimums of the q4_k or q5_k super-block at byte ``at`` of ``flat`` (its
-    fp16 d and dmin, then 12 bytes of 6-bit values) as float32, times d at sc[p:p + 8] and times
-    -dmin at mn[p:p + 8], in vectors (``kquants._scale_min_k4``'s bits): a value at a time they
-    were two thirds of these rows' unpacking."""
+def _scales_k4_intrinsic(integers: bool):  # type: ignore[no-untyped-def]
+    """``scales(flat, at, sc, mn, p)``: the 8 scales and minimums of the q4_k or q5_k super-block
+    at byte ``at`` of ``flat`` (its fp16 d and dmin, then 12 bytes of 6-bit values) as float32,
+    times d at sc[p:p + 8] and times -dmin at mn[p:p + 8], in vectors (``kquants._scale_min_k4``'s
+    bits): a value at a time they were two thirds of these rows' unpacking. With ``integers``
+    the minimums stay integers instead, int16 at the bytes of mn[p:p + 4] (two a float's place:
+    ``vpdpwssd``'s pairs, ``_tile_intrinsic``'s ``pairs``), and -dmin at mn[p + 4]."""
+    @intrinsic
+    def scales(typingctx, flat, at, sc, mn, p):  # type: ignore[no-untyped-def]
+        return types.void(flat, at, sc, mn, p), _scales_k4_codegen(integers)
+
+    return scales
+
+
+def _scales_k4_codegen(integers: bool):  # type: ignore[no-untyped-def]
     from llvmlite import ir
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -448,10 +463,15 @@ def _scales_k4(typingctx, flat, at, sc, mn, p):  # type: ignore[no-untyped-def]
             builder.store(value, builder.bitcast(builder.gep(array.data, [p_v]), floats.as_pointer()), align=4)
 
         put(scales, half(0), sc_a)
-        put(minimums, builder.fneg(half(2)), mn_a)
+        if integers:
+            wide = builder.zext(minimums, ir.VectorType(ir.IntType(16), 8))
+            builder.store(wide, builder.bitcast(builder.gep(mn_a.data, [p_v]), wide.type.as_pointer()), align=4)
+            builder.store(builder.fneg(half(2)), builder.gep(mn_a.data, [builder.add(p_v, ir.Constant(p_v.type, 4))]))
+        else:
+            put(minimums, builder.fneg(half(2)), mn_a)
         return context.get_dummy_value()
 
-    return types.void(flat, at, sc, mn, p), codegen
+    return codegen
 
 
 def _scales_intrinsic(kind: int):  # type: ignore[no-untyped-def]
@@ -512,7 +532,7 @@ def _blocks_of(builder, count, const):  # type: ignore[no-untyped-def]
 
 
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1,  # type: ignore[no-untyped-def]
-                    shared: int = 1):
+                    shared: int = 1, pairs: bool = False):
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
     dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r
     at w[wbase + r * cols], ``blocks`` blocks of 32) times ``groups`` groups of 16 tokens (group
@@ -536,7 +556,12 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     CPU's multiplying units with both (16 ``vpdpbusd`` and 4 multiplies or multiply-adds took as
     long as 20 ``vpdpbusd``; conversions and integer adds beside them cost nothing). q6_k's and
     q4_k's products of 14336 x 4096 at 256 tokens took 24.3 and 24.7 ms against 27.4 and 26.1 (and
-    with the eight blocks unrolled, 31.7 for both)."""
+    with the eight blocks unrolled, 31.7 for both).
+
+    With ``pairs`` (q4_k, q5_k: their minimums integers, ``_scales_k4_intrinsic``) the minimums
+    go in once a super-block instead of a block: ``vpdpwssd`` of the row's int16 minimums, two
+    blocks a pair, by the tokens' int16 code sums (at dsum, a pair of blocks a 32-bit word, the
+    super-block's first four places), then one multiply-add by -dmin."""
     from llvmlite import ir
 
     rows = TILE_ROWS
@@ -545,6 +570,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     per_half = 8 // halves
     assert halves == 1 or span == 1
     assert shared == 1 or span == 1
+    assert not pairs or (shared == 8 and minimums and halves == 1)
 
     @intrinsic
     def tile(typingctx, w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
@@ -585,7 +611,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                     dsums, shifts = [], []
                     for m in range(groups):
                         base = builder.mul(vnni._nth(builder, dbase_v, dstride_v, m), const(shared))
-                        if minimums:
+                        if minimums and not pairs:
                             dsums.append(load(dsum_a, builder.add(base, builder.mul(u, const(16))), floats, 4))
                         s_i = builder.add(builder.mul(base, const(halves)), builder.mul(u, const(16 * halves)))
                         shifts.append([load(shift_a, builder.add(s_i, const(16 * h)), words, 4) for h in range(halves)])
@@ -629,12 +655,12 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                         for r in range(rows):  # one conversion and multiply-add by the row's and tokens' scales
                             p = builder.add(p_rows[r], const(h))
                             scale = _splat(builder, load(sc_a, p, f32, 4), 16)
-                            lowest = _splat(builder, load(mn_a, p, f32, 4), 16) if minimums else None
+                            lowest = _splat(builder, load(mn_a, p, f32, 4), 16) if minimums and not pairs else None
                             for m in range(groups):
                                 if shared > 1:  # the sums times the row's scale, the minimum times the code sums
                                     total = builder.call(fma, [builder.sitofp(sums[r][m], floats), scale,
                                                                builder.load(accs[r][m])])
-                                    if minimums:
+                                    if minimums and not pairs:
                                         total = builder.call(fma, [lowest, dsums[m], total])
                                     builder.store(total, accs[r][m])
                                     continue
@@ -643,6 +669,22 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                                 if minimums:  # minus the minimum times the tokens' sums
                                     total = builder.call(fma, [lowest, dsums[m], total])
                                 builder.store(total, accs[r][m])
+                if pairs:  # the super-block's minimums times the tokens' code sums, two blocks an instruction
+                    dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
+                                                            "llvm.x86.avx512.vpdpwssd.512")
+                    first_u = builder.mul(s, const(shared))
+                    for r in range(rows):
+                        p_s = builder.add(vnni._nth(builder, pbase_v, params_per_row, r), first_u)
+                        paired = [_splat(builder, load(mn_a, builder.add(p_s, const(k)), i32, 4), 16) for k in range(4)]
+                        lowest = _splat(builder, load(mn_a, builder.add(p_s, const(4)), f32, 4), 16)
+                        for m in range(groups):
+                            base = builder.mul(vnni._nth(builder, dbase_v, dstride_v, m), const(shared))
+                            dot = ir.Constant(words, [0] * 16)
+                            for k in range(4):
+                                at = builder.add(base, builder.mul(builder.add(first_u, const(k)), const(16)))
+                                dot = builder.call(dpwssd, [dot, paired[k], load(dsum_a, at, words, 4)])
+                            total = builder.call(fma, [lowest, builder.sitofp(dot, floats), builder.load(accs[r][m])])
+                            builder.store(total, accs[r][m])
             if shared > 1:  # times the last super-block's tokens' scales, which ``_as_ratios`` keeps first
                 for m in range(groups):
                     last = load(dx_a, vnni._nth(builder, dbase_v, dstride_v, m), floats, 4)
@@ -742,6 +784,7 @@ _codes_q4_k, _codes_q5_k, _codes_q6_k, _codes_iq4_xs = (_superblock_intrinsic(ki
 _codes_int4_g32, _codes_int4_g64, _codes_int4_g128 = (_int4_codes_intrinsic(group) for group in (32, 64, 128))
 _codes_int8 = _int8_codes_intrinsic()
 _scales_q6_k, _scales_iq4_xs = _scales_intrinsic(_HALVES), _scales_intrinsic(8)
+_scales_k4, _scales_k4_pairs = _scales_k4_intrinsic(False), _scales_k4_intrinsic(True)
 _codes128_int4_g32, _codes128_int4_g64, _codes128_int4_g128 = (_int4_codes128_intrinsic(group)
                                                                 for group in (32, 64, 128))
 _tile_pair, _tile_one = _tile_intrinsic(TILE_GROUPS), _tile_intrinsic(1)
@@ -752,6 +795,8 @@ _tile_pair_minimums_2, _tile_one_minimums_2, _tile_pair_minimums_4, _tile_one_mi
 _tile_pair_8, _tile_one_8 = _tile_intrinsic(TILE_GROUPS, span=8), _tile_intrinsic(1, span=8)
 _tile_pair_minimums_k, _tile_one_minimums_k = (_tile_intrinsic(groups, minimums=True, shared=8)
                                                for groups in (TILE_GROUPS, 1))
+_tile_pair_pairs_k, _tile_one_pairs_k = (_tile_intrinsic(groups, minimums=True, shared=8, pairs=True)
+                                         for groups in (TILE_GROUPS, 1))
 _tile_pair_k, _tile_one_k = (_tile_intrinsic(groups, shared=8) for groups in (TILE_GROUPS, 1))
 _tile_pair_halves_k, _tile_one_halves_k = (_tile_intrinsic(groups, halves=2, shared=8) for groups in (TILE_GROUPS, 1))
 
@@ -784,7 +829,8 @@ def quantized(x: np.ndarray, scheme: str) -> tuple[np.ndarray, ...]:
     wide, shared = span(kind, blocks), token_span(kind, blocks)
     act, scales, shift, dsum = _layout(groups, blocks, wide, halves, shared)
     spans = blocks // shared
-    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, scratch("xq", n * cols, np.int8),
+    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, _paired(kind, shared),
+                 scratch("xq", n * cols, np.int8),
                  scratch("dx", n * spans, np.float32), scratch("sums", n * spans, np.float32), act, scales, shift,
                  dsum)
     if shared > wide:
@@ -809,7 +855,7 @@ def _layout(groups: int, blocks: int, wide: int, halves: int, shared: int) -> tu
 
 
 @njit(cache=True, nogil=True)
-def _activations(x, n, cols, offset, halves, wide, shared, xq, dx, sums, act, scales, shift,
+def _activations(x, n, cols, offset, halves, wide, shared, pairs, xq, dx, sums, act, scales, shift,
                  dsum):  # pragma: no cover - compiled
     # The n tokens' activations x (float32, n * cols values) quantized to int8 per ``shared``
     # blocks of 32 values (``token_span``; ``vnni._quantize_groups``, as the one-token block
@@ -818,8 +864,12 @@ def _activations(x, n, cols, offset, halves, wide, shared, xq, dx, sums, act, sc
     # (act); per group and ``shared`` blocks the 16 tokens' scales (``scales``); per group and
     # span of ``wide`` blocks their scales times their sums (``dsum``), and per group, span and
     # each of its ``halves`` minus ``offset`` times the tokens' code sums (``shift``, int32).
-    # Tokens past n (padding the last group) are zeros with scale 0.
+    # Tokens past n (padding the last group) are zeros with scale 0. With ``pairs`` (q4_k, q5_k)
+    # the blocks' code sums go to dsum two a 32-bit word, int16 each, in each super-block's first
+    # four places (``_tile_intrinsic``'s ``pairs``).
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
+    paired = dsum.view(np.int32)
+    code_sums = np.zeros(cols // 32, np.int32)
     blocks = cols // 32
     spans = blocks // wide
     scaled = blocks // shared  # scales a token
@@ -852,8 +902,13 @@ def _activations(x, n, cols, offset, halves, wide, shared, xq, dx, sums, act, sc
                     total += np.int32(xq[first + k])
                 shift[((g * spans + s) * halves + h) * 16 + lane] = -offset * total
                 whole += total
+            code_sums[s] = whole
             if shared != wide:  # the span's code sum (the tile's sums are in units of the tokens' scales)
                 dsum[(g * spans + s) * 16 + lane] = np.float32(whole)
+        if pairs:
+            for s in range(0, spans, 2):
+                at = (g * spans + s // 8 * 8 + s % 8 // 2) * 16 + lane
+                paired[at] = (code_sums[s] & 0xFFFF) | (code_sums[s + 1] << 16)
     for t in range(n, groups * LANE_TOKENS):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
         for b in range(blocks):
@@ -915,15 +970,15 @@ def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool
     wide, shared = span(kind, inter // 32), token_span(kind, inter // 32)
     act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS, inter // 32, wide, halves, shared)
     _activated(h_rows, n, inter, clamped, np.float32(limit), np.float32(alpha), gu_bias, has_bias, _OFFSET[kind],
-               halves, wide, shared, max(1, get_num_threads()), act, scales, shift, dsum)
+               halves, wide, shared, _paired(kind, shared), max(1, get_num_threads()), act, scales, shift, dsum)
     if shared > wide:
         _as_ratios(scales, h_rows.shape[1] // LANE_TOKENS, inter // 32 // shared)
     return act.view(np.int8), scales, shift, dsum
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
-def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, wide, shared, workers, act, scales,
-               shift, dsum):  # pragma: no cover - compiled
+def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halves, wide, shared, pairs, workers, act,
+               scales, shift, dsum):  # pragma: no cover - compiled
     # ``activated``: each work item up to ``_ACTIVATED_GROUPS`` groups of 16 tokens by ``shared``
     # blocks of 32 values of the down rows (``token_span``: one scale a token), ``shared // wide``
     # spans. A group at a time, the loops over its 16 tokens ran a value at a time: LLVM's
@@ -942,6 +997,7 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
     count = 32 * shared  # values an item
     unit = 32 * wide // halves  # values a shift sums
     most = _ACTIVATED_GROUPS * LANE_TOKENS
+    paired = dsum.view(np.int32)  # q4_k's and q5_k's code sums two a word (``_activations``)
     for worker in prange(workers):
         values = np.empty((count, most), np.float32)
         codes = np.empty((count, most), np.int32)
@@ -1001,6 +1057,10 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
                             code_sum = total[p * halves + half, t]
                             shift[((slot * per + p) * halves + half) * 16 + lane] = -offset * code_sum
                         dsum[(slot * per + p) * 16 + lane] = np.float32(whole) * (d[t] if per == 1 else one)
+                    if pairs:  # halves 1 here: a block's code sum is total[block]
+                        for pair in range(4):
+                            paired[(slot * per + pair) * 16 + lane] = ((total[2 * pair, t] & 0xFFFF)
+                                                                       | (total[2 * pair + 1, t] << 16))
 
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy", inline="always")
@@ -1015,8 +1075,9 @@ def _activated_lanes(gate, up, add_gate, add_up, out, amax, width, clamped, limi
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0):  # pragma: no cover - compiled
-    # Row ``row`` of raw: its codes at w[wat:], its spans' scales (and minimums) from sc/mn[p].
+def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, pairs):  # pragma: no cover - compiled
+    # Row ``row`` of raw: its codes at w[wat:], its spans' scales (and minimums) from sc/mn[p];
+    # with ``pairs`` q4_k's and q5_k's minimums as integers (``_scales_k4_intrinsic``).
     size, values = _SIZE[kind], _VALUES[kind]
     base = row * raw.shape[1]
     if kind == _INT8:  # the codes, their sign bits flipped, then the row's float32 scale for every span
@@ -1096,7 +1157,10 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0):  # pragma: no co
                 _codes_q4_k(flat, at, w, at_w)
             else:
                 _codes_q5_k(flat, at, w, at_w)
-            _scales_k4(flat, at, sc, mn, p + 8 * b)
+            if pairs:
+                _scales_k4_pairs(flat, at, sc, mn, p + 8 * b)
+            else:
+                _scales_k4(flat, at, sc, mn, p + 8 * b)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1133,7 +1197,7 @@ def _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0): 
 @njit(cache=True, nogil=True, inline="always")
 def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0):  # pragma: no cover - compiled
     for r in range(count):
-        _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0)
+        _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, True)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -1201,7 +1265,12 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                             _tile_pair_k(*args)
                         else:
                             _tile_one_k(*args)
-                    elif shared:  # q4_k, q5_k, int4_g32
+                    elif shared and kind < _HALVES:  # q4_k, q5_k: integer minimums
+                        if pair:
+                            _tile_pair_pairs_k(*args)
+                        else:
+                            _tile_one_pairs_k(*args)
+                    elif shared:  # int4_g32
                         if pair:
                             _tile_pair_minimums_k(*args)
                         else:
