@@ -100,10 +100,11 @@ def token_span(kind, blocks):  # pragma: no cover - compiled
     return span(kind, blocks)
 
 
-def _paired(kind: int, shared: int) -> bool:
-    """Whether the tokens' code sums go to ``_tile_intrinsic``'s ``pairs`` tiles: q4_k and q5_k
-    in super-blocks."""
-    return shared == 8 and kind in (KINDS["q4_k"], KINDS["q5_k"])
+@njit(cache=True, nogil=True)
+def _paired(kind, blocks):  # pragma: no cover - compiled
+    """Whether a row of ``blocks`` blocks of ``kind`` takes ``_tile_intrinsic``'s ``pairs`` tiles
+    (and the tokens' code sums their layout): q4_k and q5_k in super-blocks."""
+    return (kind == 5 or kind == 6) and token_span(kind, blocks) == 8
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -657,16 +658,11 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                             scale = _splat(builder, load(sc_a, p, f32, 4), 16)
                             lowest = _splat(builder, load(mn_a, p, f32, 4), 16) if minimums and not pairs else None
                             for m in range(groups):
-                                if shared > 1:  # the sums times the row's scale, the minimum times the code sums
-                                    total = builder.call(fma, [builder.sitofp(sums[r][m], floats), scale,
-                                                               builder.load(accs[r][m])])
-                                    if minimums and not pairs:
-                                        total = builder.call(fma, [lowest, dsums[m], total])
-                                    builder.store(total, accs[r][m])
-                                    continue
-                                total = builder.call(fma, [builder.sitofp(sums[r][m], floats),
-                                                           builder.fmul(scale, scales[m]), builder.load(accs[r][m])])
-                                if minimums:  # minus the minimum times the tokens' sums
+                                # with ``shared`` the tokens' scales come once a super-block (above)
+                                factor = scale if shared > 1 else builder.fmul(scale, scales[m])
+                                total = builder.call(fma, [builder.sitofp(sums[r][m], floats), factor,
+                                                           builder.load(accs[r][m])])
+                                if minimums and not pairs:  # minus the minimum times the tokens' sums
                                     total = builder.call(fma, [lowest, dsums[m], total])
                                 builder.store(total, accs[r][m])
                 if pairs:  # the super-block's minimums times the tokens' code sums, two blocks an instruction
@@ -829,7 +825,7 @@ def quantized(x: np.ndarray, scheme: str) -> tuple[np.ndarray, ...]:
     wide, shared = span(kind, blocks), token_span(kind, blocks)
     act, scales, shift, dsum = _layout(groups, blocks, wide, halves, shared)
     spans = blocks // shared
-    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, _paired(kind, shared),
+    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, _paired(kind, blocks),
                  scratch("xq", n * cols, np.int8),
                  scratch("dx", n * spans, np.float32), scratch("sums", n * spans, np.float32), act, scales, shift,
                  dsum)
@@ -907,7 +903,7 @@ def _activations(x, n, cols, offset, halves, wide, shared, pairs, xq, dx, sums, 
                 dsum[(g * spans + s) * 16 + lane] = np.float32(whole)
         if pairs:
             for s in range(0, spans, 2):
-                at = (g * spans + s // 8 * 8 + s % 8 // 2) * 16 + lane
+                at = (g * spans + s // shared * shared + s % shared // 2) * 16 + lane
                 paired[at] = (code_sums[s] & 0xFFFF) | (code_sums[s + 1] << 16)
     for t in range(n, groups * LANE_TOKENS):
         g, lane = t // LANE_TOKENS, t % LANE_TOKENS
@@ -970,7 +966,8 @@ def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool
     wide, shared = span(kind, inter // 32), token_span(kind, inter // 32)
     act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS, inter // 32, wide, halves, shared)
     _activated(h_rows, n, inter, clamped, np.float32(limit), np.float32(alpha), gu_bias, has_bias, _OFFSET[kind],
-               halves, wide, shared, _paired(kind, shared), max(1, get_num_threads()), act, scales, shift, dsum)
+               halves, wide, shared, _paired(kind, inter // 32), max(1, get_num_threads()), act, scales, shift,
+               dsum)
     if shared > wide:
         _as_ratios(scales, h_rows.shape[1] // LANE_TOKENS, inter // 32 // shared)
     return act.view(np.int8), scales, shift, dsum
@@ -1265,7 +1262,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                             _tile_pair_k(*args)
                         else:
                             _tile_one_k(*args)
-                    elif shared and kind < _HALVES:  # q4_k, q5_k: integer minimums
+                    elif _paired(kind, blocks):  # q4_k, q5_k: integer minimums
                         if pair:
                             _tile_pair_pairs_k(*args)
                         else:
