@@ -9,8 +9,8 @@ quantized to int8 per 32 values, are laid out four values of each token a 32-bit
 (``_activations``), and each ``vpdpbusd`` multiplies them by four codes of one row broadcast to
 every lane; a block of 32 values is 8 such products into one int32 sum per token, then one
 conversion and one multiply-add for its 16 tokens. The codes are unpacked to bytes a chunk of
-``CHUNK_ROWS`` rows at a time (``_unpack_intrinsic``, ``_superblock_intrinsic``: vector code;
-the scales beside them), kept in the cache while every token goes over them, and the next chunk's
+rows at a time (``chunk_rows``; ``_unpack_intrinsic``, ``_superblock_intrinsic``: vector code; the
+scales beside them), kept in the cache while every token goes over them, and the next chunk's
 bytes are prefetched meanwhile. ``vpdpbusd`` multiplies unsigned bytes by signed ones: the
 codes are stored unsigned (plus their kind's offset), and the offset times each block's sum of
 activations is where the int32 sums start. q4_k's, q5_k's and int4's minimums add one
@@ -49,7 +49,9 @@ LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
 # Splitting the columns so that a tile's activations stay in L1 did not help.
 TILE_ROWS, TILE_GROUPS = 4, 2
 _ACTIVATED_GROUPS = 4  # groups of 16 tokens an item of ``_activated``
-CHUNK_ROWS = 16  # rows unpacked at a time; 16: 960 GOP/s, 32: 870, 64: 775 (4 x 2, as above)
+# Rows unpacked at a time (``chunk_rows``): at 64 tokens with an earlier tile 16 rows made 960
+# GOP/s, 32 870, 64 775; since, at 48 tokens and more, WIDE_CHUNK_ROWS.
+CHUNK_ROWS, WIDE_CHUNK_ROWS = 16, 48
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
 KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8,
@@ -1199,12 +1201,13 @@ def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0):  # p
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
-            by_row):  # pragma: no cover - compiled
+            by_row, chunk):  # pragma: no cover - compiled
     # The tokens' quantized activations times the rows raw of KINDS' ``kind``: out [n, rows], or with
     # ``by_row`` [rows, 16 * groups] (each row's sums for every token, the tokens padded to whole
     # groups of 16: the tiles' own layout, stored as they are computed). Each worker takes a
-    # CHUNK_ROWS-row chunk at a time, with its own buffers for the chunk's codes, scales and
-    # (without ``by_row``) its tiles' sums, which go to out 16 x 16 at a time (``_transpose16``).
+    # ``chunk``-row chunk at a time (a multiple of 16: ``chunk_rows``), with its own buffers for the
+    # chunk's codes, scales and (without ``by_row``) its tiles' sums, which go to out 16 x 16 at a
+    # time (``_transpose16``).
     # Chunks go to whichever worker is free (a counter, ``vnni.fetch_add``): dealt in turn
     # beforehand, both threads had the same chunks whatever their speed, and an expert at
     # Mixtral's shape took 2-9% longer at 256 tokens (per-pair medians of 7 interleaved rounds:
@@ -1224,30 +1227,30 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
     for worker in prange(workers):
-        w = np.zeros(CHUNK_ROWS * cols, np.uint8)
-        sc = np.zeros(CHUNK_ROWS * params, np.float32)
-        mn = np.zeros(CHUNK_ROWS * params, np.float32)
-        sums = vnni.zeros64(groups * CHUNK_ROWS * 16, np.float32)
+        w = np.zeros(chunk * cols, np.uint8)
+        sc = np.zeros(chunk * params, np.float32)
+        mn = np.zeros(chunk * params, np.float32)
+        sums = vnni.zeros64(groups * chunk * 16, np.float32)
         while True:
-            first, count = vnni.next_chunk(taken, CHUNK_ROWS, rows)
+            first, count = vnni.next_chunk(taken, chunk, rows)
             if count <= 0:
                 break
             _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
             sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)
             mn[count * params:] = 0
             # likely the worker's next chunk (taken in turn while both run at one speed), prefetched by the tiles
-            ahead = (first + workers * CHUNK_ROWS) * row_bytes
+            ahead = (first + workers * chunk) * row_bytes
             if ahead >= flat.shape[0]:
                 ahead = 0
-            direct = by_row and count == CHUNK_ROWS  # else the sums buffer: rows past the last go nowhere
+            direct = by_row and count == chunk  # else the sums buffer: rows past the last go nowhere
             g = 0
             while g < groups:
                 pair = g + TILE_GROUPS <= groups
-                for r in range(0, CHUNK_ROWS, TILE_ROWS):
+                for r in range(0, chunk, TILE_ROWS):
                     if direct:
                         target, obase, ostride, rstride = flat_out, (first + r) * padded + g * 16, 16, padded
                     else:
-                        target, obase, ostride, rstride = sums, (g * CHUNK_ROWS + r) * 16, CHUNK_ROWS * 16, 16
+                        target, obase, ostride, rstride = sums, (g * chunk + r) * 16, chunk * 16, 16
                     args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512,
                             scales, shift, dsum, g * scaled * 16, scaled * 16, target, obase, ostride, rstride, flat,
                             ahead)
@@ -1308,15 +1311,25 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                 for g in range(groups):
                     for r in range(count):
                         flat_out[(first + r) * padded + g * 16:(first + r) * padded + g * 16 + 16] = \
-                            sums[(g * CHUNK_ROWS + r) * 16:(g * CHUNK_ROWS + r) * 16 + 16]
+                            sums[(g * chunk + r) * 16:(g * chunk + r) * 16 + 16]
                 continue
-            whole = n // LANE_TOKENS if count == CHUNK_ROWS else 0  # groups of 16 tokens by 16 rows
+            whole = n // LANE_TOKENS if count == chunk else 0  # groups of 16 tokens by 16 rows
             for g in range(whole):
-                _transpose16(sums, g * CHUNK_ROWS * 16, flat_out, g * LANE_TOKENS * rows + first, rows)
+                for r in range(0, chunk, LANE_TOKENS):
+                    _transpose16(sums, (g * chunk + r) * 16, flat_out, g * LANE_TOKENS * rows + first + r, rows)
             for t in range(whole * LANE_TOKENS, n):
                 g, lane = t // LANE_TOKENS, t % LANE_TOKENS
                 for r in range(count):
-                    out[t, first + r] = sums[(g * CHUNK_ROWS + r) * 16 + lane]
+                    out[t, first + r] = sums[(g * chunk + r) * 16 + lane]
+
+
+def chunk_rows(n: int, rows: int, workers: int) -> int:
+    """Rows a worker of ``matmul`` unpacks and multiplies at a time for n tokens: CHUNK_ROWS, or
+    WIDE_CHUNK_ROWS from 48 tokens on where the matrix still makes 8 chunks a worker (every token's
+    activations pass through the cache once a chunk: at 256 tokens 48 rows took 40.2-41.5 ms for
+    q4_0's 28672 x 4096 against 44.8-46.9 with 16, 21.6-21.9 against 22.8 for 4096 x 14336, 0.66
+    against 0.89-1.41 for 2048 x 768; at 16 tokens 16 rows were as fast or faster)."""
+    return WIDE_CHUNK_ROWS if n > 2 * LANE_TOKENS and rows >= 8 * workers * WIDE_CHUNK_ROWS else CHUNK_ROWS
 
 
 def fits(scheme: str, cols: int) -> bool:
@@ -1346,8 +1359,10 @@ def product(activations: tuple[np.ndarray, ...], n: int, cols: int, raw: np.ndar
     padded = (n + LANE_TOKENS - 1) // LANE_TOKENS * LANE_TOKENS
     if out is None:
         out = np.empty((rows, padded) if by_row else (n, rows), dtype=np.float32)
-    chunks = (rows + CHUNK_ROWS - 1) // CHUNK_ROWS
-    _matmul(raw, KINDS[scheme], vnni._tables()[1], *activations, n, cols, max(1, min(get_num_threads(), chunks)), out,
-            by_row)
+    threads = get_num_threads()
+    chunk = chunk_rows(n, rows, threads)
+    chunks = (rows + chunk - 1) // chunk
+    _matmul(raw, KINDS[scheme], vnni._tables()[1], *activations, n, cols, max(1, min(threads, chunks)), out,
+            by_row, chunk)
     return out
 

@@ -369,6 +369,24 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", IN_PLACE)
+def test_lanes_wide_chunks_match_the_narrow_ones(scheme, monkeypatch):
+    """Chunks of WIDE_CHUNK_ROWS rows (two whole, the last short; their sums transposed 16 rows
+    at a time) give the products of 16-row chunks, token by token and by row."""
+    from ktc.runtime import lanes
+
+    assert lanes.chunk_rows(256, 4096, 2) == lanes.WIDE_CHUNK_ROWS
+    assert lanes.chunk_rows(32, 4096, 2) == lanes.chunk_rows(256, 500, 2) == lanes.CHUNK_ROWS
+    raw, x = _blocks_case(scheme, 2 * lanes.WIDE_CHUNK_ROWS + 5, 256, 50)
+    narrow = lanes.matmul(x, raw, scheme), lanes.matmul(x, raw, scheme, by_row=True)
+    monkeypatch.setattr(lanes, "chunk_rows", lambda n, rows, workers: lanes.WIDE_CHUNK_ROWS)
+    wide = lanes.matmul(x, raw, scheme), lanes.matmul(x, raw, scheme, by_row=True)
+    for got, want in zip(wide, narrow):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(wide[1][:, :50].T, wide[0])
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "mxfp4", "iq4_nl", "int4_g32"])
 @pytest.mark.parametrize("cols", [96, 160, 224, 288, 544])
 def test_lanes_unpack_blocks_four_at_a_time_and_the_rest_alone(scheme, cols):
