@@ -417,6 +417,29 @@ def _bf16x16(typingctx, flat, at, out, oat):  # type: ignore[no-untyped-def]
     return types.void(flat, at, out, oat), codegen
 
 
+@intrinsic
+def _packed16(typingctx, codes, at, stride, out, oat):  # type: ignore[no-untyped-def]
+    """16 tokens' int8 codes of four values (int32 at codes.flat[at + k * stride + lane], k = 0 to
+    3) as the tiles' words at out[oat:oat + 16], a byte a value, in vectors: ``_activated`` packed
+    them a word at a time (scalar code, a third of its time for q4_0 at 256 tokens)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        codes_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3))
+        at_v, stride_v, oat_v = vnni._indices(context, builder, signature, args, (1, 2, 4))
+        words = ir.VectorType(ir.IntType(32), 16)
+        load = _loader(builder)
+        word = ir.Constant(words, [0] * 16)
+        for k in range(4):
+            code = load(codes_a, builder.add(at_v, builder.mul(stride_v, ir.Constant(at_v.type, k))), words, 4)
+            byte = builder.and_(code, ir.Constant(words, [255] * 16))
+            word = builder.or_(word, builder.shl(byte, ir.Constant(words, [8 * k] * 16)) if k else byte)
+        builder.store(word, builder.bitcast(builder.gep(out_a.data, [oat_v]), words.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(codes, at, stride, out, oat), codegen
+
+
 def _scales_k4_intrinsic(integers: bool):  # type: ignore[no-untyped-def]
     """``scales(flat, at, sc, mn, p)``: the 8 scales and minimums of the q4_k or q5_k super-block
     at byte ``at`` of ``flat`` (its fp16 d and dmin, then 12 bytes of 6-bit values) as float32,
@@ -1034,11 +1057,7 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
                 for bb in range(shared):
                     at = (g * blocks + s * shared + bb) * 128
                     for j4 in range(8):
-                        c = 32 * bb + 4 * j4
-                        for lane in range(LANE_TOKENS):
-                            t = k * LANE_TOKENS + lane
-                            act[at + 16 * j4 + lane] = ((codes[c, t] & 255) | ((codes[c + 1, t] & 255) << 8)
-                                                        | ((codes[c + 2, t] & 255) << 16) | (codes[c + 3, t] << 24))
+                        _packed16(codes, (32 * bb + 4 * j4) * most + k * LANE_TOKENS, most, act, at + 16 * j4)
                 for lane in range(LANE_TOKENS):
                     t = k * LANE_TOKENS + lane
                     if g * LANE_TOKENS + lane >= n:  # padding: zeros with scale 0, as ``_activations``
