@@ -52,6 +52,7 @@ _ACTIVATED_GROUPS = 4  # groups of 16 tokens an item of ``_activated``
 # Rows unpacked at a time (``chunk_rows``): at 64 tokens with an earlier tile 16 rows made 960
 # GOP/s, 32 870, 64 775; since, at 48 tokens and more, WIDE_CHUNK_ROWS.
 CHUNK_ROWS, WIDE_CHUNK_ROWS = 16, 48
+PAIRED_INT4_TOKENS = 128  # int4_g32's minimums integers from this many tokens on (``_paired``)
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
 KINDS = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "iq4_nl": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "iq4_xs": 8,
@@ -103,10 +104,16 @@ def token_span(kind, blocks):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _paired(kind, blocks):  # pragma: no cover - compiled
-    """Whether a row of ``blocks`` blocks of ``kind`` takes ``_tile_intrinsic``'s ``pairs`` tiles
-    (and the tokens' code sums their layout): q4_k and q5_k in super-blocks."""
-    return (kind == 5 or kind == 6) and token_span(kind, blocks) == 8
+def _paired(kind, blocks, n):  # pragma: no cover - compiled
+    """Whether n tokens times rows of ``blocks`` blocks of ``kind`` take ``_tile_intrinsic``'s
+    ``pairs`` tiles (and the tokens' code sums their layout): q4_k and q5_k in super-blocks, and
+    int4_g32 where its rows are whole 256s from ``PAIRED_INT4_TOKENS`` tokens on
+    (``_int16_minimums``: converting its minimums costs each row about as much as the tiles save
+    at 64 tokens; 14336 x 4096 at 32 tokens 3.49-3.50 ms against 3.18-3.21, at 128 21.7-21.8
+    against 22.0-22.7 for 28672 x 4096, at 256 20.9-21.1 against 21.7-22.0)."""
+    if token_span(kind, blocks) != 8:
+        return False
+    return kind == 5 or kind == 6 or (kind == _INT4 and n >= PAIRED_INT4_TOKENS)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -850,7 +857,7 @@ def quantized(x: np.ndarray, scheme: str) -> tuple[np.ndarray, ...]:
     wide, shared = span(kind, blocks), token_span(kind, blocks)
     act, scales, shift, dsum = _layout(groups, blocks, wide, halves, shared)
     spans = blocks // shared
-    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, _paired(kind, blocks),
+    _activations(x.reshape(-1), n, cols, _OFFSET[kind], halves, wide, shared, _paired(kind, blocks, n),
                  scratch("xq", n * cols, np.int8),
                  scratch("dx", n * spans, np.float32), scratch("sums", n * spans, np.float32), act, scales, shift,
                  dsum)
@@ -991,7 +998,7 @@ def activated(h_rows: np.ndarray, n: int, inter: int, scheme: str, clamped: bool
     wide, shared = span(kind, inter // 32), token_span(kind, inter // 32)
     act, scales, shift, dsum = _layout(h_rows.shape[1] // LANE_TOKENS, inter // 32, wide, halves, shared)
     _activated(h_rows, n, inter, clamped, np.float32(limit), np.float32(alpha), gu_bias, has_bias, _OFFSET[kind],
-               halves, wide, shared, _paired(kind, inter // 32), max(1, get_num_threads()), act, scales, shift,
+               halves, wide, shared, _paired(kind, inter // 32, n), max(1, get_num_threads()), act, scales, shift,
                dsum)
     if shared > wide:
         _as_ratios(scales, h_rows.shape[1] // LANE_TOKENS, inter // 32 // shared)
@@ -1137,6 +1144,8 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, pairs):  # pragma
             sc[p + g] = bf16_value(np.uint32(flat[at]) | (np.uint32(flat[at + 1]) << np.uint32(8)))
             at += 2 * groups
             mn[p + g] = bf16_value(np.uint32(flat[at]) | (np.uint32(flat[at + 1]) << np.uint32(8)))
+        if pairs and kind == _INT4:  # (``_paired``: only where its rows are whole 256s)
+            _int16_minimums(mn, p, groups)
         return
     blocks = raw.shape[1] // size
     first = 0
@@ -1181,41 +1190,111 @@ def _unpack_row(kind, raw, row, flat, w, wat, sc, mn, p, e8m0, pairs):  # pragma
                 _scales_k4(flat, at, sc, mn, p + 8 * b)
 
 
+@intrinsic
+def _int16_minimums16(typingctx, mn, at):  # type: ignore[no-untyped-def]
+    """``_int16_minimums`` of two super-blocks, mn[at:at + 16], in vectors (a value at a time the
+    conversion took more time than the tiles saved)."""
+    from llvmlite import ir
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        (mn_a,) = vnni._arrays(context, builder, signature, args, (0,))
+        (at_v,) = vnni._indices(context, builder, signature, args, (1,))
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        floats = ir.VectorType(f32, 16)
+        load = _loader(builder)
+        values = load(mn_a, at_v, floats, 4)
+
+        def call(name, *operands):  # type: ignore[no-untyped-def]
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * len(operands)),
+                                                f"llvm.{name}.v16f32")
+            return builder.call(fn, list(operands))
+
+        top = call("fabs", values)
+        for step in (1, 2, 4):  # each half's largest magnitude in all its lanes
+            swapped = builder.shuffle_vector(top, ir.Constant(floats, ir.Undefined),
+                                             ir.Constant(ir.VectorType(i32, 16), [k ^ step for k in range(16)]))
+            top = call("maxnum", top, swapped)
+        zero = ir.Constant(floats, [0.0] * 16)
+        limit = ir.Constant(floats, [32767.0] * 16)
+        some = builder.fcmp_ordered(">", top, zero)
+        unit = builder.select(some, builder.fdiv(top, limit), ir.Constant(floats, [1.0] * 16))
+        inverse = builder.select(some, builder.fdiv(limit, top), zero)
+        codes = builder.fptosi(call("rint", builder.fmul(values, inverse)), ir.VectorType(i32, 16))
+        words = builder.bitcast(builder.trunc(codes, ir.VectorType(ir.IntType(16), 16)), ir.VectorType(i32, 8))
+        for half in range(2):
+            first = builder.add(at_v, ir.Constant(at_v.type, 8 * half))
+            four = builder.shuffle_vector(words, ir.Constant(words.type, ir.Undefined),
+                                          ir.Constant(ir.VectorType(i32, 4), [4 * half + k for k in range(4)]))
+            builder.store(four, builder.bitcast(builder.gep(mn_a.data, [first]), four.type.as_pointer()), align=4)
+            builder.store(builder.extract_element(unit, ir.Constant(i32, 8 * half)),
+                          builder.gep(mn_a.data, [builder.add(first, ir.Constant(at_v.type, 4))]))
+        return context.get_dummy_value()
+
+    return types.void(mn, at), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0):  # pragma: no cover - compiled
+def _int16_minimums(mn, p, groups):  # pragma: no cover - compiled
+    # int4_g32's bf16 minimums at mn[p:p + groups] as q4_k's are for the ``pairs`` tiles: each
+    # super-block's 8 as int16 multiples of a unit (its largest magnitude / 32767), two a 32-bit
+    # word in its first four places, and the unit in the fifth. Each minimum moves by at most half
+    # a unit: 2^-16 of the super-block's largest, the rounding of a bf16 value 256 times smaller.
+    # The minimum's multiply-add a block (12% of int4_g32's product) becomes one a super-block.
+    # Two super-blocks at a time in vectors (``_int16_minimums16``), an odd last one here.
+    whole = groups - groups % 16
+    for q in range(p, p + whole, 16):
+        _int16_minimums16(mn, q)
+    words = mn.view(np.int32)
+    for q in range(p + whole, p + groups, 8):
+        top = np.float32(0.0)
+        for j in range(8):
+            top = max(top, abs(mn[q + j]))
+        unit = top / np.float32(32767) if top > 0 else np.float32(1.0)
+        inverse = np.float32(32767) / top if top > 0 else np.float32(0.0)
+        for k in range(4):  # word k takes minimums 2k and 2k + 1: read before written
+            low = np.int32(np.rint(mn[q + 2 * k] * inverse))
+            high = np.int32(np.rint(mn[q + 2 * k + 1] * inverse))
+            words[q + k] = (low & 0xFFFF) | (high << 16)
+        mn[q + 4] = unit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0,
+                 pairs):  # pragma: no cover - compiled
     # Rows first..first + count of raw unpacked (``_unpack_row``), each kind's loop compiled for
     # it: with the kind a run-time value inside the loop over a row's blocks, q4_k's rows took
     # 2.1 ns a block of 32 to unpack from L2, 0.8 with it a constant.
     if kind == 1:
-        _rows_of(1, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(1, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 2:
-        _rows_of(2, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(2, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 3:
-        _rows_of(3, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(3, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 4:
-        _rows_of(4, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(4, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 5:
-        _rows_of(5, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(5, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 6:
-        _rows_of(6, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(6, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 7:
-        _rows_of(7, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(7, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 8:
-        _rows_of(8, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(8, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 9:
-        _rows_of(9, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(9, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 10:
-        _rows_of(10, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(10, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     elif kind == 11:
-        _rows_of(11, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(11, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
     else:
-        _rows_of(_INT8, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+        _rows_of(_INT8, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0):  # pragma: no cover - compiled
+def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0,
+             pairs):  # pragma: no cover - compiled
     for r in range(count):
-        _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, True)
+        _unpack_row(kind, raw, first + r, flat, w, r * cols, sc, mn, r * params, e8m0, pairs)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -1242,6 +1321,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     scaled = blocks // token_span(kind, blocks)  # the tokens' scales a token
     # the K-quants', iq4_xs's and int4_g32's tiles (``_tile_intrinsic``'s ``shared``)
     shared = token_span(kind, blocks) > wide
+    pairs = _paired(kind, blocks, n)  # integer minimums
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
@@ -1254,7 +1334,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
             first, count = vnni.next_chunk(taken, chunk, rows)
             if count <= 0:
                 break
-            _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0)
+            _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
             sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)
             mn[count * params:] = 0
             # likely the worker's next chunk (taken in turn while both run at one speed), prefetched by the tiles
@@ -1284,12 +1364,12 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                             _tile_pair_k(*args)
                         else:
                             _tile_one_k(*args)
-                    elif _paired(kind, blocks):  # q4_k, q5_k: integer minimums
+                    elif pairs:  # q4_k, q5_k, int4_g32 from PAIRED_INT4_TOKENS on: integer minimums
                         if pair:
                             _tile_pair_pairs_k(*args)
                         else:
                             _tile_one_pairs_k(*args)
-                    elif shared:  # int4_g32
+                    elif shared:  # int4_g32, fewer tokens
                         if pair:
                             _tile_pair_minimums_k(*args)
                         else:
@@ -1299,7 +1379,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                             _tile_pair_halves(*args)
                         else:
                             _tile_one_halves(*args)
-                    elif has_minimums(kind):  # q4_k, q5_k, int4 (its groups of 64 and 128: spans of 2 and 4)
+                    elif has_minimums(kind):  # int4 (g32 where its rows are not whole 256s; g64, g128: spans of 2, 4)
                         if wide == 4:
                             if pair:
                                 _tile_pair_minimums_4(*args)

@@ -317,6 +317,27 @@ def _blocks_case(scheme: str, rows: int, cols: int, tokens: int) -> tuple[np.nda
     return raw, rng.standard_normal((tokens, cols)).astype(np.float32) * rng.uniform(0.1, 10)
 
 
+def _as_the_lanes_take_them(raw: np.ndarray, scheme: str, cols: int, tokens: int) -> np.ndarray:
+    """The dequantized weights, int4_g32's minimums (where its rows are whole 256s, from
+    ``PAIRED_INT4_TOKENS`` tokens on) rounded as ``lanes._int16_minimums`` rounds them: each
+    super-block's 8 to int16 multiples of their largest magnitude / 32767."""
+    from ktc.runtime.lanes import PAIRED_INT4_TOKENS
+
+    weights = dequantize(raw, scheme, cols).astype(np.float64)
+    if scheme != "int4_g32" or cols % 256 or tokens < PAIRED_INT4_TOKENS:
+        return weights
+    groups = cols // 32
+    bits = np.ascontiguousarray(raw[:, cols // 2 + 2 * groups:]).view(np.uint16).astype(np.uint32)
+    minimums = (bits << 16).view(np.float32).reshape(len(raw), groups // 8, 8)
+    top = np.abs(minimums).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        unit = np.where(top > 0, top / np.float32(32767), np.float32(1)).astype(np.float32)
+        inverse = np.where(top > 0, np.float32(32767) / top, np.float32(0)).astype(np.float32)
+    rounded = np.rint(minimums * inverse).astype(np.float64) * unit
+    moved = (rounded - minimums).reshape(len(raw), groups)
+    return weights + np.repeat(moved, 32, axis=1)
+
+
 TILED = ["q8_0", "q4_0", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"]  # row tiles for a few tokens
 IN_PLACE = TILED + ["iq4_xs", "int4_g32", "int4_g64", "int4_g128", "int8"]
 
@@ -360,12 +381,32 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
                      "q6_k": 256, "iq4_xs": 256, "int4_g32": 256 if cols % 256 == 0 else 32}.get(scheme, 32)
     quantized = np.stack([np.repeat(dx, group) * xq
                           for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
-    want = quantized.astype(np.float64) @ dequantize(raw, scheme, cols).astype(np.float64).T
+    want = quantized.astype(np.float64) @ _as_the_lanes_take_them(raw, scheme, cols, tokens).T
     got = lanes.matmul(x, raw, scheme)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if not amx.HAVE_AMX or (scheme != "int8" and tokens < AMX_MIN_TOKENS[scheme]):
         np.testing.assert_array_equal(got, linear(x, raw, scheme))
         assert kernels._by_lanes(raw, scheme, tokens, cols)
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("cols", [256, 512, 768])
+def test_lanes_take_int4_g32_minimums_as_integers_from_enough_tokens(cols):
+    """From ``PAIRED_INT4_TOKENS`` tokens on int4_g32's minimums go in as q4_k's do, int16 a
+    super-block (an odd last one converted alone where a row has 3): the products are the weights
+    with those minimums times the quantized tokens; with fewer tokens the bf16 minimums, exactly."""
+    from ktc.runtime import lanes
+
+    for tokens in (lanes.PAIRED_INT4_TOKENS - 1, lanes.PAIRED_INT4_TOKENS + 2):
+        raw, x = _blocks_case("int4_g32", 21, cols, tokens)
+        quantized = np.stack([np.repeat(dx, 256) * xq
+                              for xq, dx, _ in (vnni.quantize_activations(row, 256) for row in x)])
+        want = quantized.astype(np.float64) @ _as_the_lanes_take_them(raw, "int4_g32", cols, tokens).T
+        got = lanes.matmul(x, raw, "int4_g32")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        exact = quantized.astype(np.float64) @ dequantize(raw, "int4_g32", cols).astype(np.float64).T
+        if tokens >= lanes.PAIRED_INT4_TOKENS:  # the rounding shows against the bf16 minimums
+            assert np.abs(got - exact).max() > 1e-7 * np.abs(exact).max()
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
