@@ -416,11 +416,11 @@ def test_lanes_wide_chunks_match_the_narrow_ones(scheme, monkeypatch):
     at a time) give the products of 16-row chunks, token by token and by row."""
     from ktc.runtime import lanes
 
-    assert lanes.chunk_rows(256, 4096, 2) == lanes.WIDE_CHUNK_ROWS
-    assert lanes.chunk_rows(32, 4096, 2) == lanes.chunk_rows(256, 500, 2) == lanes.CHUNK_ROWS
+    assert lanes.chunk_rows(256, 4096, 14336, 2) == lanes.chunk_rows(16, 4096, 4096, 2) == lanes.WIDE_CHUNK_ROWS
+    assert lanes.chunk_rows(32, 4096, 14336, 2) == lanes.chunk_rows(256, 500, 4096, 2) == lanes.CHUNK_ROWS
     raw, x = _blocks_case(scheme, 2 * lanes.WIDE_CHUNK_ROWS + 5, 256, 50)
     narrow = lanes.matmul(x, raw, scheme), lanes.matmul(x, raw, scheme, by_row=True)
-    monkeypatch.setattr(lanes, "chunk_rows", lambda n, rows, workers: lanes.WIDE_CHUNK_ROWS)
+    monkeypatch.setattr(lanes, "chunk_rows", lambda n, rows, cols, workers: lanes.WIDE_CHUNK_ROWS)
     wide = lanes.matmul(x, raw, scheme), lanes.matmul(x, raw, scheme, by_row=True)
     for got, want in zip(wide, narrow):
         np.testing.assert_array_equal(got, want)
