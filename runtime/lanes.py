@@ -13,8 +13,9 @@ rows at a time (``chunk_rows``; ``_unpack_intrinsic``, ``_superblock_intrinsic``
 scales beside them), kept in the cache while every token goes over them, and the next chunk's
 bytes are prefetched meanwhile. ``vpdpbusd`` multiplies unsigned bytes by signed ones: the
 codes are stored unsigned (plus their kind's offset), and the offset times each block's sum of
-activations is where the int32 sums start. q4_k's, q5_k's and int4's minimums add one
-multiply-add a block; q6_k's 16-value scales split a block's sums in two. Where one weight
+activations is where the int32 sums start. q4_k's and q5_k's minimums (and int4_g32's, as
+int16, from ``PAIRED_INT4_TOKENS`` tokens on) go in once a super-block by ``vpdpwssd``, int4's
+others add one multiply-add a span; q6_k's 16-value scales split a block's sums in two. Where one weight
 scale covers several blocks (int4's groups of 64 and 128 values, int8's rows: ``span``) the
 activations are quantized per span and the integer sums run over it before its one conversion.
 ``kernels.in_place`` sends a matrix here from ``kernels.LANES_MIN_TOKENS`` tokens on.
@@ -50,7 +51,8 @@ LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
 TILE_ROWS, TILE_GROUPS = 4, 2
 _ACTIVATED_GROUPS = 4  # groups of 16 tokens an item of ``_activated``
 # Rows unpacked at a time (``chunk_rows``): at 64 tokens with an earlier tile 16 rows made 960
-# GOP/s, 32 870, 64 775; since, at 48 tokens and more, WIDE_CHUNK_ROWS.
+# GOP/s, 32 870, 64 775; with the tiles since (super-block activations, spans in a loop), 48 were
+# faster from 48 tokens on (``chunk_rows``).
 CHUNK_ROWS, WIDE_CHUNK_ROWS = 16, 48
 PAIRED_INT4_TOKENS = 128  # int4_g32's minimums integers from this many tokens on (``_paired``)
 
