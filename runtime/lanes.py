@@ -54,6 +54,12 @@ _ACTIVATED_GROUPS = 4  # groups of 16 tokens an item of ``_activated``
 # GOP/s, 32 870, 64 775; with the tiles since (super-block activations, spans in a loop), 48 were
 # faster from 48 tokens on (``chunk_rows``).
 CHUNK_ROWS, WIDE_CHUNK_ROWS = 16, 48
+# Rows up to this long take tiles of three groups of 16 tokens where three fit (``_matmul``; four
+# groups go 2 + 2): at 256 tokens a Mixtral-shaped gate/up (28672 x 4096) q4_k 39.2-40.7 ms against
+# 41.9-42.2, q6_k 41.0-41.7 against 42.4-43.0, int8 34.5-34.6 against 37.1-40.0; 14336 x 4096 at 48
+# tokens 4.16 against 4.53-4.78. Longer rows keep two: with three, 4096 x 14336 took 10% longer
+# (three groups' activations of such rows and a chunk's codes no longer share L2).
+TRIPLE_COLS = 4096
 PAIRED_INT4_TOKENS = 128  # int4_g32's minimums integers from this many tokens on (``_paired``)
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
@@ -829,6 +835,9 @@ _tile_pair_pairs_k, _tile_one_pairs_k = (_tile_intrinsic(groups, minimums=True, 
                                          for groups in (TILE_GROUPS, 1))
 _tile_pair_k, _tile_one_k = (_tile_intrinsic(groups, shared=8) for groups in (TILE_GROUPS, 1))
 _tile_pair_halves_k, _tile_one_halves_k = (_tile_intrinsic(groups, halves=2, shared=8) for groups in (TILE_GROUPS, 1))
+_tile_three, _tile_three_8, _tile_three_k, _tile_three_pairs_k, _tile_three_halves_k = (
+    _tile_intrinsic(3), _tile_intrinsic(3, span=8), _tile_intrinsic(3, shared=8),
+    _tile_intrinsic(3, minimums=True, shared=8, pairs=True), _tile_intrinsic(3, halves=2, shared=8))
 
 
 def scratch(key: str, size: int, dtype: type) -> np.ndarray:
@@ -1324,6 +1333,9 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     # the K-quants', iq4_xs's and int4_g32's tiles (``_tile_intrinsic``'s ``shared``)
     shared = token_span(kind, blocks) > wide
     pairs = _paired(kind, blocks, n)  # integer minimums
+    # tiles of three groups for rows of up to TRIPLE_COLS values, in the kinds compiled for them
+    triples = cols <= TRIPLE_COLS and ((shared and (pairs or not has_minimums(kind))) or kind <= 4
+                                       or (kind == _INT8 and wide == 8))
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
@@ -1346,7 +1358,9 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
             direct = by_row and count == chunk  # else the sums buffer: rows past the last go nowhere
             g = 0
             while g < groups:
-                pair = g + TILE_GROUPS <= groups
+                left = groups - g  # three groups a tile where they fit, the rest by two (four: 2 + 2), then one
+                width = 3 if triples and (left == 3 or left >= 5) else 2 if left >= 2 else 1
+                pair = width == 2
                 for r in range(0, chunk, TILE_ROWS):
                     if direct:
                         target, obase, ostride, rstride = flat_out, (first + r) * padded + g * 16, 16, padded
@@ -1357,17 +1371,23 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                             ahead)
                     ahead += blocks * 128
                     if shared and kind == _HALVES:
-                        if pair:
+                        if width == 3:
+                            _tile_three_halves_k(*args)
+                        elif pair:
                             _tile_pair_halves_k(*args)
                         else:
                             _tile_one_halves_k(*args)
                     elif shared and not has_minimums(kind):  # iq4_xs
-                        if pair:
+                        if width == 3:
+                            _tile_three_k(*args)
+                        elif pair:
                             _tile_pair_k(*args)
                         else:
                             _tile_one_k(*args)
                     elif pairs:  # q4_k, q5_k, int4_g32 from PAIRED_INT4_TOKENS on: integer minimums
-                        if pair:
+                        if width == 3:
+                            _tile_three_pairs_k(*args)
+                        elif pair:
                             _tile_pair_pairs_k(*args)
                         else:
                             _tile_one_pairs_k(*args)
@@ -1397,15 +1417,19 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                         else:
                             _tile_one_minimums(*args)
                     elif wide == 8:  # int8
-                        if pair:
+                        if width == 3:
+                            _tile_three_8(*args)
+                        elif pair:
                             _tile_pair_8(*args)
                         else:
                             _tile_one_8(*args)
+                    elif width == 3:
+                        _tile_three(*args)
                     elif pair:
                         _tile_pair(*args)
                     else:
                         _tile_one(*args)
-                g += TILE_GROUPS if pair else 1
+                g += width
             if direct:
                 continue
             if by_row:

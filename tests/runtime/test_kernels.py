@@ -366,7 +366,8 @@ def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
 @pytest.mark.parametrize("scheme", IN_PLACE)
 @pytest.mark.parametrize("rows, cols, tokens", [(37, 256, 16), (9, 1024, 21), (40, 512, 33), (3, 256, 50)])
 def test_lanes_match_their_definition(scheme, rows, cols, tokens):
-    """Many tokens (16 a vector, the last group padded; chunks of 16 rows, the last one short)
+    """Many tokens (16 a vector, the last group padded; tiles of three groups where three fit in
+    rows of up to ``TRIPLE_COLS`` values, of two, of one; chunks of 16 rows, the last one short)
     give the dequantized weights times each token's activations quantized to int8 per 32 values
     (per span where a weight scale covers several blocks: int4's wider groups, int8's rows, 256
     values where the row allows), up to float rounding; ``linear`` sends them there (below
