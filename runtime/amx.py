@@ -13,7 +13,7 @@ rounded to bf16 once a call; the sums then stay in the tiles over a whole row, 2
 16 rows by 16 tokens at a time (2 x 1 for a last group of 16 tokens or fewer). The decoding costs the same whatever the tokens: below
 ``kernels.AMX_MIN_TOKENS`` tokens (16 to 32) ``lanes`` is faster (figures in ``docs/runtime.md``).
 Products differ from ``lanes``' by the rounding of weights and tokens to bf16 (about 0.2%
-relative) instead of the tokens' to int8 per 32 values.
+relative) instead of the tokens' to int8 per 256 (or 32) values.
 
 Numba reaches the instructions through LLVM's AMX intrinsics with fixed tile registers (the
 configuration loaded at the start of each call, the tiles released at its end). Linux gives a

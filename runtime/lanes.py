@@ -5,7 +5,8 @@ The row kernels of ``vnni`` and ``kquants`` put a row's values in the lanes of a
 every block of 32 values takes a conversion and two multiply-adds per token for its lanes of
 ``vpdpbusd`` sums, and that float work, not the integer products, bounds them at about a
 quarter of the CPU's int8 rate. Here 16 tokens share a vector instead: their activations,
-quantized to int8 per 32 values, are laid out four values of each token a 32-bit lane
+quantized to int8 per 256 values where the rows are whole 256s (``token_span``; else per 32, or
+per int4 group), are laid out four values of each token a 32-bit lane
 (``_activations``), and each ``vpdpbusd`` multiplies them by four codes of one row broadcast to
 every lane; a block of 32 values is 8 such products into one int32 sum per token, then one
 conversion and one multiply-add for its 16 tokens. The codes are unpacked to bytes a chunk of
@@ -104,9 +105,13 @@ def token_span(kind, blocks):  # pragma: no cover - compiled
     256s, though their rows' scales are a block's (or a half block's): the tile multiplies each
     block's sums by the row's scale and a super-block's by the tokens' (``_tile_intrinsic``'s
     ``shared``; 14336 x 4096 at 256 tokens: iq4_xs 22.2 against 22.9 ms, int4_g32 24.7 against
-    25.4, and 6.3 against 6.9 at 64). The block kinds keep llama.cpp's q8_0 activations, per 32,
-    and int4_g64/g128 theirs, per group. Else ``span``."""
-    if _KQUANT_FIRST <= kind <= _INT4 and blocks % 8 == 0:
+    25.4, and 6.3 against 6.9 at 64). The block kinds (q8_0, q4_0, mxfp4, iq4_nl) too, where their
+    one-token kernels take llama.cpp's q8_0 activations, per 32: one multiply-add a block and row
+    instead of a multiply and a multiply-add (alternate processes, three rounds, 256 tokens:
+    28672 x 4096 q4_0 37.2-38.9 ms against 41.4-42.4, q8_0 37.4-38.3 against 41.8-43.0; 4096 x
+    14336 q4_0 20.0-20.9 against 21.4-22.4), at a cost in accuracy the demo model's text does
+    not show (``docs/runtime.md``). int4_g64/g128 keep theirs, per group. Else ``span``."""
+    if (kind <= 4 or _KQUANT_FIRST <= kind <= _INT4) and blocks % 8 == 0:
         return 8
     return span(kind, blocks)
 
@@ -586,7 +591,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride].
     Each block also prefetches two cache lines at ahead[aat + 128 b].
 
-    With ``shared`` (``token_span``: 8 for the K-quants, iq4_xs and int4_g32), the tokens' scales at
+    With ``shared`` (``token_span``: 8 but for int4_g64/g128 and rows not whole 256s), the tokens' scales at
     dx cover ``shared`` blocks (their activations quantized per 256 values, as llama.cpp's q8_K)
     while the rows' scales and minimums are a block's (a half block's with ``halves``): the totals
     are kept in units of the current super-block's tokens' scales, each block's (half block's) sums
@@ -1470,8 +1475,8 @@ def matmul(x: np.ndarray, raw: np.ndarray, scheme: str, by_row: bool = False, ou
            ) -> np.ndarray:
     """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``KINDS`` stored
     as C-contiguous uint8 rows ``raw`` (``fits``), without decoding it: each token's activations
-    quantized to int8 per 32 values (for the block kinds as their one-token kernels quantize
-    them, so each product is theirs up to the order of the float sums). With ``by_row`` its
+    quantized to int8 per 256 values where the rows are whole 256s, else per 32 (or per int4
+    group: ``token_span``). With ``by_row`` its
     transpose instead, [rows, n rounded up to a multiple of 16] (the tokens past n: zeros).
     Into ``out`` where given (C-contiguous float32 of that shape)."""
     x = writable(np.ascontiguousarray(x, dtype=np.float32))

@@ -368,9 +368,9 @@ def test_batched_blocks_equal_the_one_token_kernels(scheme, rows, cols, tokens):
 def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     """Many tokens (16 a vector, the last group padded; tiles of three groups where three fit in
     rows of up to ``TRIPLE_COLS`` values, of two, of one; chunks of 16 rows, the last one short)
-    give the dequantized weights times each token's activations quantized to int8 per 32 values
-    (per span where a weight scale covers several blocks: int4's wider groups, int8's rows, 256
-    values where the row allows), up to float rounding; ``linear`` sends them there (below
+    give the dequantized weights times each token's activations quantized to int8 per 256 values
+    where the row is whole 256s (per 32 where not; int4_g64's and int4_g128's per group), up to
+    float rounding; ``linear`` sends them there (below
     ``AMX_MIN_TOKENS`` where the CPU has AMX; int8 not at all there)."""
     from ktc.runtime import amx, kernels, lanes
     from ktc.runtime.kernels import AMX_MIN_TOKENS, LANES_MIN_TOKENS, linear
@@ -379,7 +379,7 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     assert lanes.fits(scheme, cols) and tokens >= LANES_MIN_TOKENS[scheme]
     group = lanes.activation_group(scheme, cols)
     assert group == {"int4_g64": 64, "int4_g128": 128, "int8": min(256, cols), "q4_k": 256, "q5_k": 256,
-                     "q6_k": 256, "iq4_xs": 256, "int4_g32": 256 if cols % 256 == 0 else 32}.get(scheme, 32)
+                     "q6_k": 256, "iq4_xs": 256}.get(scheme, 256 if cols % 256 == 0 else 32)
     quantized = np.stack([np.repeat(dx, group) * xq
                           for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
     want = quantized.astype(np.float64) @ _as_the_lanes_take_them(raw, scheme, cols, tokens).T
