@@ -55,12 +55,21 @@ _ACTIVATED_GROUPS = 4  # groups of 16 tokens an item of ``_activated``
 # GOP/s, 32 870, 64 775; with the tiles since (super-block activations, spans in a loop), 48 were
 # faster from 48 tokens on (``chunk_rows``).
 CHUNK_ROWS, WIDE_CHUNK_ROWS = 16, 48
-# Rows up to this long take tiles of three groups of 16 tokens where three fit (``_matmul``; four
-# groups go 2 + 2): at 256 tokens a Mixtral-shaped gate/up (28672 x 4096) q4_k 39.2-40.7 ms against
-# 41.9-42.2, q6_k 41.0-41.7 against 42.4-43.0, int8 34.5-34.6 against 37.1-40.0; 14336 x 4096 at 48
-# tokens 4.16 against 4.53-4.78. Longer rows keep two: with three, 4096 x 14336 took 10% longer
-# (three groups' activations of such rows and a chunk's codes no longer share L2).
+# Rows (or slices of rows: ``SLICE_MIN_TOKENS``) up to this long take tiles of three groups of 16
+# tokens where three fit (``_matmul``; four groups go 2 + 2): at 256 tokens a Mixtral-shaped
+# gate/up (28672 x 4096) q4_k 39.2-40.7 ms against 41.9-42.2, q6_k 41.0-41.7 against 42.4-43.0,
+# int8 34.5-34.6 against 37.1-40.0; 14336 x 4096 at 48 tokens 4.16 against 4.53-4.78. Whole rows
+# of 14336 values with three took 10% longer (three groups' activations of such rows and a
+# chunk's codes no longer share L2): hence the slices.
 TRIPLE_COLS = 4096
+# From this many tokens on longer rows (whole 256s) go in slices of up to TRIPLE_COLS values, a
+# chunk's tiles over one slice after another, and take tiles of three groups too (``_matmul``).
+# Alternate processes, two or three rounds: 4096 x 14336 at 256 tokens q4_k 20.7-21.5 ms against
+# 22.5-23.1, q6_k 21.4-21.8 against 22.9-23.5, int4_g64 21.4-22.0 against 23.7-23.9, q4_0
+# 19.2-19.5 against 20.6-22.6; at 128 q4_k 10.5-10.8 against 11.5-12.7, at 48 q4_0 4.0 against
+# 4.6 (q4_k 5.0-5.3 against 4.9-5.0); DeepSeek-V3-shaped 4096 x 7168 at 256 q4_k 10.2-10.5
+# against 10.6-11.2. At 32 tokens (two groups, 16-row chunks) slices were 0-8% slower.
+SLICE_MIN_TOKENS = 33
 PAIRED_INT4_TOKENS = 128  # int4_g32's minimums integers from this many tokens on (``_paired``)
 
 # The schemes, their kind codes here, and the offset that makes their codes unsigned.
@@ -580,16 +589,18 @@ def _blocks_of(builder, count, const):  # type: ignore[no-untyped-def]
 def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: int = 1,  # type: ignore[no-untyped-def]
                     shared: int = 1, pairs: bool = False):
     """``tile(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase,
-    dstride, out, obase, ostride, rstride, ahead, aat)``: TILE_ROWS rows of unsigned codes (row r
-    at w[wbase + r * cols], ``blocks`` blocks of 32) times ``groups`` groups of 16 tokens (group
+    dstride, out, obase, ostride, rstride, ahead, aat, init, last)``: TILE_ROWS rows of unsigned
+    codes (row r at w[wbase + r * cols], rows of ``cols`` values; ``blocks`` blocks of 32 from
+    there) times ``groups`` groups of 16 tokens (group
     m's int8 activations at act[abase + m * astride] as ``_activations`` lays them out). The
     blocks go ``span`` at a time (``span``; one with ``halves`` 2), each span with one scale and
     (with ``minimums``) one minimum a row at sc/mn[pbase + r * spans * halves], ``halves`` a
     span, and the tokens' scales, minus the codes' offset times their sums, and their scales
     times their sums at dx/shift/dsum[dbase + m * dstride] (a span's 16 tokens a vector): the
     span's integer products summed, then one conversion and multiply-add (two with minimums) a row
-    and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride].
-    Each block also prefetches two cache lines at ahead[aat + 128 b].
+    and group. Row r's 16 sums for group m are stored at out[obase + m * ostride + r * rstride],
+    and with ``init`` nonzero the sums start from what is there (a slice of the rows' values after
+    another: ``_matmul``). Each block also prefetches two cache lines at ahead[aat + 128 b].
 
     With ``shared`` (``token_span``: 8 but for int4_g64/g128 and rows not whole 256s), the tokens' scales at
     dx cover ``shared`` blocks (their activations quantized per 256 values, as llama.cpp's q8_K)
@@ -597,7 +608,9 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     are kept in units of the current super-block's tokens' scales, each block's (half block's) sums
     converted and multiplied by the row's scale into them, the minimums times the tokens' code sums
     (dsum, then a block's, as the shifts are) too; entering a super-block the totals are multiplied
-    by the ratio of the scales (``_as_ratios``), and at the end by the last. One multiply-add a
+    by the ratio of the scales (``_as_ratios``), and at the end by the last (at dx[last + m *
+    dstride]; none where ``last`` is negative: a slice before another, its totals left in units of
+    its last super-block's scales, as the next slice's first ratio takes them). One multiply-add a
     block and row where the other kinds take a multiply and a multiply-add: ``vpdpbusd`` shares the
     CPU's multiplying units with both (16 ``vpdpbusd`` and 4 multiplies or multiply-adds took as
     long as 20 ``vpdpbusd``; conversions and integer adds beside them cost nothing). q6_k's and
@@ -620,13 +633,13 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
 
     @intrinsic
     def tile(typingctx, w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
-             out, obase, ostride, rstride, ahead, aat):  # type: ignore[no-untyped-def]
+             out, obase, ostride, rstride, ahead, aat, init, last):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             w_a, sc_a, mn_a, act_a, dx_a, shift_a, dsum_a, out_a, ahead_a = vnni._arrays(
                 context, builder, signature, args, (0, 3, 4, 7, 10, 11, 12, 15, 19))
             (wbase_v, cols_v, pbase_v, blocks_v, abase_v, astride_v, dbase_v, dstride_v, obase_v, ostride_v,
-             rstride_v, aat_v) = vnni._indices(context, builder, signature, args,
-                                               (1, 2, 5, 6, 8, 9, 13, 14, 16, 17, 18, 20))
+             rstride_v, aat_v, init_v, last_v) = vnni._indices(context, builder, signature, args,
+                                                               (1, 2, 5, 6, 8, 9, 13, 14, 16, 17, 18, 20, 21, 22))
             index_t = wbase_v.type
             load = _loader(builder)
 
@@ -642,8 +655,17 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                 "llvm.prefetch.p0i8")
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 16)) for _ in range(groups)]
                     for _ in range(rows)]
+
+            def sums_at(r, m):  # type: ignore[no-untyped-def]
+                at = builder.add(vnni._nth(builder, obase_v, ostride_v, m), vnni._nth(builder, const(0), rstride_v, r))
+                return builder.bitcast(builder.gep(out_a.data, [at]), floats.as_pointer())
+
+            with builder.if_then(builder.icmp_signed("!=", init_v, const(0))):
+                for r in range(rows):
+                    for m in range(groups):
+                        builder.store(builder.load(sums_at(r, m), align=4), accs[r][m])
             spans_v = builder.sdiv(blocks_v, const(span * shared))
-            params_per_row = builder.mul(builder.sdiv(blocks_v, const(span)), const(halves))
+            params_per_row = builder.mul(builder.sdiv(cols_v, const(32 * span)), const(halves))
             with cgutils.for_range(builder, spans_v) as loop:
                 s = loop.index
                 scales = [load(dx_a, builder.add(vnni._nth(builder, dbase_v, dstride_v, m), builder.mul(s, const(16))),
@@ -727,20 +749,18 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
                             total = builder.call(fma, [lowest, builder.sitofp(dot, floats), builder.load(accs[r][m])])
                             builder.store(total, accs[r][m])
             if shared > 1:  # times the last super-block's tokens' scales, which ``_as_ratios`` keeps first
-                for m in range(groups):
-                    last = load(dx_a, vnni._nth(builder, dbase_v, dstride_v, m), floats, 4)
-                    for r in range(rows):
-                        builder.store(builder.fmul(builder.load(accs[r][m]), last), accs[r][m])
+                with builder.if_then(builder.icmp_signed(">=", last_v, const(0))):
+                    for m in range(groups):
+                        final = load(dx_a, vnni._nth(builder, last_v, dstride_v, m), floats, 4)
+                        for r in range(rows):
+                            builder.store(builder.fmul(builder.load(accs[r][m]), final), accs[r][m])
             for r in range(rows):
                 for m in range(groups):
-                    at = builder.add(vnni._nth(builder, obase_v, ostride_v, m),
-                                     vnni._nth(builder, const(0), rstride_v, r))
-                    builder.store(builder.load(accs[r][m]), builder.bitcast(builder.gep(out_a.data, [at]),
-                                                                            floats.as_pointer()), align=4)
+                    builder.store(builder.load(accs[r][m]), sums_at(r, m), align=4)
             return context.get_dummy_value()
 
         return (types.void(w, wbase, cols, sc, mn, pbase, blocks, act, abase, astride, dx, shift, dsum, dbase, dstride,
-                           out, obase, ostride, rstride, ahead, aat), codegen)
+                           out, obase, ostride, rstride, ahead, aat, init, last), codegen)
 
     return tile
 
@@ -1338,9 +1358,13 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     # the K-quants', iq4_xs's and int4_g32's tiles (``_tile_intrinsic``'s ``shared``)
     shared = token_span(kind, blocks) > wide
     pairs = _paired(kind, blocks, n)  # integer minimums
-    # tiles of three groups for rows of up to TRIPLE_COLS values, in the kinds compiled for them
-    triples = cols <= TRIPLE_COLS and ((shared and (pairs or not has_minimums(kind))) or kind <= 4
-                                       or (kind == _INT8 and wide == 8))
+    # longer rows go in slices of at most TRIPLE_COLS values, whole 256s, one after another over
+    # a chunk (the tiles' sums carried from one to the next), so that a slice's codes and three
+    # groups' activations share L2; from three groups of tokens on (``SLICE_MIN_TOKENS``)
+    slices = (cols + TRIPLE_COLS - 1) // TRIPLE_COLS if blocks % 8 == 0 and n >= SLICE_MIN_TOKENS else 1
+    # tiles of three groups for rows (slices) of up to TRIPLE_COLS values, in the kinds compiled for them
+    triples = (cols <= TRIPLE_COLS or slices > 1) and ((shared and (pairs or not has_minimums(kind))) or kind <= 4
+                                                       or (kind == _INT8 and wide == 8))
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     padded = groups * LANE_TOKENS
     taken = np.zeros(8, np.int64)  # chunks handed out so far (``vnni.fetch_add``)
@@ -1361,80 +1385,85 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
             if ahead >= flat.shape[0]:
                 ahead = 0
             direct = by_row and count == chunk  # else the sums buffer: rows past the last go nowhere
-            g = 0
-            while g < groups:
-                left = groups - g  # three groups a tile where they fit, the rest by two (four: 2 + 2), then one
-                width = 3 if triples and (left == 3 or left >= 5) else 2 if left >= 2 else 1
-                pair = width == 2
-                for r in range(0, chunk, TILE_ROWS):
-                    if direct:
-                        target, obase, ostride, rstride = flat_out, (first + r) * padded + g * 16, 16, padded
-                    else:
-                        target, obase, ostride, rstride = sums, (g * chunk + r) * 16, chunk * 16, 16
-                    args = (w, r * cols, cols, sc, mn, r * params, blocks, act, g * blocks * 512, blocks * 512,
-                            scales, shift, dsum, g * scaled * 16, scaled * 16, target, obase, ostride, rstride, flat,
-                            ahead)
-                    ahead += blocks * 128
-                    if shared and kind == _HALVES:
-                        if width == 3:
-                            _tile_three_halves_k(*args)
-                        elif pair:
-                            _tile_pair_halves_k(*args)
+            for k in range(slices):
+                b0 = blocks // 8 * k // slices * 8
+                cut = blocks // 8 * (k + 1) // slices * 8 if k + 1 < slices else blocks
+                last_slice = k + 1 == slices
+                g = 0
+                while g < groups:
+                    left = groups - g  # three groups a tile where they fit, the rest by two (four: 2 + 2), then one
+                    width = 3 if triples and (left == 3 or left >= 5) else 2 if left >= 2 else 1
+                    pair = width == 2
+                    for r in range(0, chunk, TILE_ROWS):
+                        if direct:
+                            target, obase, ostride, rstride = flat_out, (first + r) * padded + g * 16, 16, padded
                         else:
-                            _tile_one_halves_k(*args)
-                    elif shared and not has_minimums(kind):  # iq4_xs
-                        if width == 3:
-                            _tile_three_k(*args)
-                        elif pair:
-                            _tile_pair_k(*args)
-                        else:
-                            _tile_one_k(*args)
-                    elif pairs:  # q4_k, q5_k, int4_g32 from PAIRED_INT4_TOKENS on: integer minimums
-                        if width == 3:
-                            _tile_three_pairs_k(*args)
-                        elif pair:
-                            _tile_pair_pairs_k(*args)
-                        else:
-                            _tile_one_pairs_k(*args)
-                    elif shared:  # int4_g32, fewer tokens
-                        if pair:
-                            _tile_pair_minimums_k(*args)
-                        else:
-                            _tile_one_minimums_k(*args)
-                    elif kind == _HALVES:
-                        if pair:
-                            _tile_pair_halves(*args)
-                        else:
-                            _tile_one_halves(*args)
-                    elif has_minimums(kind):  # int4 (g32 where its rows are not whole 256s; g64, g128: spans of 2, 4)
-                        if wide == 4:
-                            if pair:
-                                _tile_pair_minimums_4(*args)
+                            target, obase, ostride, rstride = sums, (g * chunk + r) * 16, chunk * 16, 16
+                        args = (w, r * cols + b0 * 32, cols, sc, mn, r * params + b0 // wide * halves, cut - b0, act,
+                                (g * blocks + b0) * 512, blocks * 512, scales, shift, dsum,
+                                (g * scaled + b0 * scaled // blocks) * 16, scaled * 16, target, obase, ostride, rstride,
+                                flat, ahead, k, g * scaled * 16 if last_slice else -1)
+                        ahead += (cut - b0) * 128
+                        if shared and kind == _HALVES:
+                            if width == 3:
+                                _tile_three_halves_k(*args)
+                            elif pair:
+                                _tile_pair_halves_k(*args)
                             else:
-                                _tile_one_minimums_4(*args)
-                        elif wide == 2:
-                            if pair:
-                                _tile_pair_minimums_2(*args)
+                                _tile_one_halves_k(*args)
+                        elif shared and not has_minimums(kind):  # iq4_xs
+                            if width == 3:
+                                _tile_three_k(*args)
+                            elif pair:
+                                _tile_pair_k(*args)
                             else:
-                                _tile_one_minimums_2(*args)
+                                _tile_one_k(*args)
+                        elif pairs:  # q4_k, q5_k, int4_g32 from PAIRED_INT4_TOKENS on: integer minimums
+                            if width == 3:
+                                _tile_three_pairs_k(*args)
+                            elif pair:
+                                _tile_pair_pairs_k(*args)
+                            else:
+                                _tile_one_pairs_k(*args)
+                        elif shared:  # int4_g32, fewer tokens
+                            if pair:
+                                _tile_pair_minimums_k(*args)
+                            else:
+                                _tile_one_minimums_k(*args)
+                        elif kind == _HALVES:
+                            if pair:
+                                _tile_pair_halves(*args)
+                            else:
+                                _tile_one_halves(*args)
+                        elif has_minimums(kind):  # int4 (g32 in rows not whole 256s; g64, g128: spans of 2, 4)
+                            if wide == 4:
+                                if pair:
+                                    _tile_pair_minimums_4(*args)
+                                else:
+                                    _tile_one_minimums_4(*args)
+                            elif wide == 2:
+                                if pair:
+                                    _tile_pair_minimums_2(*args)
+                                else:
+                                    _tile_one_minimums_2(*args)
+                            elif pair:
+                                _tile_pair_minimums(*args)
+                            else:
+                                _tile_one_minimums(*args)
+                        elif wide == 8:  # int8
+                            if width == 3:
+                                _tile_three_8(*args)
+                            elif pair:
+                                _tile_pair_8(*args)
+                            else:
+                                _tile_one_8(*args)
+                        elif width == 3:
+                            _tile_three(*args)
                         elif pair:
-                            _tile_pair_minimums(*args)
+                            _tile_pair(*args)
                         else:
-                            _tile_one_minimums(*args)
-                    elif wide == 8:  # int8
-                        if width == 3:
-                            _tile_three_8(*args)
-                        elif pair:
-                            _tile_pair_8(*args)
-                        else:
-                            _tile_one_8(*args)
-                    elif width == 3:
-                        _tile_three(*args)
-                    elif pair:
-                        _tile_pair(*args)
-                    else:
-                        _tile_one(*args)
-                g += width
+                            _tile_one(*args)
+                    g += width
             if direct:
                 continue
             if by_row:

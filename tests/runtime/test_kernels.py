@@ -380,14 +380,45 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     group = lanes.activation_group(scheme, cols)
     assert group == {"int4_g64": 64, "int4_g128": 128, "int8": min(256, cols), "q4_k": 256, "q5_k": 256,
                      "q6_k": 256, "iq4_xs": 256}.get(scheme, 256 if cols % 256 == 0 else 32)
-    quantized = np.stack([np.repeat(dx, group) * xq
-                          for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
-    want = quantized.astype(np.float64) @ _as_the_lanes_take_them(raw, scheme, cols, tokens).T
+    want = _lanes_definition(raw, x, scheme, cols)
     got = lanes.matmul(x, raw, scheme)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if not amx.HAVE_AMX or (scheme != "int8" and tokens < AMX_MIN_TOKENS[scheme]):
         np.testing.assert_array_equal(got, linear(x, raw, scheme))
         assert kernels._by_lanes(raw, scheme, tokens, cols)
+
+
+def _lanes_definition(raw: np.ndarray, x: np.ndarray, scheme: str, cols: int) -> np.ndarray:
+    """What ``lanes.matmul`` gives by definition: the tokens quantized as the lanes quantize them
+    (``activation_group``) times the weights as the lanes take them (float64)."""
+    from ktc.runtime import lanes
+
+    group = lanes.activation_group(scheme, cols)
+    quantized = np.stack([np.repeat(dx, group) * xq
+                          for xq, dx, _ in (vnni.quantize_activations(row, group) for row in x)])
+    return quantized.astype(np.float64) @ _as_the_lanes_take_them(raw, scheme, cols, x.shape[0]).T
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("scheme", IN_PLACE)
+@pytest.mark.parametrize("rows, cols, tokens", [(21, 4352, 40), (37, 12544, 70)])
+def test_lanes_slice_long_rows(scheme, rows, cols, tokens):
+    """Rows of more than ``TRIPLE_COLS`` values (whole 256s) go in slices of at most that many
+    from ``SLICE_MIN_TOKENS`` tokens on (two slices of 8 and 9 super-blocks; four of 12 and 13),
+    the sums carried from one to the next: still the definition's products, by token and by row
+    (the direct path of whole chunks too); the first tokens alone, in one piece, the same up to
+    the order of the float sums."""
+    from ktc.runtime import lanes
+
+    assert cols > lanes.TRIPLE_COLS and cols % 256 == 0 and tokens >= lanes.SLICE_MIN_TOKENS
+    raw, x = _blocks_case(scheme, rows, cols, tokens)
+    want = _lanes_definition(raw, x, scheme, cols)
+    got = lanes.matmul(x, raw, scheme)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(lanes.matmul(x, raw, scheme, by_row=True)[:, :tokens].T, got)
+    few = lanes.SLICE_MIN_TOKENS - 1
+    np.testing.assert_allclose(lanes.matmul(x[:few], raw, scheme), got[:few], rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
