@@ -223,18 +223,21 @@ def test_one_token_fused_path_mixed_schemes(family, tiny_models, tmp_path):
 @pytest.mark.parametrize("family, scheme, width", [("qwen3_moe", "q4_0", 128), ("mixtral", "q8_0", 128),
                                                    ("gpt_oss", "mxfp4", 128), ("qwen3_moe", "q4_k", 256),
                                                    ("olmoe", "q6_k", 256), ("qwen3_moe", "int4_g128", 256),
-                                                   ("mixtral", "int4_g32", 128), ("qwen3_moe", "fp8_e4m3", 256)])
+                                                   ("mixtral", "int4_g32", 128), ("qwen3_moe", "fp8_e4m3", 256),
+                                                   ("qwen3_moe", "q4_0", 256), ("gpt_oss", "mxfp4", 256)])
 @pytest.mark.parametrize("tokens", [24, 160])
 def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tmp_path):
     """Many tokens through a layer at once (each expert's tokens multiplied in place: row tiles
     for a few, the experts of a few tokens in one call, ``rows.experts_groups``, 16 tokens a
     vector from LANES_MIN_TOKENS on; hidden and expert widths of whole
     steps of the kernels) give what each token alone gives through the one-token path: to float
-    rounding for the block kinds, whose activations are quantized per 32 values either way;
-    within the activations' rounding for the K-quants, whose one-token kernels quantize them
-    per 256 (about 1% a product, two products; the lanes against their definition: the kernel
-    tests), and for int4, per group (int4 has no row tiles and no call for experts of a few
-    tokens: below LANES_MIN_TOKENS its one-token kernels token by token); fp8_e4m3 within bf16's
+    rounding for the block kinds in rows of 128 values, whose activations are quantized per 32
+    values either way; within the activations' rounding where the rows are whole 256s, which the
+    lanes quantize per 256 and the block kinds' one-token kernels per 32, and for the K-quants,
+    whose one-token kernels quantize them per 256 (about 1% a product, two products; the lanes
+    against their definition: the kernel tests), and for int4, per group (int4 has no row tiles
+    and no call for experts of a few tokens: below LANES_MIN_TOKENS its one-token kernels token
+    by token); fp8_e4m3 within bf16's
     rounding from AMX_MIN_TOKENS on a CPU with AMX (else from 16, torch's bf16 GEMM); on a CPU
     with AMX, experts of ``AMX_MIN_TOKENS`` tokens or more multiply bf16 values
     (``runtime/amx.py``), within the activations' rounding too."""
@@ -267,10 +270,14 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
         alone = np.concatenate([moe.forward(h[t:t + 1]) for t in range(tokens)])
         moe.close()
     assert tokens == 24 or most >= LANES_MIN_TOKENS.get(scheme, 16)  # the larger batch reaches the lanes
-    if ((scheme in ("q4_k", "q6_k") and tokens > 24) or (scheme.startswith("int4") and most >= LANES_MIN_TOKENS[scheme])
+    per_256 = scheme in ("q4_0", "mxfp4") and width % 256 == 0 and most >= LANES_MIN_TOKENS[scheme]
+    if (per_256 or (scheme in ("q4_k", "q6_k") and tokens > 24)
+            or (scheme.startswith("int4") and most >= LANES_MIN_TOKENS[scheme])
             or (scheme == "fp8_e4m3" and most >= (AMX_MIN_TOKENS[scheme] if amx.HAVE_AMX else 16))
             or (amx.HAVE_AMX and most >= AMX_MIN_TOKENS[scheme])):
         assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) < 3e-2
+        if per_256:  # the lanes' per-256 activations do show (the path is taken)
+            assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) > 1e-6
     else:
         np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())
 
