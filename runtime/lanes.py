@@ -89,6 +89,7 @@ _INT8 = 13
 _HALVES = 7  # q6_k: 16-value scales, two a block
 _KQUANT_FIRST = 5  # q4_k to int4_g32: their tokens' scales 256 values (``token_span``)
 _INT4 = 9  # kinds from here on: int4_g32, g64, g128
+_INT4_G64 = 10
 
 
 @njit(cache=True, nogil=True)
@@ -119,8 +120,12 @@ def token_span(kind, blocks):  # pragma: no cover - compiled
     instead of a multiply and a multiply-add (alternate processes, three rounds, 256 tokens:
     28672 x 4096 q4_0 37.2-38.9 ms against 41.4-42.4, q8_0 37.4-38.3 against 41.8-43.0; 4096 x
     14336 q4_0 20.0-20.9 against 21.4-22.4), at a cost in accuracy the demo model's text does
-    not show (``docs/runtime.md``). int4_g64/g128 keep theirs, per group. Else ``span``."""
-    if (kind <= 4 or _KQUANT_FIRST <= kind <= _INT4) and blocks % 8 == 0:
+    not show (``docs/runtime.md``). And int4_g64, whose spans of two blocks then go four a token
+    scale (``_tile_intrinsic``'s ``span`` 2 and ``shared`` 4: a conversion and two multiply-adds a
+    span instead of a conversion, a multiply and two multiply-adds; 28672 x 4096 at 256 tokens
+    35.8-37.1 ms against 38.4-39.2, 4096 x 14336 17.9-19.3 against 19.7-19.9). int4_g128 keeps
+    its own, per group (a multiply a span of four blocks is little to save). Else ``span``."""
+    if (kind <= 4 or _KQUANT_FIRST <= kind <= _INT4_G64) and blocks % 8 == 0:
         return 8
     return span(kind, blocks)
 
@@ -627,9 +632,10 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     and with ``init`` nonzero the sums start from what is there (a slice of the rows' values after
     another: ``_matmul``). Each block also prefetches two cache lines at ahead[aat + 128 b].
 
-    With ``shared`` (``token_span``: 8 but for int4_g64/g128 and rows not whole 256s), the tokens' scales at
-    dx cover ``shared`` blocks (their activations quantized per 256 values, as llama.cpp's q8_K)
-    while the rows' scales and minimums are a block's (a half block's with ``halves``): the totals
+    With ``shared`` (``token_span``: 8 but for int4_g128 and rows not whole 256s), the tokens' scales
+    at dx cover ``shared`` spans (their activations quantized per 256 values, as llama.cpp's q8_K;
+    spans of one block but for int4_g64's, of two, four a super-block) while the rows' scales and
+    minimums are a span's (a half block's with ``halves``): the totals
     are kept in units of the current super-block's tokens' scales, each block's (half block's) sums
     converted and multiplied by the row's scale into them, the minimums times the tokens' code sums
     (dsum, then a block's, as the shifts are) too; entering a super-block the totals are multiplied
@@ -653,7 +659,7 @@ def _tile_intrinsic(groups: int, halves: int = 1, minimums: bool = False, span: 
     words, floats = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     per_half = 8 // halves
     assert halves == 1 or span == 1
-    assert shared == 1 or span == 1
+    assert shared == 1 or span == 1 or shared * span == 8  # int4_g64: spans of 2, 4 a token scale
     assert not pairs or (shared == 8 and minimums and halves == 1)
 
     @intrinsic
@@ -881,6 +887,8 @@ _tile_pair_minimums_2, _tile_one_minimums_2, _tile_pair_minimums_4, _tile_one_mi
 _tile_pair_8, _tile_one_8 = _tile_intrinsic(TILE_GROUPS, span=8), _tile_intrinsic(1, span=8)
 _tile_pair_minimums_k, _tile_one_minimums_k = (_tile_intrinsic(groups, minimums=True, shared=8)
                                                for groups in (TILE_GROUPS, 1))
+_tile_three_minimums_k2, _tile_pair_minimums_k2, _tile_one_minimums_k2 = (
+    _tile_intrinsic(groups, minimums=True, span=2, shared=4) for groups in (3, TILE_GROUPS, 1))
 _tile_pair_pairs_k, _tile_one_pairs_k = (_tile_intrinsic(groups, minimums=True, shared=8, pairs=True)
                                          for groups in (TILE_GROUPS, 1))
 _tile_pair_k, _tile_one_k = (_tile_intrinsic(groups, shared=8) for groups in (TILE_GROUPS, 1))
@@ -1390,7 +1398,8 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     # groups' activations share L2; from three groups of tokens on (``SLICE_MIN_TOKENS``)
     slices = (cols + TRIPLE_COLS - 1) // TRIPLE_COLS if blocks % 8 == 0 and n >= SLICE_MIN_TOKENS else 1
     # tiles of three groups for rows (slices) of up to TRIPLE_COLS values, in the kinds compiled for them
-    triples = (cols <= TRIPLE_COLS or slices > 1) and ((shared and (pairs or not has_minimums(kind))) or kind <= 4
+    triples = (cols <= TRIPLE_COLS or slices > 1) and ((shared and (pairs or not has_minimums(kind) or wide == 2))
+                                                       or kind <= 4
                                                        or (kind == _INT8 and wide == 8))
     groups = (n + LANE_TOKENS - 1) // LANE_TOKENS
     padded = groups * LANE_TOKENS
@@ -1459,6 +1468,13 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                                 _tile_pair_pairs_k(*args)
                             else:
                                 _tile_one_pairs_k(*args)
+                        elif shared and wide == 2:  # int4_g64: spans of two blocks, four a token scale
+                            if width == 3:
+                                _tile_three_minimums_k2(*args)
+                            elif pair:
+                                _tile_pair_minimums_k2(*args)
+                            else:
+                                _tile_one_minimums_k2(*args)
                         elif shared:  # int4_g32, fewer tokens
                             if pair:
                                 _tile_pair_minimums_k(*args)
@@ -1469,7 +1485,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                                 _tile_pair_halves(*args)
                             else:
                                 _tile_one_halves(*args)
-                        elif has_minimums(kind):  # int4 (g32 in rows not whole 256s; g64, g128: spans of 2, 4)
+                        elif has_minimums(kind):  # int4 in rows not whole 256s (g32, g64: spans of 2), g128 (4)
                             if wide == 4:
                                 if pair:
                                     _tile_pair_minimums_4(*args)

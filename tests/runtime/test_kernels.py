@@ -369,7 +369,7 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     """Many tokens (16 a vector, the last group padded; tiles of three groups where three fit in
     rows of up to ``TRIPLE_COLS`` values, of two, of one; chunks of 16 rows, the last one short)
     give the dequantized weights times each token's activations quantized to int8 per 256 values
-    where the row is whole 256s (per 32 where not; int4_g64's and int4_g128's per group), up to
+    where the row is whole 256s (per 32 where not, int4_g64 per 64; int4_g128 per 128), up to
     float rounding; ``linear`` sends them there (below
     ``AMX_MIN_TOKENS`` where the CPU has AMX; int8 not at all there)."""
     from ktc.runtime import amx, kernels, lanes
@@ -378,8 +378,8 @@ def test_lanes_match_their_definition(scheme, rows, cols, tokens):
     raw, x = _blocks_case(scheme, rows, cols, tokens)
     assert lanes.fits(scheme, cols) and tokens >= LANES_MIN_TOKENS[scheme]
     group = lanes.activation_group(scheme, cols)
-    assert group == {"int4_g64": 64, "int4_g128": 128, "int8": min(256, cols), "q4_k": 256, "q5_k": 256,
-                     "q6_k": 256, "iq4_xs": 256}.get(scheme, 256 if cols % 256 == 0 else 32)
+    assert group == {"int4_g64": 256 if cols % 256 == 0 else 64, "int4_g128": 128, "int8": min(256, cols),
+                     "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}.get(scheme, 256 if cols % 256 == 0 else 32)
     want = _lanes_definition(raw, x, scheme, cols)
     got = lanes.matmul(x, raw, scheme)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
