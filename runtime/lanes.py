@@ -50,7 +50,7 @@ LANE_TOKENS = 16  # tokens a vector: 16 int32 lanes of a 512-bit register
 # from memory by each product instead of held in registers (4 x 4, 8 x 4, 8 x 2) 610-820.
 # Splitting the columns so that a tile's activations stay in L1 did not help.
 TILE_ROWS, TILE_GROUPS = 4, 2
-_ACTIVATED_GROUPS = 4  # groups of 16 tokens an item of ``_activated``
+_ACTIVATED_GROUPS = 16  # groups of 16 tokens an item of ``_activated`` at most
 # Rows unpacked at a time (``chunk_rows``): at 64 tokens with an earlier tile 16 rows made 960
 # GOP/s, 32 870, 64 775; with the tiles since (super-block activations, spans in a loop), 48 were
 # faster from 48 tokens on (``chunk_rows``).
@@ -1083,12 +1083,16 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
     # blocks of 32 values of the down rows (``token_span``: one scale a token), ``shared // wide``
     # spans. A group at a time, the loops over its 16 tokens ran a value at a time: LLVM's
     # vectorized loop (8 lanes, interleaved) wants more than 16 iterations, and took the scalar
-    # remainder for all of them (0.6 ns a value of the SiLU from the caches, one thread).
+    # remainder for all of them (0.6 ns a value of the SiLU from the caches, one thread). Items of up
+    # to 4 groups read a quarter of each gate/up row's 1 KB at 256 tokens, a row at a time: up to
+    # 16 groups (every token of a row at once), 14336-value rows at 256 tokens took 1.06-1.11 ms
+    # against 1.96-2.14, at 128 0.55-0.57 against 0.74-0.80 (at 32-64, and Qwen3-30B-A3B's 768, the
+    # same or less).
     groups = h.shape[1] // LANE_TOKENS
     blocks = inter // 32
     spans = blocks // shared
     per = shared // wide  # spans an item
-    taking = _ACTIVATED_GROUPS  # fewer where the items would be too few to share out evenly
+    taking = min(_ACTIVATED_GROUPS, groups)  # fewer where the items would be too few to share out evenly
     while taking > 1 and (groups + taking - 1) // taking * spans < 4 * workers:
         taking //= 2
     items = (groups + taking - 1) // taking * spans
@@ -1096,7 +1100,7 @@ def _activated(h, n, inter, clamped, limit, alpha, bias, has_bias, offset, halve
     slope = vnni.LOG2E_NEG * (alpha if clamped else one)
     count = 32 * shared  # values an item
     unit = 32 * wide // halves  # values a shift sums
-    most = _ACTIVATED_GROUPS * LANE_TOKENS
+    most = taking * LANE_TOKENS  # tokens an item
     paired = dsum.view(np.int32)  # q4_k's and q5_k's code sums two a word (``_activations``)
     for worker in prange(workers):
         values = np.empty((count, most), np.float32)

@@ -534,20 +534,21 @@ def test_lanes_by_row_is_the_transpose(scheme, rows, cols, tokens):
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("scheme", IN_PLACE)
 @pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
-def test_activated_is_the_activation_quantized(scheme, activation):
+@pytest.mark.parametrize("tokens, inter", [(37, 256), (200, 2048)])
+def test_activated_is_the_activation_quantized(scheme, activation, tokens, inter):
     """Gate/up products given by row (``lanes.activated``: the activation and down's quantization
-    16 tokens at a time) multiply down as the activation computed token by token and quantized
-    by ``lanes.matmul`` do (within the exponential's rounding); the padding tokens' products,
-    whatever they hold, change nothing."""
+    16 tokens at a time, an item one group or, with enough spans to share out, all 13 groups)
+    multiply down as the activation computed token by token and quantized by ``lanes.matmul`` do
+    (within the exponential's rounding); the padding tokens' products, whatever they hold,
+    change nothing."""
     from ktc.runtime import lanes
     from ktc.runtime.kernels import _act
 
     rng = np.random.default_rng(5)
-    tokens, inter = 37, 256
     down, _ = _blocks_case(scheme, 24, inter, tokens)
     h = rng.standard_normal((tokens, 2 * inter)).astype(np.float32) * 3
     bias = rng.standard_normal(2 * inter).astype(np.float32) if activation != "silu" else None
-    h_rows = np.full((2 * inter, 48), 1e3, np.float32)
+    h_rows = np.full((2 * inter, -(-tokens // 16) * 16), 1e3, np.float32)
     h_rows[:, :tokens] = h.T
     clamped = activation == "swiglu_clamped"
     got = lanes.product(lanes.activated(h_rows, tokens, inter, scheme, clamped, 7.0, 1.702, bias), tokens, inter,
