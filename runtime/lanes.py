@@ -1393,9 +1393,10 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
     wide = span(kind, blocks)
     spans = blocks // wide
     params = spans * halves  # scales a row
-    scaled = blocks // token_span(kind, blocks)  # the tokens' scales a token
+    per_scale = token_span(kind, blocks)  # blocks a token's scale covers
+    scaled = blocks // per_scale  # the tokens' scales a token
     # the K-quants', iq4_xs's and int4_g32's tiles (``_tile_intrinsic``'s ``shared``)
-    shared = token_span(kind, blocks) > wide
+    shared = per_scale > wide
     pairs = _paired(kind, blocks, n)  # integer minimums
     # longer rows go in slices of at most TRIPLE_COLS values, whole 256s, one after another over
     # a chunk (the tiles' sums carried from one to the next), so that a slice's codes and three
@@ -1446,7 +1447,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                             target, obase, ostride, rstride = sums, (g * chunk + r) * 16, chunk * 16, 16
                         args = (w, r * cols + b0 * 32, cols, sc, mn, r * params + b0 // wide * halves, cut - b0, act,
                                 (g * blocks + b0) * 512, blocks * 512, scales, shift, dsum,
-                                (g * scaled + b0 * scaled // blocks) * 16, scaled * 16, target, obase, ostride, rstride,
+                                (g * scaled + b0 // per_scale) * 16, scaled * 16, target, obase, ostride, rstride,
                                 flat, ahead, k, g * scaled * 16 if last_slice else -1)
                         ahead += (cut - b0) * 128
                         if ahead >= ahead_end:
@@ -1458,7 +1459,7 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                                 _tile_pair_halves_k(*args)
                             else:
                                 _tile_one_halves_k(*args)
-                        elif shared and not has_minimums(kind):  # iq4_xs
+                        elif shared and not has_minimums(kind):  # iq4_xs; q8_0, q4_0, mxfp4, iq4_nl in whole 256s
                             if width == 3:
                                 _tile_three_k(*args)
                             elif pair:
