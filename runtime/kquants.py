@@ -490,7 +490,7 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
         def unpack(at):  # type: ignore[no-untyped-def]
             # a super-block's d and dmin (float), its scales and minimums (sc 0-7, mn 8-15 as
             # int16 lanes) and its codes: (codes, activations' offset, the two sub-blocks)
-            vnni._prefetch_ahead(builder, flat_a, at, size)
+            vnni._prefetch_ahead(builder, flat_a, at, size, vnni._AGAIN if tokens else vnni._ONCE)
             d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 0), ir.HalfType()), f32)
             dmin = builder.fpext(builder.bitcast(load(flat_a, at, i16, 2), ir.HalfType()), f32)
             # The 12 bytes of 6-bit scales and minimums unpacked in 64-bit integer registers (as
@@ -580,7 +580,7 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         def unpack(at):  # type: ignore[no-untyped-def]
             # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
             # offset, the scales of their lanes)
-            vnni._prefetch_ahead(builder, flat_a, at, 210)
+            vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN if tokens else vnni._ONCE)
             d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32)
             sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
             codes = []

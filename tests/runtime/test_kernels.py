@@ -1022,3 +1022,35 @@ def test_q4_blocks_read_either_way(tmp_path):
                           env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)), cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_one_token_rows_prefetch_non_temporally():
+    """A one-token row asks for its weights non-temporally (read once: they should not evict what a
+    decode step reads again), the batched tiles' rows into L2 (read again for every pair of
+    tokens): the instructions the compiled code holds (``vnni._ONCE``, ``vnni._AGAIN``)."""
+    from numba import njit
+
+    from ktc.runtime import kquants
+
+    @njit
+    def row(flat, xq, lanes, e8m0):  # pragma: no cover - compiled
+        return vnni._q4_0_row(flat, 0, 2, xq, lanes, 0, 16, e8m0)
+
+    @njit
+    def k_row(flat, yk, dk, bsum):  # pragma: no cover - compiled
+        return kquants._q4_k_whole_row(flat, 0, 1, yk, 0, dk, bsum)
+
+    @njit
+    def tile(flat, xq, lanes, e8m0, out):  # pragma: no cover - compiled
+        vnni._q4_0_tile(flat, 0, 144, 2, xq, 0, 256, lanes, 0, 16, 64, e8m0, out, 0, 4)
+
+    flat, xq, lanes, e8m0 = (np.zeros(4096, np.uint8), np.zeros(1024, np.int8), np.zeros(1024, np.float32),
+                             np.zeros(256, np.float32))
+    row(flat, xq, lanes, e8m0)
+    k_row(flat, np.zeros(256, np.int8), np.zeros(1, np.float32), np.zeros(16, np.int16))
+    tile(flat, xq, lanes, e8m0, np.zeros(64, np.float32))
+    for fn, hint in ((row, "prefetchnta"), (k_row, "prefetchnta"), (tile, "prefetcht2")):
+        asm = next(iter(fn.inspect_asm().values()))
+        assert hint in asm
+        assert ("prefetcht2" if hint == "prefetchnta" else "prefetchnta") not in asm
