@@ -779,10 +779,19 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums32, isum16, dsum16, yk, dk, bsum,
             out):  # pragma: no cover - compiled
-    # Rows of a K-quant or iq4_xs times the int8 activations.
-    for chunk in prange((rows + 63) // 64):
-        for r in range(chunk * 64, min(rows, chunk * 64 + 64)):
-            out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums32, isum16, dsum16, yk, dk, bsum)
+    # Rows of a K-quant or iq4_xs times the int8 activations, ``vnni.item_rows`` rows a work item.
+    size = vnni.item_rows(row_bytes)
+    items = (rows + size - 1) // size
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for t in prange(threads):
+        while True:
+            item = vnni.work_item(counters, t, threads, items)
+            if item < 0:
+                break
+            for r in range(item * size, min(rows, item * size + size)):
+                out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums32, isum16, dsum16, yk, dk,
+                                bsum)
 
 
 @njit(cache=True, nogil=True)

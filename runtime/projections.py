@@ -105,12 +105,20 @@ def stack_token(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, x):  # pragm
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _stack_rows(mats, f32s, kinds, starts, chunk_starts, f16, e8m0, cols, act, out):  # pragma: no cover - compiled
     # out[starts[m] + r] = row r of matrix m . the activations, ROWS_PER_ITEM rows a work item
-    # over all.
-    for item in prange(chunk_starts[-1]):
-        m = 0
-        while item >= chunk_starts[m + 1]:
-            m += 1
-        raw = mats[m]
-        first = (item - chunk_starts[m]) * rows.ROWS_PER_ITEM
-        rows.rows(kinds[m], raw.reshape(-1), f32s[m], f16, e8m0, 0, raw.shape[1], first,
-                  min(raw.shape[0], first + rows.ROWS_PER_ITEM), cols, act, 0, out[starts[m]:starts[m + 1]])
+    # over all (``vnni.work_item``: both threads finish together), a thread's scratch allocated
+    # once.
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for t in prange(threads):
+        acc = np.zeros(16, np.float32)
+        while True:
+            item = vnni.work_item(counters, t, threads, chunk_starts[-1])
+            if item < 0:
+                break
+            m = 0
+            while item >= chunk_starts[m + 1]:
+                m += 1
+            raw = mats[m]
+            first = (item - chunk_starts[m]) * rows.ROWS_PER_ITEM
+            rows.rows(kinds[m], raw.reshape(-1), f32s[m], f16, e8m0, 0, raw.shape[1], first,
+                      min(raw.shape[0], first + rows.ROWS_PER_ITEM), cols, act, 0, out[starts[m]:starts[m + 1]], acc)

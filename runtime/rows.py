@@ -129,10 +129,11 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v, out):  # pragma: no cover - compiled
+def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v, out,
+         acc):  # pragma: no cover - compiled
     """out[r] for rows first..last of the matrix of kind ``code`` at byte ``base`` of flat (f32: a
     float32 view of the same bytes, where int8 rows keep their scales) times vector v of ``act``
-    (``activations``)."""
+    (``activations``); acc: 16 float32s of scratch (a thread's, ``vnni._block_rows``)."""
     xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs, iq, idx, isum = act
     if code >= INT4:
         g = code - INT4
@@ -147,7 +148,7 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
         return
     if code < KQUANT:
         vnni._block_rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, quads[v] if code >= 2 else xq[v],
-                         dx[v], sums[v], lanes[v], out)
+                         dx[v], sums[v], lanes[v], out, acc)
         return
     if code == FP8:
         vnni.fp8_rows(flat, base + first * row_bytes, row_bytes, last - first, cols // 128, xs[v], out, first)
@@ -174,6 +175,7 @@ def rows_many(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, out): 
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)
     for t in prange(threads):
+        acc = np.zeros(16, np.float32)
         while True:
             item = vnni.work_item(counters, t, threads, k * chunks)
             if item < 0:
@@ -181,7 +183,7 @@ def rows_many(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, out): 
             e = item // chunks
             first = (item - e * chunks) * ROWS_PER_ITEM
             rows(kinds[e], flat, f32, f16, e8m0, offsets[e], row_bytes[e], first,
-                 min(n_rows, first + ROWS_PER_ITEM), cols, act, 0 if shared else e, out[e])
+                 min(n_rows, first + ROWS_PER_ITEM), cols, act, 0 if shared else e, out[e], acc)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -198,6 +200,7 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)
     for t in prange(threads):
+        acc = np.zeros(16, np.float32)
         while True:
             c = vnni.work_item(counters, t, threads, chunks)
             if c < 0:
@@ -207,7 +210,7 @@ def rows_combined(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, we
             for r in range(first, last):
                 out[r] = 0.0
             for e in range(kinds.shape[0]):
-                rows(kinds[e], flat, f32, f16, e8m0, offsets[e], row_bytes[e], first, last, cols, act, e, y)
+                rows(kinds[e], flat, f32, f16, e8m0, offsets[e], row_bytes[e], first, last, cols, act, e, y, acc)
                 add_weighted(out, y, weights[e], bias[e if has_bias else 0], has_bias, first, last)
 
 
