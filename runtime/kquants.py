@@ -780,9 +780,9 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
 def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums32, isum16, dsum16, yk, dk, bsum,
             out):  # pragma: no cover - compiled
     # Rows of a K-quant or iq4_xs times the int8 activations, ``vnni.item_rows`` rows a work item.
-    size = vnni.item_rows(row_bytes)
-    items = (rows + size - 1) // size
     threads = vnni.thread_count()
+    size = vnni.item_rows(row_bytes, rows, threads)
+    items = (rows + size - 1) // size
     counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:

@@ -908,10 +908,11 @@ ITEM_BYTES = 512 * 1024
 
 
 @njit(cache=True, nogil=True)
-def item_rows(row_bytes):  # pragma: no cover - compiled
-    """Rows a work item of a one-token product over rows of ``row_bytes`` bytes: about
-    ``ITEM_BYTES``, at least 16."""
-    return max(16, ITEM_BYTES // row_bytes)
+def item_rows(row_bytes, rows, threads):  # pragma: no cover - compiled
+    """Rows a work item of a one-token product over ``rows`` rows of ``row_bytes`` bytes on
+    ``threads`` threads: about ``ITEM_BYTES``, but at least 8 items a thread where the matrix is
+    smaller (so a thread slowed down still has items to give away), and at least 16 rows."""
+    return max(16, min(ITEM_BYTES // row_bytes, rows // (8 * threads)))
 
 
 @njit(cache=True, nogil=True)
@@ -962,9 +963,9 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
     # work item: faster here than four rows side by side (19 against 26 GB/s from memory).
     groups = cols // group
     half = group // 2
-    size = item_rows(row_bytes)
-    items = (rows + size - 1) // size
     threads = thread_count()
+    size = item_rows(row_bytes, rows, threads)
+    items = (rows + size - 1) // size
     counters = work_counters(threads)
     for t in prange(threads):
         while True:
@@ -983,9 +984,9 @@ def _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq, dx, xsum, out):  # pragma
     rows, row_bytes = raw.shape
     flat = raw.reshape(-1)
     lanes = _lanes(dx.reshape(1, -1), xsum.reshape(1, -1))[0]
-    size = item_rows(row_bytes)
-    items = (rows + size - 1) // size
     threads = thread_count()
+    size = item_rows(row_bytes, rows, threads)
+    items = (rows + size - 1) // size
     counters = work_counters(threads)
     for t in prange(threads):
         acc = np.zeros(16, np.float32)
