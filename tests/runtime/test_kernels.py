@@ -1054,3 +1054,19 @@ def test_one_token_rows_prefetch_non_temporally():
         asm = next(iter(fn.inspect_asm().values()))
         assert hint in asm
         assert ("prefetcht2" if hint == "prefetchnta" else "prefetchnta") not in asm
+
+
+@pytest.mark.parametrize("row_bytes,rows,threads", [(1152, 151936, 2), (2304, 32000, 2), (1152, 512, 2),
+                                                     (2304, 2048, 2), (1152, 4096, 4), (8064, 100, 2)])
+def test_one_token_items_are_about_512_kb_and_enough_for_every_thread(row_bytes, rows, threads):
+    """The one-token products' work items (``vnni.item_rows``): about ``ITEM_BYTES`` of rows, but at
+    least 8 a thread where the matrix is smaller (one 512 KB item of a small matrix left one thread
+    idle), and at least 16 rows."""
+    size = vnni.item_rows(row_bytes, rows, threads)
+    items = -(-rows // size)
+    assert size >= 16
+    assert size * row_bytes <= vnni.ITEM_BYTES or size == 16
+    if rows * row_bytes < 8 * threads * vnni.ITEM_BYTES and rows >= 16 * 8 * threads:
+        assert items >= 8 * threads
+    if rows * row_bytes >= 8 * threads * vnni.ITEM_BYTES:
+        assert size == max(16, vnni.ITEM_BYTES // row_bytes)
