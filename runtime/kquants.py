@@ -779,17 +779,14 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _k_vnni(flat, kind, row_bytes, rows, cols, table, xq, dx, sums32, isum16, dsum16, yk, dk, bsum,
             out):  # pragma: no cover - compiled
-    # Rows of a K-quant or iq4_xs times the int8 activations, ``vnni.item_rows`` rows a work item.
-    threads = vnni.thread_count()
-    size = vnni.item_rows(row_bytes, rows, threads)
-    items = (rows + size - 1) // size
-    counters = vnni.work_counters(threads)
+    # Rows of a K-quant or iq4_xs times the int8 activations, in ``vnni.row_items``' work items.
+    threads, size, items, counters = vnni.row_items(row_bytes, rows)
     for t in prange(threads):
         while True:
-            item = vnni.work_item(counters, t, threads, items)
-            if item < 0:
+            first, end = vnni.next_rows(counters, t, threads, items, size, rows)
+            if first < 0:
                 break
-            for r in range(item * size, min(rows, item * size + size)):
+            for r in range(first, end):
                 out[r] = _k_row(flat, kind, r * row_bytes, cols // 256, xq, dx, sums32, isum16, dsum16, yk, dk,
                                 bsum)
 

@@ -915,6 +915,26 @@ def item_rows(row_bytes, rows, threads):  # pragma: no cover - compiled
     return max(16, min(ITEM_BYTES // row_bytes, rows // (8 * threads)))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def row_items(row_bytes, rows):  # pragma: no cover - compiled
+    """(threads, rows an item, items, counters) of a one-token product's balanced region over
+    ``rows`` rows of ``row_bytes`` bytes (``item_rows``, ``work_item``); called inside the
+    parallel function, before its ``prange(threads)``."""
+    threads = thread_count()
+    size = item_rows(row_bytes, rows, threads)
+    return threads, size, (rows + size - 1) // size, work_counters(threads)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def next_rows(counters, t, threads, items, size, rows):  # pragma: no cover - compiled
+    """The first row and the end of thread t's next item of ``row_items``' region, or (-1, -1)
+    when none is left."""
+    item = work_item(counters, t, threads, items)
+    if item < 0:
+        return -1, -1
+    return item * size, min(rows, item * size + size)
+
+
 @njit(cache=True, nogil=True)
 def work_counters(threads):  # pragma: no cover - compiled
     """The counters ``work_item`` claims items with, for a region of ``threads`` threads: one per
@@ -963,16 +983,13 @@ def _matvec_int4_vnni(flat, words, row_bytes, rows, cols, group, xq, dx, xsum, o
     # work item: faster here than four rows side by side (19 against 26 GB/s from memory).
     groups = cols // group
     half = group // 2
-    threads = thread_count()
-    size = item_rows(row_bytes, rows, threads)
-    items = (rows + size - 1) // size
-    counters = work_counters(threads)
+    threads, size, items, counters = row_items(row_bytes, rows)
     for t in prange(threads):
         while True:
-            item = work_item(counters, t, threads, items)
-            if item < 0:
+            first, end = next_rows(counters, t, threads, items, size, rows)
+            if first < 0:
                 break
-            for r in range(item * size, min(rows, item * size + size)):
+            for r in range(first, end):
                 base = r * row_bytes
                 out[r] = _int4_row(half, flat, base, groups, xq, dx, xsum, words, (base + cols // 2) // 2)
 
@@ -984,18 +1001,14 @@ def _matvec_blocks_vnni(raw, kind, f32, f16, e8m0, xq, dx, xsum, out):  # pragma
     rows, row_bytes = raw.shape
     flat = raw.reshape(-1)
     lanes = _lanes(dx.reshape(1, -1), xsum.reshape(1, -1))[0]
-    threads = thread_count()
-    size = item_rows(row_bytes, rows, threads)
-    items = (rows + size - 1) // size
-    counters = work_counters(threads)
+    threads, size, items, counters = row_items(row_bytes, rows)
     for t in prange(threads):
         acc = np.zeros(16, np.float32)
         while True:
-            item = work_item(counters, t, threads, items)
-            if item < 0:
+            first, end = next_rows(counters, t, threads, items, size, rows)
+            if first < 0:
                 break
-            _block_rows(kind, flat, f32, f16, e8m0, 0, row_bytes, item * size, min(rows, item * size + size),
-                        xq, dx, xsum, lanes, out, acc)
+            _block_rows(kind, flat, f32, f16, e8m0, 0, row_bytes, first, end, xq, dx, xsum, lanes, out, acc)
 
 
 @njit(cache=True, nogil=True, inline="always")  # inlined into the parallel kernels that call it
