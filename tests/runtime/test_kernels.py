@@ -1027,8 +1027,11 @@ def test_q4_blocks_read_either_way(tmp_path):
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 def test_one_token_rows_prefetch_non_temporally():
     """A one-token row asks for its weights non-temporally (read once: they should not evict what a
-    decode step reads again), the batched tiles' rows into L2 (read again for every pair of
-    tokens): the instructions the compiled code holds (``vnni._ONCE``, ``vnni._AGAIN``)."""
+    decode step reads again) and 8 KB ahead, the batched tiles' rows into L2 (read again for every
+    pair of tokens) and 4 KB ahead: the instructions the compiled code holds (``vnni._ONCE``,
+    ``vnni._AGAIN``, ``vnni._ahead``)."""
+    import re
+
     from numba import njit
 
     from ktc.runtime import kquants
@@ -1050,10 +1053,13 @@ def test_one_token_rows_prefetch_non_temporally():
     row(flat, xq, lanes, e8m0)
     k_row(flat, np.zeros(256, np.int8), np.zeros(1, np.float32), np.zeros(16, np.int16))
     tile(flat, xq, lanes, e8m0, np.zeros(64, np.float32))
-    for fn, hint in ((row, "prefetchnta"), (k_row, "prefetchnta"), (tile, "prefetcht2")):
+    for fn, hint, ahead in ((row, "prefetchnta", 8192), (k_row, "prefetchnta", 8192), (tile, "prefetcht2", 4096)):
         asm = next(iter(fn.inspect_asm().values()))
         assert hint in asm
         assert ("prefetcht2" if hint == "prefetchnta" else "prefetchnta") not in asm
+        # each line of a step asked for ``ahead`` bytes past the step (plus the line's place in it)
+        distances = [int(d) for d in re.findall(hint + r"\s+(\d+)\(", asm)]
+        assert distances and min(distances) == ahead, distances
 
 
 @pytest.mark.parametrize("row_bytes,rows,threads", [(1152, 151936, 2), (2304, 32000, 2), (1152, 512, 2),
