@@ -17,9 +17,12 @@ stamps in its compiled call (``vnni.STAMPS``; the last MoE layer's, every token)
 and beside them the routing, the activations' quantization, the activation function and the
 combination, as a share of the block, medians over tokens, then over rounds.
 
-With ``--busy``, as many rounds again run beside one competing busy process (a Python loop): ktc
-with its default thread count (which leaves the core that process takes alone), llama.cpp with
-``-t`` as before; printed is how much of its idle speed each keeps.
+With ``--busy``, every round measures each case again beside one competing busy process (a
+Python loop) right after its idle pair: ktc with its default thread count (which leaves the core
+that process takes alone), llama.cpp with ``-t`` as before; printed is how much of its idle speed
+each keeps, the median over rounds of each round's busy speed over that round's idle speed (the
+read bandwidth moves between phases minutes apart: a block of busy rounds after a block of idle
+ones compared two phases as often as one).
 
 Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and, for the converter,
 ``pip install sentencepiece protobuf`` in this environment.
@@ -55,7 +58,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
     parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
-    parser.add_argument("--busy", action="store_true", help="also run rounds beside a competing busy process")
+    parser.add_argument("--busy", action="store_true",
+                        help="in every round, also each case beside a competing busy process")
     parser.add_argument("--layers", type=int, default=1,
                         help="decoder layers of the models (1: the output matrix is most of a token's bytes; "
                              "a real model's layers are most of them)")
@@ -95,6 +99,8 @@ def main() -> int:
             for side in ("ktc", "llama") if round_index % 2 == 0 else ("llama", "ktc"):
                 row[side] = (gen.run_ktc(case, clock, prompt, args.new, args.threads) if side == "ktc" else
                              gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new, args.threads))
+            if args.busy:
+                row["busy"] = busy_pair(args, case, clock, prompt, round_index)
             case.rows.append(row)
         print(f"round {round_index + 1}: read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     print(f"\nmedians over {args.rounds} rounds (read bandwidth median {gen.median(bandwidths) / 1e9:.1f} GB/s):")
@@ -127,43 +133,53 @@ def main() -> int:
     print(f"\nworst case ktc/llama.cpp prefill: {worst:.2f}x (goal at least 1.0x: "
           f"{'met' if worst >= 1 else 'NOT met'})")
     if args.busy:
-        busy_rounds(args, cases, clock, prompt)
+        busy_report(args, cases)
     return 0
 
 
-def busy_rounds(args: argparse.Namespace, cases: list, clock: gen.KernelClock, prompt: list[int]) -> None:
-    """The same rounds beside one busy process; each tool's busy speed over its idle speed."""
+def busy_pair(args: argparse.Namespace, case: gen.Case, clock: gen.KernelClock, prompt: list[int],
+              round_index: int) -> dict:
+    """Both tools' decode of ``case`` beside one busy process, ktc at its default thread count."""
     import subprocess
     import time
 
+    import numba
+
     from ktc.runtime import cpu_load
 
-    rows: dict[int, list[dict]] = {id(case): [] for case in cases}
+    threads = numba.get_num_threads()  # ktc's load sets its own: the next round's bandwidth probe needs these
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1.0)
         cpu_load._CACHE = None  # measured idle before: look again
-        for round_index in range(args.rounds):
-            for case in cases:
-                rows[id(case)].append({"ktc": gen.run_ktc(case, clock, prompt, args.new, None),
-                                       "llama": gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new,
-                                                              args.threads)})
-            print(f"busy round {round_index + 1}", flush=True)
-        threads = cpu_load.default_threads(os.cpu_count() or 1)  # while the busy process runs
+        row = {"threads": cpu_load.default_threads(os.cpu_count() or 1)}
+        for side in ("ktc", "llama") if round_index % 2 == 0 else ("llama", "ktc"):
+            row[side] = (gen.run_ktc(case, clock, prompt, args.new, None) if side == "ktc" else
+                         gen.run_llama(args.llamacpp, case.gguf, args.prompt, args.new, args.threads))
     finally:
         hog.kill()
         hog.wait()
-    print(f"\nbeside one busy process (ktc's default threads: {threads} while it ran; llama.cpp -t {args.threads}), "
-          f"medians:")
+        numba.set_num_threads(threads)
+    cpu_load._CACHE = None
+    return row
+
+
+def busy_report(args: argparse.Namespace, cases: list) -> None:
+    """Each tool's busy speed over its idle speed, round by round (the same round's idle pair)."""
+    threads = sorted({r["busy"]["threads"] for case in cases for r in case.rows})
+    print(f"\nbeside one busy process (ktc's default threads: {'/'.join(map(str, threads))} while it ran; "
+          f"llama.cpp -t {args.threads}), medians over rounds of each round's busy/idle:")
     for case in cases:
         kept = {}
         for side in ("ktc", "llama"):
-            busy = gen.median([r[side]["decode"] for r in rows[id(case)]])
-            idle = gen.median([r[side]["decode"] for r in case.rows])
-            kept[side] = (busy, busy / idle)
+            fractions = [r["busy"][side]["decode"] / r[side]["decode"] for r in case.rows]
+            kept[side] = (gen.median([r["busy"][side]["decode"] for r in case.rows]), gen.median(fractions),
+                          fractions)
         print(f"{case.shape:<8} {case.scheme:<10} ktc {kept['ktc'][0]:6.1f} tok/s ({kept['ktc'][1] * 100:3.0f}% of "
               f"idle), llama.cpp {kept['llama'][0]:6.1f} tok/s ({kept['llama'][1] * 100:3.0f}% of idle): "
-              f"ktc degrades {'no worse' if kept['ktc'][1] >= kept['llama'][1] else 'more'}")
+              f"ktc degrades {'no worse' if kept['ktc'][1] >= kept['llama'][1] else 'more'} "
+              f"(rounds ktc {' '.join(f'{x * 100:.0f}' for x in kept['ktc'][2])}, "
+              f"llama.cpp {' '.join(f'{x * 100:.0f}' for x in kept['llama'][2])})")
 
 
 if __name__ == "__main__":
