@@ -365,7 +365,8 @@ _CODE_OFFSET = (128.0, 128.0, 8.0, 12.0, 128.0)
 # Each step asks for the weights this many bytes ahead. Rows of 14336 columns read 14-20 GB/s
 # without, 29-35 with (q8_0 and q4_0; 4096 columns 24-33 either way; medians of 11 interleaved
 # rounds); 2048 and 8192 bytes ahead, or into L1, did less (and 2048 less again with the
-# non-temporal hint below, 8192 the same).
+# non-temporal hint below, 8192 the same, on two threads before the one-token products took
+# balanced work items). The batched tiles ask this far ahead; the one-token rows, below.
 _PREFETCH_BYTES = 4096
 # One-token rows (``_ONCE``) ask twice as far ahead: a row of the 4-bit kinds takes a few
 # nanoseconds, so 4 KB ahead was less time ahead than the memory's latency where one core reads.
