@@ -158,15 +158,13 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
         for r in range(first, last):
             out[r] = vnni.bf16_dot(words, (base + r * row_bytes) // 2, cols // 16, xs_v)
         return
-    # vector v's views taken once, not for every row: taken in the row loop, made again for each
-    # row, they cost as much as a short row's products. Qwen3-30B-A3B's down rows (768
-    # values, 8 experts' 2048 rows, cold) q4_k 133-138 against 202-206 us on two cores, 235-259
-    # against 379-403 on one; q6_k on one 296-298 against 407-414; 2048-value rows 5-10% less.
-    xq_v, dx_v, sums_v, isum16_v, dsum16_v, yk_v, dk_v, bsum_v = (xq[v], dx[v], sums[v], isum16[v], dsum16[v], yk[v],
-                                                                   dk[v], bsum[v])
-    for r in range(first, last):
-        out[r] = kquants._k_row(flat, code - KQUANT, base + r * row_bytes, cols // 256, xq_v, dx_v, sums_v, isum16_v,
-                                dsum16_v, yk_v, dk_v, bsum_v)
+    # vector v's views taken once, not for every row (``kquants.k_rows``' arguments): taken in the
+    # row loop, made again for each row, they cost as much as a short row's products. Qwen3-30B-
+    # A3B's down rows (768 values, 8 experts' 2048 rows, cold) q4_k 133-138 against 202-206 us on
+    # two cores, 235-259 against 379-403 on one; q6_k on one 296-298 against 407-414; 2048-value
+    # rows 5-10% less.
+    kquants.k_rows(flat, code - KQUANT, base, row_bytes, first, last, cols // 256, xq[v], dx[v], sums[v], isum16[v],
+                   dsum16[v], yk[v], dk[v], bsum[v], out)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
