@@ -11,7 +11,7 @@ from typing import Any
 from ktc.errors import ConfigError, FormatError
 from ktc.ir import ModelConfig, SourceInfo, TensorRef
 
-from .gguf_reader import open_gguf
+from .gguf_reader import model_file_in, open_gguf
 from .model_config import config_from_gguf, find_config_json, read_hf_config
 from .pytorch_reader import INDEX_NAME as PYTORCH_INDEX
 from .pytorch_reader import open_pytorch
@@ -62,9 +62,11 @@ def detect_format(path: str) -> str:
             return "safetensors"
         if PYTORCH_INDEX in names or any(n.endswith((".bin", ".pt", ".pth")) for n in names):
             return "pytorch"
-        ggufs = [n for n in names if n.endswith(".gguf")]
-        if len(ggufs) == 1:
+        if model_file_in(path) is not None:
             return "gguf"
+        if any(n.endswith(".gguf") for n in names):
+            raise FormatError("several .gguf files in the folder, not the parts of one split GGUF",
+                              path=path, hint="name the .gguf file to read")
         raise FormatError("no checkpoint found in folder (looked for .safetensors, .bin/.pt, "
                           ".gguf)", path=path)
     if not os.path.exists(path):
@@ -91,9 +93,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = os.fspath(path)
     fmt = detect_format(path)
     if fmt == "gguf":
-        if os.path.isdir(path):
-            path = os.path.join(path, next(n for n in os.listdir(path) if n.endswith(".gguf")))
-        gguf_file = open_gguf(path)
+        gguf_file = open_gguf((model_file_in(path) or path) if os.path.isdir(path) else path)
+        path = gguf_file.path  # a split GGUF's first part, which holds its metadata
         config = config_from_gguf(gguf_file.metadata, gguf_file.tensors, path)
         return Checkpoint("gguf", path, config, gguf_file.tensors, gguf_file.files,
                           metadata=gguf_file.metadata, _file=gguf_file)

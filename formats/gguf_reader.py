@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
 
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, Keys
+from gguf.gguf_writer import SHARD_NAME_FORMAT
 
 from ktc.errors import FormatError
 from ktc.ir import STORAGE_TYPES, ByteRange, TensorRef
@@ -232,12 +234,74 @@ class GgufFile(TensorFile):
 
 
 def open_gguf(path: str) -> GgufFile:
-    """Open a ``.gguf`` file (one file; split GGUFs are not supported yet)."""
+    """Open a ``.gguf`` file, or a GGUF split into parts (``split_parts``) from any of them: the
+    first part's metadata (the only part that carries it all), every part's tensors."""
     path = os.fspath(path)
     metadata, tensors = read_gguf_header(path)
-    split_count = metadata.get("split.count", 1)
-    if isinstance(split_count, int) and split_count > 1:
-        raise FormatError(f"this is part of a GGUF split into {split_count} files, which ktc does "
-                          "not read yet", path=path,
-                          hint="merge the parts with `llama-gguf-split --merge` first")
-    return GgufFile(path, (path,), tensors, metadata)
+    count = metadata.get(Keys.Split.LLM_KV_SPLIT_COUNT, 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise FormatError(f"{Keys.Split.LLM_KV_SPLIT_COUNT} is {count!r}", path=path,
+                          tensor=Keys.Split.LLM_KV_SPLIT_COUNT)
+    if count == 1:
+        return GgufFile(path, (path,), tensors, metadata)
+    parts = split_parts(path, count)
+    headers = {path: (metadata, tensors)}
+    merged: dict[str, TensorRef] = {}
+    for number, part in enumerate(parts):
+        if part not in headers:
+            headers[part] = read_gguf_header(part)
+        part_metadata, part_tensors = headers[part]
+        for key, want in ((Keys.Split.LLM_KV_SPLIT_NO, number), (Keys.Split.LLM_KV_SPLIT_COUNT, count)):
+            if part_metadata.get(key) != want:
+                raise FormatError(f"{key} is {part_metadata.get(key)!r}, but the part's name makes it "
+                                  f"{want}", path=part, tensor=key,
+                                  hint="the parts come from different splits: download them again")
+        for name, ref in part_tensors.items():
+            if name in merged:
+                raise FormatError(f"tensor also in {merged[name].location.path}", path=part, tensor=name)
+            merged[name] = ref
+    metadata = headers[parts[0]][0]
+    expected = metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(merged))
+    if expected != len(merged):
+        raise FormatError(f"the {count} parts hold {len(merged)} tensors; the first part says "
+                          f"{expected}", path=parts[0], hint="a part is damaged or from another split")
+    return GgufFile(parts[0], parts, merged, metadata)
+
+
+_PART_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_parts(path: str, count: int) -> tuple[str, ...]:
+    """The files of a GGUF split into ``count`` parts that ``path`` is one of, in order: the
+    names llama.cpp's ``gguf-split`` and the ``gguf`` package's writer give them
+    (``PREFIX-00001-of-00003.gguf``), side by side in one folder. Every part must be there."""
+    folder, name = os.path.split(os.path.abspath(path))
+    match = _PART_NAME.match(name)
+    if match is None or int(match.group(3)) != count:
+        raise FormatError(f"this is part of a GGUF split into {count} files, but its name does not "
+                          f"say which (PREFIX-00001-of-{count:05d}.gguf)", path=path,
+                          hint="keep the names gguf-split gave the parts")
+    parts = tuple(os.path.join(folder, SHARD_NAME_FORMAT.format(match.group(1), i + 1, count))
+                  for i in range(count))
+    missing = [os.path.basename(p) for p in parts if not os.path.isfile(p)]
+    if missing:
+        raise FormatError(f"{len(missing)} of the {count} parts of this GGUF are missing: "
+                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}", path=path,
+                          hint="put every part of the split in one folder")
+    return parts
+
+
+def model_file_in(folder: str) -> str | None:
+    """The GGUF model in ``folder``: its one ``.gguf`` file, or the first part of the one GGUF split
+    into parts there (``split_parts``' names); None for none or several."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".gguf"))
+    if len(names) == 1:
+        return os.path.join(folder, names[0])
+    firsts = [n for n in names if (m := _PART_NAME.match(n)) and m.group(2) == "00001"]
+    if len(firsts) == 1:
+        m = _PART_NAME.match(firsts[0])
+        assert m is not None
+        count = int(m.group(3))
+        if names == sorted(SHARD_NAME_FORMAT.format(m.group(1), i + 1, count) for i in range(count)):
+            return os.path.join(folder, firsts[0])
+    return None

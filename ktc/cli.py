@@ -153,13 +153,15 @@ def inspect(path: str, as_json: bool, tensors: bool) -> None:
     """Describe a checkpoint: family, layers, experts, bytes by component, KV cost per token.
 
     PATH is a Hugging Face model folder (safetensors or .bin), a single .safetensors / .bin /
-    .pt file with config.json beside it, or a .gguf file. Only headers are read.
+    .pt file with config.json beside it, a .gguf file, or a GGUF split into parts (any part, or
+    their folder: every part is read). Only headers are read.
 
     \b
     Examples:
       ktc inspect ./Mixtral-8x7B-Instruct-v0.1
       ktc inspect ./DeepSeek-V3 --json | jq .bytes
       ktc inspect qwen3-30b-a3b-q8_0.gguf --tensors
+      ktc inspect DeepSeek-V3-Q4_K_M-00001-of-00009.gguf
     """
     from ktc.api import load_model
     from ktc.formats.bundle import is_bundle_file
@@ -369,11 +371,12 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _plan_from_flags(model: str, kw: dict[str, Any]) -> Any:
     from ktc.api import plan as make_plan
+    from ktc.formats.checkpoint import detect_format
 
     if not os.path.exists(model):
         raise KtcError("no such file or folder", path=model)
     split = lambda text: tuple(s.strip() for s in text.split(",") if s.strip())  # noqa: E731
-    source_types = bool(kw.get("export_llamacpp")) and model.endswith(".gguf")
+    source_types = bool(kw.get("export_llamacpp")) and detect_format(model) == "gguf"  # a folder of parts too
     if source_types and (kw["gpu_schemes"] or kw["cpu_schemes"]):
         raise KtcError("--export-llamacpp plans at the GGUF's own types, which llama.cpp loads",
                        hint="drop --gpu-schemes/--cpu-schemes")

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -241,7 +242,7 @@ def _quantized_tensor(value: np.ndarray, qtype: str, seed: int):
 
 def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
                dense_qtype: dict | None = None, fuse_gate_up: bool = False, tokenizer_pre: str = "gpt-2",
-               split_kv_b: bool = False, metadata: dict | None = None) -> str:
+               split_kv_b: bool = False, metadata: dict | None = None, split_max_tensors: int = 0) -> str:
     """Convert a tiny transformers checkpoint to GGUF with llama.cpp's names and metadata keys
     (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
     ``expert_qtype``: the ggml type of the expert stacks, a type per projection
@@ -251,13 +252,15 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     BPE splits text as GPT-2 does: "gpt-2"). ``split_kv_b``: DeepSeek's MLA as llama.cpp's converter
     writes it now, the key/value up-projection split into ``attn_k_b`` (transposed) and
     ``attn_v_b``, with the absorbed widths as key and value lengths. ``metadata``: more keys (after
-    the architecture's name), each a string, an int or a float (written as float32)."""
+    the architecture's name), each a string, an int or a float (written as float32).
+    ``split_max_tensors``: a GGUF split into parts of that many tensors (the gguf package's writer,
+    named as llama.cpp's gguf-split names them); the first part's path is returned."""
     import gguf
 
     spec = FAMILIES[family]
     cfg = json.load(open(os.path.join(st_folder, "config.json")))
     arch = spec.gguf_arch
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_context_length(cfg.get("max_position_embeddings", 4096))
     if cfg.get("rms_norm_eps") is not None:
         writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -354,7 +357,7 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return str(writer.format_shard_names(Path(path))[0])
 
 
 def _add_gguf_tokenizer(writer, tokenizer: dict, pre: str) -> None:

@@ -89,6 +89,62 @@ def test_matches_gguf_package(tmp_path):
         np.testing.assert_array_equal(to_float32(one), gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_K)[1])
 
 
+def write_split(folder, stem: str = "m", per_part: int = 2) -> tuple[list[str], dict[str, np.ndarray]]:
+    """A GGUF split into parts by the gguf package's writer (``per_part`` tensors a part, the
+    metadata in the first), as llama.cpp's gguf-split names them: the parts' paths and tensors."""
+    import gguf
+    from pathlib import Path
+
+    w = gguf.GGUFWriter(str(folder / f"{stem}.gguf"), "qwen3moe", split_max_tensors=per_part)
+    w.add_expert_count(4)
+    rng = np.random.default_rng(1)
+    values = {f"t{i}": rng.standard_normal((3, 32 * (i + 1))).astype(np.float32) for i in range(5)}
+    for name, value in values.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file()
+    parts = [str(p) for p in w.format_shard_names(Path(folder / f"{stem}.gguf"))]
+    w.close()
+    return parts, values
+
+
+def test_a_split_gguf_opens_from_any_part_with_every_part_s_tensors(tmp_path):
+    parts, values = write_split(tmp_path)
+    assert [p.rsplit("/", 1)[1] for p in parts] == ["m-00001-of-00003.gguf", "m-00002-of-00003.gguf",
+                                                    "m-00003-of-00003.gguf"]
+    for given in parts:
+        with open_gguf(given) as f:
+            assert f.path == parts[0] and f.files == tuple(parts)
+            assert f.metadata["qwen3moe.expert_count"] == 4  # the first part's metadata
+            assert sorted(f.tensors) == sorted(values)
+            assert {f.tensors[n].location.path for n in values} == set(parts)
+            for name, value in values.items():
+                np.testing.assert_array_equal(to_float32(f.tensors[name]), value)
+
+
+def test_a_split_gguf_with_a_part_missing_renamed_or_from_another_split_is_refused(tmp_path):
+    import os
+    import shutil
+
+    parts, _ = write_split(tmp_path)
+    os.remove(parts[2])
+    with pytest.raises(FormatError, match="1 of the 3 parts of this GGUF are missing: m-00003-of-00003.gguf"):
+        open_gguf(parts[0])
+    renamed = str(tmp_path / "model.gguf")
+    shutil.copy(parts[1], renamed)
+    with pytest.raises(FormatError, match="its name does not say which"):
+        open_gguf(renamed)
+    other = tmp_path / "other"
+    other.mkdir()
+    other_parts, _ = write_split(other, per_part=3)  # two parts
+    shutil.copy(parts[0], parts[2])  # the first part again where the third should be
+    with pytest.raises(FormatError, match="split.no is 0, but the part's name makes it 2"):
+        open_gguf(parts[0])
+    shutil.copy(other_parts[1], str(tmp_path / "m-00002-of-00002.gguf"))
+    shutil.copy(parts[0], str(tmp_path / "m-00001-of-00002.gguf"))
+    with pytest.raises(FormatError, match="split.count is 3, but the part's name makes it 2"):
+        open_gguf(str(tmp_path / "m-00002-of-00002.gguf"))
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "BF16", "F16", "F32"])
 def test_block_types_kept_and_dequantized_like_gguf(tmp_path, qtype):
     import gguf

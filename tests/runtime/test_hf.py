@@ -3,6 +3,7 @@ checkpoints, family by family: logits, greedy tokens, and the quantized schemes'
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -237,6 +238,39 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, split_k
     assert encoded[0] == encoded[1]
     with torch.no_grad():
         assert relative(logits[1], twin(ids).logits) < 1e-4
+
+
+def test_a_gguf_split_into_parts_compiles_as_the_whole_file_does(tmp_path):
+    """A GGUF split into parts (as llama.cpp's gguf-split writes them: the metadata in the first,
+    a few tensors each) compiles from its folder, or from any part, into a bundle whose logits and
+    tokenizer are the unsplit file's, its experts passed through from the parts' own bytes."""
+    from ktc.formats.bundle import open_bundle
+
+    base = mf.build_hf_model("qwen3_moe")
+    twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 300})).eval()
+    folder = str(tmp_path / "st")
+    twin.save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 300)
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "parts").mkdir()
+    whole = mf.write_gguf(folder, str(tmp_path / "whole" / "m.gguf"), family="qwen3_moe", expert_qtype="Q8_0")
+    first = mf.write_gguf(folder, str(tmp_path / "parts" / "m.gguf"), family="qwen3_moe", expert_qtype="Q8_0",
+                          split_max_tensors=7)
+    parts = sorted(os.listdir(tmp_path / "parts"))
+    assert len(parts) > 3 and first.endswith("m-00001-of-%05d.gguf" % len(parts))
+    compile_bundle(whole, str(tmp_path / "whole.ktb"), dense_scheme="f32")
+    compile_bundle(str(tmp_path / "parts"), str(tmp_path / "folder.ktb"), dense_scheme="f32")
+    compile_bundle(str(tmp_path / "parts" / parts[-1]), str(tmp_path / "last.ktb"), dense_scheme="f32")
+    ids = torch.randint(3, 290, (1, 16), generator=torch.Generator().manual_seed(0))
+    text = "A Mixture-of-Experts model replaces the feed-forward block"
+    results = []
+    for name in ("whole.ktb", "folder.ktb", "last.ktb"):
+        with open_bundle(str(tmp_path / name)) as bundle:
+            assert {t.scheme for t in bundle.tensors.values() if t.expert is not None} == {"q8_0"}
+        with from_bundle(str(tmp_path / name)) as km:
+            results.append((logits_of(km, ids), km.tokenizer(text)["input_ids"]))
+    for logits, encoded in results[1:]:
+        assert torch.equal(logits, results[0][0]) and encoded == results[0][1]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
