@@ -1025,16 +1025,21 @@ def test_q4_blocks_read_either_way(tmp_path):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-def test_one_token_rows_prefetch_non_temporally():
+@pytest.mark.parametrize("zen5", [True, False])
+def test_one_token_rows_prefetch_non_temporally(zen5, monkeypatch):
     """A one-token row asks for its weights non-temporally (read once: they should not evict what a
     decode step reads again) and 8 KB ahead, the batched tiles' rows into L2 (read again for every
     pair of tokens) and 4 KB ahead: the instructions the compiled code holds (``vnni._ONCE``,
-    ``vnni._AGAIN``, ``vnni._ahead``)."""
+    ``vnni._AGAIN``, ``vnni._ahead``). The block kinds' one-token rows ask non-temporally on Zen 5
+    only, elsewhere as the tiles do (``vnni._block_locality``); both rules compiled here, whatever
+    this CPU is."""
     import re
 
     from numba import njit
 
     from ktc.runtime import kquants
+
+    monkeypatch.setattr(vnni, "_NON_TEMPORAL_BLOCKS", zen5)
 
     @njit
     def row(flat, xq, lanes, e8m0):  # pragma: no cover - compiled
@@ -1053,7 +1058,8 @@ def test_one_token_rows_prefetch_non_temporally():
     row(flat, xq, lanes, e8m0)
     k_row(flat, np.zeros(256, np.int8), np.zeros(1, np.float32), np.zeros(16, np.int16))
     tile(flat, xq, lanes, e8m0, np.zeros(64, np.float32))
-    for fn, hint, ahead in ((row, "prefetchnta", 8192), (k_row, "prefetchnta", 8192), (tile, "prefetcht2", 4096)):
+    block_row = ("prefetchnta", 8192) if zen5 else ("prefetcht2", 4096)
+    for fn, (hint, ahead) in ((row, block_row), (k_row, ("prefetchnta", 8192)), (tile, ("prefetcht2", 4096))):
         asm = next(iter(fn.inspect_asm().values()))
         assert hint in asm
         assert ("prefetcht2" if hint == "prefetchnta" else "prefetchnta") not in asm
