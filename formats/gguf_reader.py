@@ -281,8 +281,7 @@ def split_parts(path: str, count: int) -> tuple[str, ...]:
         raise FormatError(f"this is part of a GGUF split into {count} files, but its name does not "
                           f"say which (PREFIX-00001-of-{count:05d}.gguf)", path=path,
                           hint="keep the names gguf-split gave the parts")
-    parts = tuple(os.path.join(folder, SHARD_NAME_FORMAT.format(match.group(1), i + 1, count))
-                  for i in range(count))
+    parts = tuple(os.path.join(folder, n) for n in _part_names(match.group(1), count))
     missing = [os.path.basename(p) for p in parts if not os.path.isfile(p)]
     if missing:
         raise FormatError(f"{len(missing)} of the {count} parts of this GGUF are missing: "
@@ -297,11 +296,12 @@ def model_file_in(folder: str) -> str | None:
     names = sorted(n for n in os.listdir(folder) if n.endswith(".gguf"))
     if len(names) == 1:
         return os.path.join(folder, names[0])
-    firsts = [n for n in names if (m := _PART_NAME.match(n)) and m.group(2) == "00001"]
-    if len(firsts) == 1:
-        m = _PART_NAME.match(firsts[0])
-        assert m is not None
-        count = int(m.group(3))
-        if names == sorted(SHARD_NAME_FORMAT.format(m.group(1), i + 1, count) for i in range(count)):
-            return os.path.join(folder, firsts[0])
+    match = _PART_NAME.match(names[0]) if names else None  # a split's first part sorts first
+    if match and names == _part_names(match.group(1), int(match.group(3))):
+        return os.path.join(folder, names[0])
     return None
+
+
+def _part_names(prefix: str, count: int) -> list[str]:
+    """The names of a GGUF split into ``count`` parts, in order."""
+    return [SHARD_NAME_FORMAT.format(prefix, i + 1, count) for i in range(count)]

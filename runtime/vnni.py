@@ -507,13 +507,7 @@ def _q4_blocks_by_permute() -> bool:
     (14336 x 4096) and 1.2x (2048-value expert rows) of them, the permute's two-source byte
     shuffle the slower there. Read when the kernels compile: Numba's cache keeps code per CPU
     name, so a cached kernel is always this choice's."""
-    try:
-        import llvmlite.binding as llvm
-
-        name = config.CPU_NAME if (config.CPU_NAME or "host") != "host" else llvm.get_host_cpu_name()
-    except Exception:  # pragma: no cover - no CPU query on this platform
-        return True
-    return name != "znver5"
+    return _HOST_CPU != "znver5"
 
 
 _Q4_PERMUTE = _q4_blocks_by_permute()
