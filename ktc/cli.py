@@ -764,12 +764,16 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
                    "the plan leaves free, and frees them after [default: on a device, as the plan says].")
 @click.option("--no-mmap", "no_mmap", is_flag=True,
               help=_NO_MMAP_HELP + " Refused for a plan that keeps experts on disk.")
+@click.option("--no-interleave", "no_interleave", is_flag=True,
+              help="On the CPU, multiply q4_0 attention and output matrices in the bundle's own layout, not from "
+                   "a copy made at load with their rows interleaved 16 at a time (as llama.cpp's --repack 0); the "
+                   "copy's products are faster, it takes that memory again.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
         ignore_eos: bool, hardware: str | None, cache_slots: int | None, cache_profile: str | None,
-        prefetch: bool, prefill_offload: bool | None, no_mmap: bool, as_json: bool) -> None:
+        prefetch: bool, prefill_offload: bool | None, no_mmap: bool, no_interleave: bool, as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -817,7 +821,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer, cache_slots=cache_slots,
                      cache_prior=prior, prefetch=prefetch, prefill_offload=prefill_offload,
-                     mapped=not no_mmap) as model:
+                     mapped=not no_mmap, interleave=not no_interleave) as model:
         load_seconds = time.perf_counter() - loaded_at
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,

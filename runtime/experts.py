@@ -23,10 +23,11 @@ from ktc.formats.kernel_args import read_only
 from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
+from . import interleave as interleaving
 from . import rows, triton_experts, vnni
 from .device import DEVICE_DECODERS, batched_matmul, check_device, from_host, upload
 from .device_cache import DeviceSlots
-from .kernels import LANES_MIN_TOKENS, expert_forward, expert_forward_batch, experts_token
+from .kernels import LANES_MIN_TOKENS, _act, expert_forward, expert_forward_batch, experts_token
 from .offload import PrefillOffload
 
 
@@ -109,11 +110,16 @@ class ExpertSet:
     tokens copies the CPU experts its cost model chooses to the device for that forward alone.
     ``cpu_threads``: the Numba threads of the worker that runs the CPU experts beside the
     device's (by default the creating thread's, less one where that leaves three or more).
+    ``interleave``: without a device, a layer whose experts are all q4_0 on a VNNI CPU reads them
+    from one copy with every matrix's rows interleaved (``runtime.interleave``; made here, the
+    experts' size again in memory, the map's pages of them no longer read); False reads the
+    bundle's own layout.
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
                  cache_slots: int = 0, cache_prior: np.ndarray | None = None,
-                 offload: PrefillOffload | None = None, cpu_threads: int | None = None) -> None:
+                 offload: PrefillOffload | None = None, cpu_threads: int | None = None,
+                 interleave: bool = True) -> None:
         device = check_device(device)
         model = bundle.manifest["model"]
         infos = {info["layer"]: info for info in model["moe_layers"]}
@@ -169,6 +175,12 @@ class ExpertSet:
                                       for e in range(self.num_experts)]),
                             np.stack([self.cpu[e].down_bias if e in self.cpu else np.zeros_like(first.down_bias)
                                       for e in range(self.num_experts)]))
+        # (copy, gate/up offsets, down offsets): the experts' interleaved copy, where made
+        self._interleaved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if (interleave and device is None and self._fused is not None and schemes == {"q4_0"} and vnni.HAVE_VNNI
+                and interleaving.fits(2 * self.intermediate_size, self.hidden_size)
+                and interleaving.fits(self.hidden_size, self.intermediate_size)):
+            self._interleaved = self._interleave()
         self.device = device
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0  # the plan's device experts' (the cache's slots: ``cache.nbytes``)
@@ -213,6 +225,37 @@ class ExpertSet:
         self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktc-experts-{layer}",
                                          initializer=_numba_threads, initargs=(cpu_threads,))
                       if self._on_device else None)
+
+    def _interleave(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every CPU expert's gate/up and down matrices interleaved (``interleave.repack``) into
+        one read-only copy, and their byte offsets in it (-1 for an expert not on the CPU)."""
+        first = next(iter(self.cpu.values()))
+        gu_bytes, dn_bytes = first.gate_up.nbytes, first.down.nbytes
+        copy = interleaving.aligned_empty(len(self.cpu) * (gu_bytes + dn_bytes))
+        gu = np.full(self.num_experts, -1, dtype=np.int64)
+        dn = np.full(self.num_experts, -1, dtype=np.int64)
+        at = 0
+        for e, ex in sorted(self.cpu.items()):
+            for matrix, offsets in ((ex.gate_up, gu), (ex.down, dn)):
+                interleaving.repack(matrix, out=copy[at:at + matrix.nbytes].reshape(matrix.shape))
+                offsets[e] = at
+                at += matrix.nbytes
+        return read_only(copy), gu, dn
+
+    def _interleaved_forward(self, e: int, x: np.ndarray) -> np.ndarray:
+        """Tokens x [T, hidden] through CPU expert ``e``'s interleaved matrices (``interleave.matmul``)."""
+        copy, gu, dn = self._interleaved  # type: ignore[misc]
+        ex = self.cpu[e]
+        gate_up = copy[gu[e]:gu[e] + ex.gate_up.nbytes].reshape(ex.gate_up.shape)
+        down = copy[dn[e]:dn[e] + ex.down.nbytes].reshape(ex.down.shape)
+        h = interleaving.matmul(x, gate_up)
+        if ex.gate_up_bias is not None:
+            h += ex.gate_up_bias
+        y = interleaving.matmul(_act(h, self.intermediate_size, self.activation, self.swiglu_limit,
+                                     self.swiglu_alpha).astype(np.float32), down)
+        if ex.down_bias is not None:
+            y += ex.down_bias
+        return y
 
     # ------------------------------------------------------------------------------------------
     # Device experts
@@ -637,7 +680,7 @@ class ExpertSet:
         cached = self._one_call
         if cached is not None and cached[0] is fused:
             return cached[1]
-        scheme, file, gate_up, down = fused
+        scheme, file = fused[:2]
         file = read_only(file)
         if isinstance(scheme, str):
             names = [scheme] * self.num_experts
@@ -650,6 +693,10 @@ class ExpertSet:
         if all(rows.kind(name) is not None for name in gu_names + dn_names):
             gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
             dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
+            gate_up, down = fused[2], fused[3]
+            if self._interleaved is not None:  # the copy, its offsets, its kind (rows of q4_0's size)
+                file, gate_up, down = self._interleaved
+                gu_kinds = dn_kinds = np.full(self.num_experts, rows.Q4_0X16, dtype=np.int64)
             f16, e8m0 = vnni._tables()
             biases = self._fused_biases
             none = np.zeros((1, 1), dtype=np.float32)
@@ -675,7 +722,7 @@ class ExpertSet:
                              down_bias=biases[1][experts] if biases else None)
 
     def _run_cpu(self, hidden: np.ndarray, work: Work) -> list[tuple[np.ndarray, np.ndarray]]:
-        if self._fused is not None and len(hidden) == 1 and work:
+        if self._fused is not None and self._interleaved is None and len(hidden) == 1 and work:
             experts = np.array([e for e, _, _ in work], dtype=np.int64)
             y = self._fused_token(hidden[0], experts, np.array([w[0] for _, _, w in work], dtype=np.float32))
             return [(np.zeros(1, dtype=np.int64), y[None, :])]
@@ -694,7 +741,9 @@ class ExpertSet:
             ex = self.cpu[e]
             kw = dict(activation=self.activation, gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
                       limit=self.swiglu_limit, alpha=self.swiglu_alpha)
-            if len(tokens) == 1:
+            if self._interleaved is not None:
+                y = self._interleaved_forward(e, hidden[tokens])
+            elif len(tokens) == 1:
                 y = expert_forward(ex.gate_up, ex.down, ex.scheme, hidden[tokens[0]], **kw)[None, :]
             else:
                 y = expert_forward_batch(ex.gate_up, ex.down, ex.scheme, hidden[tokens], **kw)

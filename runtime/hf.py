@@ -450,7 +450,8 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
                 tokenizer: Any = None, cache_slots: int | None = None, cache_prior: Any = None,
-                prefetch: bool = False, prefill_offload: bool | None = None, mapped: bool = True) -> KtcModel:
+                prefetch: bool = False, prefill_offload: bool | None = None, mapped: bool = True,
+                interleave: bool = True) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
@@ -477,6 +478,10 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     into the process's memory (huge pages where Linux gives them) instead of mapping it: the CPU
     kernels read faster there where the map reads slowly (``formats.bundle.open_bundle``);
     refused for a plan that keeps experts on disk (they are there because RAM cannot hold them).
+    ``interleave``: on the CPU, q4_0 matrices (attention, the output matrix, and the experts of
+    layers whose experts are all q4_0 where nothing runs on a device and none are on disk) are
+    multiplied from copies with their rows interleaved (``runtime.interleave``, as llama.cpp's
+    ``--repack``), made at load; False reads them in the bundle's own layout.
     """
     transformers = require_transformers()
     dev = check_device(device)
@@ -492,7 +497,8 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     if prefill_offload is None:
         prefill_offload = dev is not None and streaming.get("prefill_min_tokens") is not None
     try:
-        km = _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior, prefill_offload)
+        km = _load(transformers, bundle, dev, threads, tokenizer, cache_slots, cache_prior, prefill_offload,
+                   interleave)
     except BaseException:
         bundle.close()
         raise
@@ -537,7 +543,8 @@ def _stream(km: KtcModel, prefetch: bool) -> None:
 
 
 def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any,
-          cache_slots: int = 0, cache_prior: Any = None, prefill_offload: bool = False) -> KtcModel:
+          cache_slots: int = 0, cache_prior: Any = None, prefill_offload: bool = False,
+          interleave: bool = True) -> KtcModel:
     import torch
 
     from .bench import set_threads
@@ -560,7 +567,7 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
         from .attention import register
 
         model.set_attn_implementation(register())
-    loader = _Loader(transformers, bundle, model, device, dtype)
+    loader = _Loader(transformers, bundle, model, device, dtype, interleave=interleave)
     if (cache_slots or prefill_offload) and device is None:
         raise KtcError("cache slots and prefill offload use device memory: they need a device (--device cuda)")
     offload = _prefill_offload(bundle) if prefill_offload else None
@@ -654,9 +661,11 @@ def _prefill_offload(bundle: Bundle) -> Any:
 class _Loader:
     """Fills a meta-device model from a bundle (see ``from_bundle``)."""
 
-    def __init__(self, transformers: Any, bundle: Bundle, model: Any, device: Any, dtype: Any) -> None:
+    def __init__(self, transformers: Any, bundle: Bundle, model: Any, device: Any, dtype: Any, *,
+                 interleave: bool = True) -> None:
         import torch
 
+        self.interleave = interleave  # HostLinear's
         self.transformers = transformers
         self.bundle = bundle
         self.model = model
@@ -692,8 +701,10 @@ class _Loader:
             self._check_experts(name, module, info[layer], hf_moe)
             compute = None if self.device is None else self.dtype
             try:
+                # not where the plan keeps experts on disk: a copy would read them all into RAM
                 experts = ExpertSet(self.bundle, layer, device=self.device, compute_dtype=compute,
-                                    cache_slots=cache_slots, cache_prior=priors.get(layer), offload=offload)
+                                    cache_slots=cache_slots, cache_prior=priors.get(layer), offload=offload,
+                                    interleave=self.interleave and not _disk_tier(self.bundle))
             except BaseException:
                 for done in found:
                     done.close()
@@ -880,7 +891,8 @@ class _Loader:
             bias_values = torch.from_numpy(self._values(f"{name}.bias", (module.out_features,)))
             bias = bias_values if self.device is None else self._place(bias_values.numpy(), f"{name}.bias")
         if self.device is None:
-            return HostLinear(self._raw(tensor), t.scheme, module.in_features, module.out_features, bias)
+            return HostLinear(self._raw(tensor), t.scheme, module.in_features, module.out_features, bias,
+                              interleave=self.interleave)
         if t.scheme in ("f32", "bf16", "f16"):  # a plain nn.Linear on the device
             weight = self._values(key, (module.out_features, module.in_features))
             module.weight = torch.nn.Parameter(self._place(weight, key), requires_grad=False)

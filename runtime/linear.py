@@ -4,8 +4,11 @@ scheme (f32, bf16, int8, q8_0, the 4-bit schemes).
 
 On the host the bytes stay in the mapped bundle (zero-copy) and products go through ktc's
 kernels (``kernels.linear``: one token through the matrix-vector kernels, which read each weight
-byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size). On a
-device the bytes are uploaded once and decoded by torch when used (``device.matmul``).
+byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size); q4_0
+matrices on a VNNI CPU are read from a copy with their rows interleaved instead
+(``runtime.interleave``: the same bytes reordered, which the kernels multiply faster), unless
+``interleave=False``. On a device the bytes are uploaded once and decoded by torch when used
+(``device.matmul``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import numpy as np
 import torch
 
 from .device import matmul
-from . import kernels
+from . import interleave as interleaving
+from . import kernels, vnni
 from .kernels import decode, int8_row_scales, linear
 
 
@@ -34,16 +38,22 @@ def _plain_view(raw: np.ndarray, scheme: str, cols: int) -> torch.Tensor | None:
 
 class HostLinear(torch.nn.Module):
     """``y = x W^T + b`` for ``W`` [out, in] stored in ``scheme`` as the bundle's raw rows,
-    computed on the CPU in float32 (float32 inputs and outputs)."""
+    computed on the CPU in float32 (float32 inputs and outputs). ``interleaved``: the rows'
+    interleaved copy (``runtime.interleave``) that every product reads instead of ``raw``, made
+    here for a q4_0 matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
+    memory is ``raw``'s size again; the map's pages of ``raw`` are no longer read, so the
+    kernel can reclaim them)."""
 
     def __init__(self, raw: np.ndarray, scheme: str, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, *, interleave: bool = True) -> None:
         super().__init__()
         self.raw = raw
         self.scheme = scheme
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.interleaved = (interleaving.repack(raw) if interleave and scheme == "q4_0" and vnni.HAVE_VNNI
+                            and raw.dtype == np.uint8 and interleaving.fits(out_features, in_features) else None)
         # f32 weights are used in place by torch: the same products as an nn.Linear.
         self._weight = _plain_view(raw, scheme, in_features) if scheme == "f32" else None
         self._scales = int8_row_scales(raw, in_features) if scheme == "int8" else None
@@ -54,7 +64,10 @@ class HostLinear(torch.nn.Module):
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """``W x + b`` for one float32 vector (numpy in and out), through ktc's kernels."""
-        y = kernels.matvec(self.raw, self.scheme, x, scales=self._scales)
+        if self.interleaved is not None:
+            y = interleaving.matvec(self.interleaved, x)
+        else:
+            y = kernels.matvec(self.raw, self.scheme, x, scales=self._scales)
         if self.bias is not None:
             y += self.bias.detach().numpy()
         return y
@@ -66,13 +79,17 @@ class HostLinear(torch.nn.Module):
             return torch.from_numpy(self.matvec(x.detach().numpy().reshape(-1))).reshape(*x.shape[:-1],
                                                                                        self.out_features)
         flat = x.detach().reshape(-1, self.in_features).to(torch.float32)
-        y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme, self._scales))
+        if self.interleaved is not None:
+            y = torch.from_numpy(interleaving.matmul(flat.numpy(), self.interleaved))
+        else:
+            y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme, self._scales))
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+        interleaved = ", interleaved" if self.interleaved is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{interleaved}"
 
 
 class DeviceLinear(torch.nn.Module):

@@ -59,16 +59,19 @@ class Projections:
         bf16's, uint16) arrays, biases, more than ``STACK`` matrices."""
         if not vnni.HAVE_VNNI or not linears or len(linears) > STACK:
             return None
-        kinds = [rows.kind(lin.scheme, plain=True) for lin in linears]
+        # a matrix with an interleaved copy (``HostLinear.interleaved``) is read from it
+        copies = [getattr(lin, "interleaved", None) for lin in linears]
+        kinds = [rows.Q4_0X16 if copy is not None else rows.kind(lin.scheme, plain=True)
+                 for lin, copy in zip(linears, copies)]
         cols = linears[0].in_features
-        raws = [_row_bytes(lin.raw) for lin in linears]
+        raws = [copy if copy is not None else _row_bytes(lin.raw) for lin, copy in zip(linears, copies)]
         if None in kinds or any(lin.in_features != cols or lin.bias is not None for lin in linears):
             return None
         if any(not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or not r.flags.c_contiguous
                for r in raws):
             return None
         if cols % 32 or (any(rows.KQUANT <= k < rows.BF16 for k in kinds) and cols % 256) or (  # type: ignore[operator]
-                rows.FP8 in kinds and cols % 128) or any(k >= rows.INT4 and cols % (32 << (k - rows.INT4))
+                rows.FP8 in kinds and cols % 128) or any(rows.INT4 <= k < rows.Q4_0X16 and cols % (32 << (k - rows.INT4))
                                                          for k in kinds):  # type: ignore[operator]
             return None
         if any(k == 0 and r.size % 4 for k, r in zip(kinds, raws)):

@@ -250,3 +250,34 @@ def test_fast_steps_past_one_span_of_positions_equal_transformers_steps(tmp_path
             fast = _steps(km, prompt, tokens, fast=True)
             slow = _steps(km, prompt, tokens, fast=False)
         assert _relative(fast, slow) < 1e-5
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_interleaved_q4_0_matrices_give_the_stored_layout_s_results(tmp_path):
+    """On a VNNI CPU a q4_0 model's attention, output matrix and experts are multiplied from
+    copies with their rows interleaved (``runtime.interleave``), in the prompt's forward (its
+    experts of one token, of a few, of many) and in the compiled decode step; ``interleave=False``
+    reads the bundle's rows. The same activations' quantization either way: the same logits but
+    for the order of float sums, the same greedy tokens."""
+    from ktc.runtime.linear import HostLinear
+
+    # rows of whole pairs of blocks
+    path = _bundle(tmp_path, "qwen3_moe", "q4_0", hidden_size=64, moe_intermediate_size=64)
+    prompt, tokens = _prompt(40), [5, 17, 40, 3]
+    runs = {}
+    for interleave in (True, False):
+        with from_bundle(path, interleave=interleave) as km:
+            linears = [m for m in km.model.modules() if isinstance(m, HostLinear)]
+            assert linears and all((m.interleaved is not None) == interleave for m in linears)
+            assert km.experts and all((e._interleaved is not None) == interleave for e in km.experts)
+            cache = km.new_cache()
+            with torch.inference_mode():
+                prefill = km.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0].numpy()
+            steps = [km.fast.step(t).copy() for t in tokens]
+            greedy = generate(km, prompt, max_new_tokens=8, sampling=Sampling(temperature=0),
+                              stop_at_eos=False).generated_tokens
+            runs[interleave] = (prefill.copy(), steps, greedy)
+    (prefill, steps, greedy), (prefill0, steps0, greedy0) = runs[True], runs[False]
+    assert _relative([prefill], [prefill0]) < 1e-5
+    assert _relative(steps, steps0) < 1e-5
+    assert greedy == greedy0

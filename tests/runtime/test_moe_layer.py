@@ -12,6 +12,7 @@ import model_factory as mf
 from ktc.compile import compile_bundle
 from ktc.errors import KtcError
 from ktc.formats.bundle import open_bundle
+from ktc.runtime.experts import ExpertSet
 from ktc.runtime.moe import MoELayer
 
 # Relative error of the block's output (Frobenius norm). 4-bit codes have a relative RMS error
@@ -253,7 +254,9 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
     compile_bundle(folder, str(path), cpu_scheme=scheme)
     rng = np.random.default_rng(8)
     with open_bundle(str(path)) as bundle:
-        moe = MoELayer(bundle, mf.FAMILIES[family].moe_layers[-1])
+        layer = mf.FAMILIES[family].moe_layers[-1]
+        # the stored layout's paths (q4_0's interleaved copy: test_interleaved_q4_0_experts_...)
+        moe = MoELayer(bundle, layer, experts=ExpertSet(bundle, layer, interleave=False))
         few_tokens, grouped = moe.experts._few_tokens, []
 
         def spied(hidden, work, results):  # type: ignore[no-untyped-def]
@@ -386,3 +389,37 @@ def test_a_token_alone_splits_as_among_others(tiny_models, tmp_path):
         twice = experts._split(np.array([[1, 1]]), np.array([[0.25, 0.5]], dtype=np.float32))
         assert [(e, t.tolist(), c.tolist()) for e, t, c in twice[0]] == [(1, [0], [0.75])]
         experts.close()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 24, 160])
+def test_interleaved_q4_0_experts_equal_the_stored_layout(tokens, tmp_path):
+    """A layer whose experts are all q4_0, on a VNNI CPU, reads them from one copy with their
+    rows interleaved (``runtime.interleave``): one token through every path that takes one
+    (``rows.chosen_experts_token``, ``rows.pairs_token``), several through ``interleave.matmul``;
+    each gives what the stored layout's paths give, within the activations' rounding (those
+    quantize per 256 from LANES_MIN_TOKENS tokens an expert, the copy's products per 32), and
+    each token alone what it gives in the batch."""
+    from ktc.runtime import vnni
+
+    if not vnni.HAVE_VNNI:
+        pytest.skip("the interleaved copy needs AVX-512 VNNI")
+    width = 128
+    folder = mf.write_safetensors(mf.build_hf_model("qwen3_moe", hidden_size=width, intermediate_size=width,
+                                                    moe_intermediate_size=width, head_dim=32), str(tmp_path / "src"))
+    path = tmp_path / "m.ktb"
+    compile_bundle(folder, str(path), cpu_scheme="q4_0")
+    h = np.random.default_rng(tokens).standard_normal((tokens, width)).astype(np.float32)
+    with open_bundle(str(path)) as bundle:
+        layer = mf.FAMILIES["qwen3_moe"].moe_layers[-1]
+        copy = MoELayer(bundle, layer)
+        stored = MoELayer(bundle, layer, experts=ExpertSet(bundle, layer, interleave=False))
+        assert copy.experts._interleaved is not None and stored.experts._interleaved is None
+        got, want = copy.forward(h), stored.forward(h)
+        alone = np.concatenate([copy.forward(h[t:t + 1]) for t in range(tokens)])
+        one_call = copy.experts.one_call_tables()
+        copy.close()
+        stored.close()
+    assert one_call is not None and one_call[0] is copy.experts._interleaved[0]
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=(2e-2 if tokens > 24 else 1e-5) * scale)
+    np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5 * scale)

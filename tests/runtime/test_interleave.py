@@ -1,0 +1,85 @@
+"""q4_0 rows interleaved 16 at a time (``runtime.interleave``): the copy is the same bytes
+reordered, and its products equal the definition (each block's codes minus 8 times the
+activations quantized per 32, scaled by the block's scale and dx), for one token and several."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ktc.formats.quantize import quantize
+from ktc.runtime import interleave, vnni
+
+needs_vnni = pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+SHAPES = [(16, 64), (48, 128), (64, 2048), (160, 768), (32, 4096)]
+
+
+def _case(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 2)
+    x = rng.standard_normal(cols).astype(np.float32) * rng.uniform(0.1, 10)
+    return quantize(w, "q4_0"), x
+
+
+def _definition(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Float64: sum over blocks of d * dx * sum((code - 8) * xq), from the row-major bytes."""
+    rows, row_bytes = raw.shape
+    cols = x.shape[0]
+    blocks = cols // 32
+    b = raw.reshape(rows, blocks, 18)
+    codes = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=2).astype(np.float64) - 8
+    scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    xq, dx, _ = vnni.quantize_activations(x, 32)
+    dots = (codes * xq.reshape(blocks, 32).astype(np.float64)).sum(axis=2)
+    return (scale * dx * dots).sum(axis=1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_repack_is_the_same_bytes_reordered_and_unpack_undoes_it(shape):
+    raw, _ = _case(*shape, seed=shape[1])
+    packed = interleave.repack(raw, rows_at_once=32)  # several pieces where there are more rows
+    assert packed.shape == raw.shape and packed.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(np.sort(packed.reshape(-1)), np.sort(raw.reshape(-1)))
+    np.testing.assert_array_equal(interleave.unpack(packed), raw)
+    # the first pair of the first group: row r's scale of block 0 at bytes 2r, of block 1 at
+    # 32 + 2r; line k of block 0's codes holds bytes 4k..4k+3 of each row's codes
+    group = packed.reshape(-1)[:interleave.PAIR_BYTES]
+    b = raw[:16].reshape(16, -1, 18)
+    np.testing.assert_array_equal(group[:32].reshape(16, 2), b[:, 0, :2])
+    np.testing.assert_array_equal(group[32:64].reshape(16, 2), b[:, 1, :2])
+    np.testing.assert_array_equal(group[64 + 64:64 + 128].reshape(16, 4), b[:, 0, 2 + 4:2 + 8])
+
+
+@pytest.mark.parametrize("rows, cols", [(15, 64), (16, 96), (16, 32)])
+def test_what_cannot_be_interleaved_is_refused(rows, cols):
+    raw, _ = _case(rows, cols, seed=1)
+    assert not interleave.fits(rows, cols)
+    with pytest.raises(ValueError, match="cannot be interleaved"):
+        interleave.repack(raw)
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_token_matches_the_definition_and_the_row_major_kernel(shape):
+    from ktc.runtime.kernels import matvec
+
+    raw, x = _case(*shape, seed=shape[0] + shape[1])
+    want = _definition(raw, x)
+    got = interleave.matvec(interleave.repack(raw), x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, matvec(raw, "q4_0", x), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("tokens", [2, 7, 8, 9, 21])
+@pytest.mark.parametrize("shape", [(64, 256), (80, 2048)])
+def test_several_tokens_equal_each_token_alone(shape, tokens):
+    raw, _ = _case(*shape, seed=tokens)
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, shape[1])).astype(np.float32)
+    packed = interleave.repack(raw)
+    got = interleave.matmul(x, packed)
+    want = np.stack([_definition(raw, row) for row in x])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, np.stack([interleave.matvec(packed, row) for row in x]), rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())
