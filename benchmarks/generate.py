@@ -17,7 +17,8 @@ q4_0, int4_g128 and mxfp4 with the dense scheme to match, this measures in inter
 Where llama.cpp's tools are built (``../shared/tools/build-llamacpp.sh``; ``--llamacpp DIR``),
 the same checkpoint is converted with llama.cpp's converter and quantized with llama-quantize
 (Q8_0 for int8 and q8_0, Q4_0 for q4_0 and int4_g128, MXFP4_MOE for mxfp4), and ``llama-bench``
-runs in the same rounds with the same prompt and generation lengths and threads.
+runs in the same rounds with the same prompt and generation lengths and threads (its decode
+after the prompt, ``-d``: ``run_llama``).
 
 Every figure printed is the median over rounds; ratios are medians of per-round ratios.
 
@@ -329,9 +330,20 @@ def cpu_flags() -> str:
 
 
 def run_llama(llama: str, gguf: str, prompt: int, new: int, threads: int) -> dict:
+    """llama-bench's prefill of ``prompt`` tokens and its decode of ``new`` tokens after them
+    (``-d``: at the depth ktc's decode runs at, after the same prompt: from an empty cache, as a
+    plain ``-p P -n N`` runs it, its steps read no keys and values)."""
+    prefill = _llama_bench(llama, gguf, ["-p", str(prompt), "-n", "0"], threads)
+    decode = _llama_bench(llama, gguf, ["-p", "0", "-n", str(new), "-d", str(prompt)], threads)
+    pp = next(r["avg_ts"] for r in prefill if r["n_prompt"] > 0)
+    tg = next(r["avg_ts"] for r in decode if r["n_gen"] > 0)
+    return {"prefill": pp, "decode": tg, "bytes_per_token": gguf_bytes_per_token(gguf)}
+
+
+def _llama_bench(llama: str, gguf: str, test: list[str], threads: int) -> list[dict]:
     bench = os.path.join(llama, "build", "bin", "llama-bench")
-    done = subprocess.run([bench, "-m", gguf, "-p", str(prompt), "-n", str(new), "-t", str(threads), "-r", "1",
-                           "-o", "json"], capture_output=True, text=True)
+    done = subprocess.run([bench, "-m", gguf, *test, "-t", str(threads), "-r", "1", "-o", "json"],
+                          capture_output=True, text=True)
     if done.returncode in (-signal.SIGILL, -signal.SIGSEGV) and "amx" in cpu_flags():
         # Seen on a virtual machine whose CPU reports AMX that the hypervisor does not run: a
         # native build of ggml takes its AMX matrix products, and the first prompt faults.
@@ -341,11 +353,7 @@ def run_llama(llama: str, gguf: str, prompt: int, new: int, threads: int) -> dic
                          "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
                          "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF, with build-llamacpp.sh's other options)")
     done.check_returncode()
-    out = done.stdout
-    rows = json.loads(out)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
-    return {"prefill": pp, "decode": tg, "bytes_per_token": gguf_bytes_per_token(gguf)}
+    return json.loads(done.stdout)
 
 
 def median(values: list[float]) -> float:

@@ -6,9 +6,11 @@ quantized with ``--pure`` (every matrix in that type, as they were before ktc re
 by default llama-quantize keeps a Q4_0 file's ``output.weight`` in Q6_K). MXFP4_MOE files hold
 MXFP4 experts and Q8_0 matrices.
 
-Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -n N
--p P -t T`` and ktc's whole-model decode (``ktc run``'s loop, greedy, the same prompt and
-generation lengths), which of the two goes first swapped every round. Printed per case: medians
+Interleaved rounds, each measuring the read bandwidth first, then every case: ``llama-bench -p P
+-n 0 -t T`` and ``llama-bench -p 0 -n N -d P -t T`` (its decode after a prompt of P tokens, as
+ktc's: from an empty cache its steps would read no keys and values), and ktc's whole-model
+decode (``ktc run``'s loop, greedy, the same prompt and generation lengths), which of the two
+goes first swapped every round. Printed per case: medians
 of decode tokens/s for both, the median of the per-round ratios (and each round's), and each as a
 fraction of its round's bandwidth; then the prompt's prefill tokens/s for both and their ratio
 (``--prompt 512`` for llama-bench's usual prefill figure). No best-of-N figures. Under each
