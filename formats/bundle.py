@@ -202,6 +202,20 @@ class Bundle:
         size): ``mmap.MADV_WILLNEED`` to start reading them, ``MADV_RANDOM`` against readahead."""
         self._mapped().madvise(advice, start, length)
 
+    def release(self, name: str) -> None:
+        """Drop this process's mapping of a stored tensor's whole pages (``MADV_DONTNEED``): for
+        a tensor the runtime has copied and no longer reads, so the map's pages leave the
+        process's resident memory and the kernel may reclaim them. Nothing is lost: a page
+        touched again is read again from the file. Nothing happens for a bundle read into memory
+        or a compressed tensor (their bytes are the process's own)."""
+        t = self.tensors[name]
+        if self.in_memory or self.blocks[t.block].compression or t.offset is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start, end = -(-t.offset // page) * page, (t.offset + t.nbytes) // page * page
+        if end > start:
+            self._mapped().madvise(mmap.MADV_DONTNEED, start, end - start)
+
     @property
     def segments(self) -> list[dict[str, Any]]:
         return self.manifest["segments"]

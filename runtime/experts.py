@@ -67,6 +67,12 @@ _TOKEN_ZERO.setflags(write=False)
 _IN_PLACE_NAMES = {rows.kind(name): name for name in LANES_MIN_TOKENS if rows.kind(name) is not None}
 
 
+def disk_tier(bundle: Bundle) -> bool:
+    """Whether the bundle's plan keeps experts on disk (``disk:SCHEME`` placements)."""
+    placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
+    return any(p.startswith("disk:") for row in placement.values() for p in row)
+
+
 def _numba_threads(threads: int) -> None:
     import numba
 
@@ -112,8 +118,8 @@ class ExpertSet:
     device's (by default the creating thread's, less one where that leaves three or more).
     ``interleave``: without a device, a layer whose experts are all q4_0 on a VNNI CPU reads them
     from one copy with every matrix's rows interleaved (``runtime.interleave``; made here, the
-    experts' size again in memory, the map's pages of them no longer read); False reads the
-    bundle's own layout.
+    experts' size again in memory, the map's pages of them released: ``Bundle.release``), unless
+    the plan keeps experts on disk; False reads the bundle's own layout.
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
@@ -177,10 +183,14 @@ class ExpertSet:
                                       for e in range(self.num_experts)]))
         # (copy, gate/up offsets, down offsets): the experts' interleaved copy, where made
         self._interleaved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # not where the plan keeps experts on disk: a copy would read them all into RAM
         if (interleave and device is None and self._fused is not None and schemes == {"q4_0"} and vnni.HAVE_VNNI
                 and interleaving.fits(2 * self.intermediate_size, self.hidden_size)
-                and interleaving.fits(self.hidden_size, self.intermediate_size)):
+                and interleaving.fits(self.hidden_size, self.intermediate_size) and not disk_tier(bundle)):
             self._interleaved = self._interleave()
+            for e in self.cpu:  # the map's pages of them are no longer read
+                bundle.release(f"{prefix}experts.{e}.gate_up")
+                bundle.release(f"{prefix}experts.{e}.down")
         self.device = device
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0  # the plan's device experts' (the cache's slots: ``cache.nbytes``)

@@ -38,7 +38,7 @@ from ktc.formats.transformers_model import (
 )
 
 from .device import check_device
-from .experts import ExpertSet, tensor_float32
+from .experts import ExpertSet, disk_tier, tensor_float32
 
 EXPERTS_IMPLEMENTATION = "ktc"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -486,7 +486,7 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     transformers = require_transformers()
     dev = check_device(device)
     bundle = open_bundle(path, mapped=mapped)
-    if not mapped and _disk_tier(bundle):
+    if not mapped and disk_tier(bundle):
         bundle.close()
         raise KtcError("this bundle's plan keeps experts on disk, where RAM cannot hold them; reading the whole "
                        "bundle into memory would need that RAM", path=os.fspath(path),
@@ -512,12 +512,6 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     return km
 
 
-def _disk_tier(bundle: Any) -> bool:
-    """Whether the bundle's plan keeps experts on disk (``disk:SCHEME`` placements)."""
-    placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
-    return any(p.startswith("disk:") for row in placement.values() for p in row)
-
-
 def _stream(km: KtcModel, prefetch: bool) -> None:
     """A disk-tier plan's pinning (its RAM experts) and the pre-gating prefetcher (``prefetch``,
     a plan with experts on disk, or the prefill offload, whose copies it starts a layer ahead)."""
@@ -528,7 +522,7 @@ def _stream(km: KtcModel, prefetch: bool) -> None:
         prefetch = True
     bundle = km.bundle
     placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
-    if _disk_tier(bundle):
+    if disk_tier(bundle):
         in_ram = [r for layer, row in placement.items()
                   for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
         km.pinning = pin(bundle, in_ram)
@@ -701,10 +695,9 @@ class _Loader:
             self._check_experts(name, module, info[layer], hf_moe)
             compute = None if self.device is None else self.dtype
             try:
-                # not where the plan keeps experts on disk: a copy would read them all into RAM
                 experts = ExpertSet(self.bundle, layer, device=self.device, compute_dtype=compute,
                                     cache_slots=cache_slots, cache_prior=priors.get(layer), offload=offload,
-                                    interleave=self.interleave and not _disk_tier(self.bundle))
+                                    interleave=self.interleave)
             except BaseException:
                 for done in found:
                     done.close()
@@ -891,8 +884,12 @@ class _Loader:
             bias_values = torch.from_numpy(self._values(f"{name}.bias", (module.out_features,)))
             bias = bias_values if self.device is None else self._place(bias_values.numpy(), f"{name}.bias")
         if self.device is None:
-            return HostLinear(self._raw(tensor), t.scheme, module.in_features, module.out_features, bias,
-                              interleave=self.interleave)
+            linear = HostLinear(self._raw(tensor), t.scheme, module.in_features, module.out_features, bias,
+                                interleave=self.interleave)
+            if linear.interleaved is not None:  # the map's pages of it are no longer read
+                # (a tied embedding's lookups read a row again where they need it)
+                self.bundle.release(tensor)
+            return linear
         if t.scheme in ("f32", "bf16", "f16"):  # a plain nn.Linear on the device
             weight = self._values(key, (module.out_features, module.in_features))
             module.weight = torch.nn.Parameter(self._place(weight, key), requires_grad=False)

@@ -23,7 +23,8 @@ is none). The bytes are the same ones, reordered: a group is ``16 * row_bytes`` 
 before.
 
 ``repack`` makes the copy (``HostLinear`` does when it loads a q4_0 matrix on a VNNI CPU:
-``runtime.linear``), ``unpack`` undoes it, ``matvec`` and ``matmul`` multiply one token or
+``runtime.linear``; ``ExpertSet`` for a layer of q4_0 experts; both release the map's pages of
+what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and ``matmul`` multiply one token or
 several, and ``rows`` is the one-token product of a run of groups for ``runtime.rows``' kind
 ``rows.Q4_0X16`` (projections that share their input in one parallel region).
 """

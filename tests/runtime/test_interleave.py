@@ -4,6 +4,8 @@ activations quantized per 32, scaled by the block's scale and dx), for one token
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,42 @@ def test_several_tokens_equal_each_token_alone(shape, tokens):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     np.testing.assert_allclose(got, np.stack([interleave.matvec(packed, row) for row in x]), rtol=1e-6,
                                atol=1e-6 * np.abs(want).max())
+
+
+def _mapped_rss(path: str) -> int:
+    """Bytes of this process's resident pages mapped from ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_release_drops_a_copied_tensor_s_pages_from_the_process(tmp_path):
+    """``Bundle.release`` (the copies' makers call it for what they copied): the tensor's whole
+    pages leave the process's resident memory, and read again they hold the same bytes."""
+    import model_factory as mf
+
+    from ktc.compile import compile_bundle
+    from ktc.formats.bundle import open_bundle
+
+    folder = mf.write_safetensors(mf.build_hf_model("qwen3_moe", hidden_size=256, head_dim=64), str(tmp_path / "m"))
+    path = os.path.realpath(str(tmp_path / "m.ktb"))
+    compile_bundle(folder, path, cpu_scheme="f32")
+    with open_bundle(path) as bundle:
+        name = max(bundle.tensors, key=lambda n: bundle.tensors[n].nbytes)
+        view = bundle.tensor_bytes(name)
+        want = view.copy()  # every page of it touched
+        before = _mapped_rss(path)
+        bundle.release(name)
+        after = _mapped_rss(path)
+        t = bundle.tensors[name]
+        whole = ((t.offset + t.nbytes) // 4096 - -(-t.offset // 4096)) * 4096
+        assert whole >= 64 * 1024 and before - after >= whole
+        assert np.array_equal(view, want)
+        assert _mapped_rss(path) > after
