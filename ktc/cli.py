@@ -765,9 +765,10 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
 @click.option("--no-mmap", "no_mmap", is_flag=True,
               help=_NO_MMAP_HELP + " Refused for a plan that keeps experts on disk.")
 @click.option("--no-interleave", "no_interleave", is_flag=True,
-              help="On the CPU, multiply q4_0 attention and output matrices in the bundle's own layout, not from "
-                   "a copy made at load with their rows interleaved 16 at a time (as llama.cpp's --repack 0); the "
-                   "copy's products are faster, it takes that memory again.")
+              help="On the CPU, multiply q4_0 matrices (attention, output, the experts of all-q4_0 layers) in the "
+                   "bundle's own layout, not from copies made at load with their rows interleaved 16 at a time "
+                   "(as llama.cpp's --repack 0): the copies' products are faster; they take the load a copy's "
+                   "time, and the map's pages of what they copied are released.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, timings) instead.")
 @_handle_errors
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,

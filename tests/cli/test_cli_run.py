@@ -229,3 +229,28 @@ def test_prefetch_pages_in_the_guessed_experts(bundle):
     assert plain["prefetch_paged_bytes"] is None and out["prefetch_paged_bytes"] > 0
     assert plain["prefetch_accuracy"] is None and 0.25 < out["prefetch_accuracy"] <= 1.0  # 4 of 16: 0.25 by chance
     assert out["expert_cache"] is None and out["prefill_offload"] is None
+
+
+def test_no_interleave_reads_the_stored_layout_and_gives_the_same_tokens(tmp_path, monkeypatch):
+    """``--no-interleave``: a q4_0 model's matrices read as the bundle stores them instead of
+    from interleaved copies (``runtime.interleave``); the same greedy tokens either way."""
+    from ktc.runtime import hf
+
+    folder = str(tmp_path / "src")
+    mf.write_safetensors(mf.build_hf_model("qwen3_moe", hidden_size=64, moe_intermediate_size=64), folder)
+    mf.write_char_tokenizer(folder, 96)
+    path = str(tmp_path / "q4_0.ktb")
+    compile_bundle(folder, path, cpu_scheme="q4_0", dense_scheme="q4_0")
+    seen, real = [], hf.from_bundle
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("interleave"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "from_bundle", spy)
+    tokens = []
+    for flags in ((), ("--no-interleave",)):
+        result = run(path, "-p", "abcab", "-n", "6", "--temperature", "0", "--json", *flags)
+        assert result.exit_code == 0, result.output
+        tokens.append(json.loads(result.stdout)["generated_tokens"])
+    assert seen == [True, False] and tokens[0] == tokens[1]
