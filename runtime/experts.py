@@ -690,7 +690,7 @@ class ExpertSet:
         cached = self._one_call
         if cached is not None and cached[0] is fused:
             return cached[1]
-        scheme, file = fused[:2]
+        scheme, file, gate_up, down = fused
         file = read_only(file)
         if isinstance(scheme, str):
             names = [scheme] * self.num_experts
@@ -703,7 +703,6 @@ class ExpertSet:
         if all(rows.kind(name) is not None for name in gu_names + dn_names):
             gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
             dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
-            gate_up, down = fused[2], fused[3]
             if self._interleaved is not None:  # the copy, its offsets, its kind (rows of q4_0's size)
                 file, gate_up, down = self._interleaved
                 gu_kinds = dn_kinds = np.full(self.num_experts, rows.Q4_0X16, dtype=np.int64)

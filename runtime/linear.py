@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ktc.formats.kernel_args import read_only
+
 from .device import matmul
 from . import interleave as interleaving
 from . import kernels, vnni
@@ -52,7 +54,8 @@ class HostLinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.interleaved = (interleaving.repack(raw) if interleave and scheme == "q4_0" and vnni.HAVE_VNNI
+        # read-only once here, not a view made again by every product's call
+        self.interleaved = (read_only(interleaving.repack(raw)) if interleave and scheme == "q4_0" and vnni.HAVE_VNNI
                             and raw.dtype == np.uint8 and interleaving.fits(out_features, in_features) else None)
         # f32 weights are used in place by torch: the same products as an nn.Linear.
         self._weight = _plain_view(raw, scheme, in_features) if scheme == "f32" else None
