@@ -116,7 +116,7 @@ class ExpertSet:
     tokens copies the CPU experts its cost model chooses to the device for that forward alone.
     ``cpu_threads``: the Numba threads of the worker that runs the CPU experts beside the
     device's (by default the creating thread's, less one where that leaves three or more).
-    ``interleave``: without a device, a layer whose experts are all q4_0 on a VNNI CPU reads them
+    ``interleave``: without a device, a layer whose experts are all q4_0 (or all q8_0) on a VNNI CPU reads them
     from one copy with every matrix's rows interleaved (``runtime.interleave``; made here, the
     experts' size again in memory, the map's pages of them released: ``Bundle.release``), unless
     the plan keeps experts on disk; False reads the bundle's own layout.
@@ -161,8 +161,8 @@ class ExpertSet:
         self._fused_biases: tuple[np.ndarray, np.ndarray] | None = None
         self._one_call: tuple | None = None  # type: ignore[type-arg]
         schemes = {ex.scheme for ex in self.cpu.values()}
+        parts = {part.name for name in schemes for part in expert_schemes(name)}  # gate/up and down
         if schemes:
-            parts = {part.name for name in schemes for part in expert_schemes(name)}  # gate/up and down
             if schemes == {"int8"} or (vnni.HAVE_VNNI and parts <= vnni.FUSED):
                 # one scheme: its name; mixed: each expert's, looked up per token
                 scheme = next(iter(schemes)) if len(schemes) == 1 else np.array(
@@ -184,7 +184,8 @@ class ExpertSet:
         # (copy, gate/up offsets, down offsets): the experts' interleaved copy, where made
         self._interleaved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # not where the plan keeps experts on disk: a copy would read them all into RAM
-        if (interleave and device is None and self._fused is not None and schemes == {"q4_0"} and vnni.HAVE_VNNI
+        if (interleave and device is None and self._fused is not None and len(schemes) == 1 and parts == schemes
+                and parts <= set(interleaving.SCHEMES) and vnni.HAVE_VNNI
                 and interleaving.fits(2 * self.intermediate_size, self.hidden_size)
                 and interleaving.fits(self.hidden_size, self.intermediate_size) and not disk_tier(bundle)):
             self._interleaved = self._interleave()
@@ -247,7 +248,7 @@ class ExpertSet:
         at = 0
         for e, ex in sorted(self.cpu.items()):
             for matrix, offsets in ((ex.gate_up, gu), (ex.down, dn)):
-                interleaving.repack(matrix, out=copy[at:at + matrix.nbytes].reshape(matrix.shape))
+                interleaving.repack(matrix, ex.scheme, out=copy[at:at + matrix.nbytes].reshape(matrix.shape))
                 offsets[e] = at
                 at += matrix.nbytes
         return read_only(copy), gu, dn
@@ -258,11 +259,11 @@ class ExpertSet:
         ex = self.cpu[e]
         gate_up = copy[gu[e]:gu[e] + ex.gate_up.nbytes].reshape(ex.gate_up.shape)
         down = copy[dn[e]:dn[e] + ex.down.nbytes].reshape(ex.down.shape)
-        h = interleaving.matmul(x, gate_up)
+        h = interleaving.matmul(x, gate_up, ex.scheme)
         if ex.gate_up_bias is not None:
             h += ex.gate_up_bias
         y = interleaving.matmul(_act(h, self.intermediate_size, self.activation, self.swiglu_limit,
-                                     self.swiglu_alpha).astype(np.float32), down)
+                                     self.swiglu_alpha).astype(np.float32), down, ex.scheme)
         if ex.down_bias is not None:
             y += ex.down_bias
         return y
@@ -703,9 +704,9 @@ class ExpertSet:
         if all(rows.kind(name) is not None for name in gu_names + dn_names):
             gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
             dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
-            if self._interleaved is not None:  # the copy, its offsets, its kind (rows of q4_0's size)
+            if self._interleaved is not None:  # the copy, its offsets, its kind (rows of the scheme's size)
                 file, gate_up, down = self._interleaved
-                gu_kinds = dn_kinds = np.full(self.num_experts, rows.Q4_0X16, dtype=np.int64)
+                gu_kinds = dn_kinds = np.full(self.num_experts, rows.INTERLEAVED[gu_names[0]], dtype=np.int64)
             f16, e8m0 = vnni._tables()
             biases = self._fused_biases
             none = np.zeros((1, 1), dtype=np.float32)

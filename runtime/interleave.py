@@ -1,4 +1,5 @@
-"""q4_0 matrices laid out for the CPU's products: rows interleaved 16 at a time (``repack``).
+"""q4_0 and q8_0 matrices laid out for the CPU's products: rows interleaved 16 at a time
+(``repack``).
 
 In ggml's q4_0 layout each row is a run of 18-byte blocks (an fp16 scale, then 16 bytes of
 4-bit codes). A one-token product of such rows (``vnni._row_intrinsic``) takes a row at a time:
@@ -6,27 +7,32 @@ each 72-byte step of four blocks costs two unaligned loads, a permute to gather 
 scales picked and converted, the activations' per-lane scales and sums loaded, two products and
 two multiply-adds, for 128 weights. Read from L2 on the Zen 4 machine that bounds a core at about
 26 GB/s, below what two cores read from memory in its fast phases (60-70 GB/s): the kernels,
-not the memory, set the decode speed there. llama.cpp's CPU backend meets the same bound the
-same way: it copies q4_0 tensors into interleaved groups of rows when it loads them
-(``--repack``, on by default; its Q4_0 decode of a two-layer Qwen3-30B-A3B-shaped model fell
-from 132-152 to 74-83 tok/s here without it).
+not the memory, set the decode speed there. q8_0's 34-byte blocks fare the same way (two cores
+41-50 GB/s from the caches). llama.cpp's CPU backend meets the same bound the same way: it
+copies q4_0 tensors into interleaved groups of rows when it loads them (``--repack``, on by
+default; its Q4_0 decode of a two-layer Qwen3-30B-A3B-shaped model fell from 132-152 to 74-83
+tok/s here without it).
 
 Here 16 rows make a group, and the group's blocks go in pairs: the pair's 32 fp16 scales (block
-b's for rows 0-15, then block b+1's) in one 64-byte line, then for each block four lines, line k
-holding bytes 4k..4k+3 of each row's 16 code bytes (row r at bytes 4r..4r+3). One product
-(``vpdpbusd``) then multiplies 16 rows' codes by four activations broadcast to every lane, a
-block's scales convert once for 16 rows, and every load is a whole aligned line of one stream:
-from L2 55 GB/s a core against 26; from memory, one Qwen3-30B-A3B-shaped output matrix (151936 x
-2048) on two cores 69 against 42 GB/s in a fast phase (a 1 or 2 thread sweep of prototypes with
-and without software prefetch; the hardware prefetcher follows the single stream best, so there
-is none). The bytes are the same ones, reordered: a group is ``16 * row_bytes`` bytes, as
-before.
+b's for rows 0-15, then block b+1's) in one 64-byte line, then for each block its codes in lines
+of 4 bytes a row: q4_0's four lines, line k holding bytes 4k..4k+3 of each row's 16 code bytes
+(row r at bytes 4r..4r+3); q8_0's eight, its codes plus 128 (``vpdpbusd`` multiplies unsigned
+bytes by signed ones; the offset times the activations' sum comes off, as q4_0's 8 does). One
+product (``vpdpbusd``) then multiplies 16 rows' codes by four activations broadcast to every
+lane, a block's scales convert once for 16 rows, and every load is a whole aligned line of one
+stream: q4_0 from L2 55 GB/s a core against 26; from memory, one Qwen3-30B-A3B-shaped output
+matrix (151936 x 2048) on two cores 69 against 42 GB/s in a fast phase (a 1 or 2 thread sweep of
+prototypes with and without software prefetch; the hardware prefetcher follows the single
+stream best, so there is none); q8_0 from the caches on two cores 68-90 against 33-41 GB/s. The
+bytes are the same ones, reordered (q8_0's codes offset): a group is ``16 * row_bytes`` bytes.
 
-``repack`` makes the copy (``HostLinear`` does when it loads a q4_0 matrix on a VNNI CPU:
-``runtime.linear``; ``ExpertSet`` for a layer of q4_0 experts; both release the map's pages of
-what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and ``matmul`` multiply one token or
-several, and ``rows`` is the one-token product of a run of groups for ``runtime.rows``' kind
-``rows.Q4_0X16`` (projections that share their input in one parallel region).
+``repack`` makes the copy (``HostLinear`` does when it loads a q4_0 or q8_0 matrix on a VNNI
+CPU: ``runtime.linear``; ``ExpertSet`` for a layer of experts all in one of them; both release
+the map's pages of what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and
+``matmul`` multiply one token or several (from ``PER_256_MIN_TOKENS`` tokens on with the
+activations quantized per 256, as the stored layout's products of as many tokens), and ``rows``
+is the one-token product of a run of groups for ``runtime.rows``' kinds ``rows.Q4_0X16`` and
+``rows.Q8_0X16`` (projections that share their input in one parallel region).
 """
 
 from __future__ import annotations
@@ -41,17 +47,29 @@ from ktc.formats.kernel_args import read_only, writable
 from . import vnni
 
 GROUP = 16  # rows interleaved together
-BLOCK = 18  # bytes of a q4_0 block: an fp16 scale, 16 bytes of codes
-PAIR_BYTES = 2 * GROUP * BLOCK  # 576: a pair of blocks of a group, nine cache lines
-# Tokens a step of ``matmul``'s tile: each line of codes, unpacked once, multiplied by this many
-# tokens' activations (two registers a token: its products and its sums).
-TILE_TOKENS = 8
+SCHEMES = ("q4_0", "q8_0")  # the schemes interleaved
+BLOCK = {"q4_0": 18, "q8_0": 34}  # bytes of a block: an fp16 scale, then 32 codes (16 or 32 bytes)
+# q8_0's codes are stored plus 128 (unsigned: ``vpdpbusd`` multiplies unsigned bytes by signed ones)
+Q8_0_OFFSET = 128
+# ``matmul``'s tile: each line of codes (of TILE_GROUPS groups), unpacked once, multiplied by
+# TILE_TOKENS tokens' activations, each broadcast once for the groups' lines. Measured (medians
+# of 7 interleaved calls, two threads, GOP/s; the stored layout's products, ``kernels.linear``,
+# in the same runs: q8_0 721-726 at 28672 x 4096 and 96 tokens, 652-684 at 4096 x 14336, q4_0
+# 708-724 and 662-676), activations per 256: q8_0 4 tokens x 2 groups 758 and 728, 6 x 1 738
+# and 707, 8 x 1 642 and 618 (registers spilled), q4_0 4 x 2 698 and 675, 8 x 1 706 and 689; at
+# Qwen3-30B-A3B's expert shapes (1536 x 2048, 2048 x 768, 48 tokens) 640-720 against 440-560.
+# Per 32 at 8 tokens a step q8_0 made 545 and 526 (a block's sums less its offset in float,
+# per token, outweigh its products).
+TILE_TOKENS, TILE_GROUPS = 4, 2
 GROUPS_PER_ITEM = 4  # groups a parallel work item (64 rows, as rows.ROWS_PER_ITEM)
+# Tokens from which ``matmul`` quantizes the activations per 256 values: kernels.LANES_MIN_TOKENS'
+# for the schemes, where the stored layout's products of as many tokens do (``lanes.token_span``)
+PER_256_MIN_TOKENS = {"q4_0": 12, "q8_0": 8}
 
 
 def fits(rows: int, cols: int) -> bool:
-    """Whether a [rows, cols] q4_0 matrix can be interleaved: whole groups of rows, whole pairs
-    of blocks in a row."""
+    """Whether a [rows, cols] q4_0 or q8_0 matrix can be interleaved: whole groups of rows,
+    whole pairs of blocks in a row."""
     return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % 64 == 0
 
 
@@ -62,58 +80,77 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return buffer[start:start + nbytes]
 
 
-def repack(raw: np.ndarray, rows_at_once: int = 4096, out: np.ndarray | None = None) -> np.ndarray:
-    """The interleaved copy (uint8 [rows, row_bytes], on a cache line) of q4_0 rows ``raw``
-    (uint8 [rows, row_bytes]; ``fits``), made ``rows_at_once`` rows at a time (a whole-matrix
-    transpose would need another copy's memory); into ``out`` (uint8 [rows, row_bytes]) where
-    given."""
+def _block(scheme: str) -> int:
+    if scheme not in BLOCK:
+        raise ValueError(f"only {' and '.join(SCHEMES)} rows are interleaved, not {scheme}")
+    return BLOCK[scheme]
+
+
+def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarray | None = None) -> np.ndarray:
+    """The interleaved copy (uint8 [rows, row_bytes], on a cache line) of ``scheme``'s rows
+    ``raw`` (q4_0 or q8_0, uint8 [rows, row_bytes]; ``fits``), made ``rows_at_once`` rows at a
+    time (a whole-matrix transpose would need another copy's memory); into ``out`` (uint8 [rows,
+    row_bytes]) where given."""
+    block = _block(scheme)
     rows, row_bytes = raw.shape
-    blocks = row_bytes // BLOCK
-    if raw.dtype != np.uint8 or row_bytes % BLOCK or not fits(rows, blocks * 32):
-        raise ValueError(f"q4_0 rows {raw.shape} cannot be interleaved by {GROUP} (rows a multiple of {GROUP}, "
+    blocks = row_bytes // block
+    if raw.dtype != np.uint8 or row_bytes % block or not fits(rows, blocks * 32):
+        raise ValueError(f"{scheme} rows {raw.shape} cannot be interleaved by {GROUP} (rows a multiple of {GROUP}, "
                          "an even number of blocks a row)")
     if out is None:
         out = aligned_empty(rows * row_bytes).reshape(rows, row_bytes)
     elif out.shape != raw.shape or out.dtype != np.uint8:
         raise ValueError(f"an interleaved copy of {raw.shape} rows goes into uint8 {raw.shape}, not {out.dtype} {out.shape}")
+    lines = (block - 2) // 4  # lines of codes a block
     step = max(GROUP, rows_at_once // GROUP * GROUP)
     for first in range(0, rows, step):
         part = np.asarray(raw[first:first + step])
         n = part.shape[0] // GROUP
-        b = part.reshape(n, GROUP, blocks // 2, 2, BLOCK)
+        b = part.reshape(n, GROUP, blocks // 2, 2, block)
         # [group, pair, block of the pair, row, 2 bytes] and [group, pair, block, line k, row, 4 bytes]
         scales = b[..., :2].transpose(0, 2, 3, 1, 4).reshape(n, blocks // 2, 64)
-        codes = b[..., 2:].reshape(n, GROUP, blocks // 2, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5).reshape(
-            n, blocks // 2, 2 * GROUP * 16)
-        target = out[first:first + step].reshape(n, blocks // 2, PAIR_BYTES)
+        codes = b[..., 2:].reshape(n, GROUP, blocks // 2, 2, lines, 4).transpose(0, 2, 3, 4, 1, 5).reshape(
+            n, blocks // 2, 2 * GROUP * (block - 2))
+        target = out[first:first + step].reshape(n, blocks // 2, 2 * GROUP * block)
         target[..., :64] = scales
         target[..., 64:] = codes
+        if scheme == "q8_0":
+            target[..., 64:] ^= Q8_0_OFFSET
     return out
 
 
-def unpack(packed: np.ndarray) -> np.ndarray:
-    """q4_0 rows (uint8 [rows, row_bytes]) of an interleaved copy: ``repack`` undone."""
+def unpack(packed: np.ndarray, scheme: str) -> np.ndarray:
+    """``scheme``'s rows (uint8 [rows, row_bytes]) of an interleaved copy: ``repack`` undone."""
+    block = _block(scheme)
     rows, row_bytes = packed.shape
-    blocks = row_bytes // BLOCK
+    blocks = row_bytes // block
+    lines = (block - 2) // 4
     n = rows // GROUP
-    p = np.asarray(packed).reshape(n, blocks // 2, PAIR_BYTES)
+    p = np.asarray(packed).reshape(n, blocks // 2, 2 * GROUP * block)
     scales = p[..., :64].reshape(n, blocks // 2, 2, GROUP, 2).transpose(0, 3, 1, 2, 4)
-    codes = p[..., 64:].reshape(n, blocks // 2, 2, 4, GROUP, 4).transpose(0, 4, 1, 2, 3, 5).reshape(
-        n, GROUP, blocks // 2, 2, 16)
-    out = np.empty((n, GROUP, blocks // 2, 2, BLOCK), dtype=np.uint8)
+    codes = p[..., 64:].reshape(n, blocks // 2, 2, lines, GROUP, 4).transpose(0, 4, 1, 2, 3, 5).reshape(
+        n, GROUP, blocks // 2, 2, block - 2)
+    out = np.empty((n, GROUP, blocks // 2, 2, block), dtype=np.uint8)
     out[..., :2] = scales
     out[..., 2:] = codes
+    if scheme == "q8_0":
+        out[..., 2:] ^= Q8_0_OFFSET
     return out.reshape(rows, row_bytes)
 
 
-def _tile_intrinsic(tokens: int):  # type: ignore[no-untyped-def]
+def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 1):  # type: ignore[no-untyped-def]
     """``tile(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)``:
-    the 16 rows of the group at byte ``at`` of flat (``pairs`` pairs of blocks) times ``tokens``
-    tokens' activations (token t's int8 values at xq[xbase + t * xstride], in order, quantized
-    per 32; its scales and dequantized sums per 32 at dx and sums [dbase + t * dstride]), each
-    token's 16 results stored at out[obase + t * ostride]. Per block and token: the products of
-    the codes (unsigned, 0..15) summed in 16 int32 lanes, one a row; then, in float, times the
-    activations' scale less 8 times their sum (the codes' offset), times the rows' scales."""
+    the 16 rows of ``scheme``'s group at byte ``at`` of flat (``pairs`` pairs of blocks; with
+    ``groups`` 2, the next group's too) times ``tokens`` tokens' activations (token t's int8
+    values at xq[xbase + t * xstride], in order), each token's results stored at out[obase + t *
+    ostride]. Per block and token: the products of the codes (unsigned: q4_0's 0..15, q8_0's plus
+    128) summed in 16 int32 lanes, one a row. Activations quantized per 32 (not ``span``): their
+    scales and dequantized sums per 32 at dx and sums [dbase + t * dstride]; each block's sums,
+    in float, times the activations' scale less the codes' offset (8, 128) times their sum,
+    times the rows' scales. Per 256 (``span``: pairs a multiple of 4): the codes' offset times
+    each block's int8 sum at sums (int32) [dbase + t * dstride] starts its integer sums, which
+    are converted and times the rows' scales each block, and times the activations' scale (dx
+    [(dbase + t * dstride) / 8]) each 256 values (dbase and dstride multiples of 8)."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -139,44 +176,79 @@ def _tile_intrinsic(tokens: int):  # type: ignore[no-untyped-def]
                 one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
                 return builder.shuffle_vector(one, one, ir.Constant(vector(i32, 16), [0] * 16))
 
+            def zeros():  # type: ignore[no-untyped-def]
+                return [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(tokens)]
+                        for _ in range(groups)]
+
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
                                                  "llvm.fma.v16f32")
             low_bits = ir.Constant(bytes64, [15] * 64)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(tokens)]
+            q8 = scheme == "q8_0"
+            pair_bytes, block_lines = 2 * GROUP * BLOCK[scheme], (BLOCK[scheme] - 2) // 4
+            code_offset = ir.Constant(f32, -Q8_0_OFFSET if q8 else -8.0)
+            accs, spans = zeros(), zeros()  # [group][token]: the results, a span's sums
             x_bases = [vnni._nth(builder, xbase_v, xstride_v, t) for t in range(tokens)]
             d_bases = [vnni._nth(builder, dbase_v, dstride_v, t) for t in range(tokens)]
+            group_bytes = builder.mul(pairs_v, const(pair_bytes))
             with cgutils.for_range(builder, pairs_v) as loop:
-                pair_at = builder.add(at_v, builder.mul(loop.index, const(PAIR_BYTES)))
-                scale_words = load(flat_a, pair_at, vector(i16, 32))
+                pair_ats = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
+                                        builder.mul(loop.index, const(pair_bytes))) for g in range(groups)]
+                scale_words = [load(flat_a, pair_at, vector(i16, 32)) for pair_at in pair_ats]
                 for half in range(2):
                     block = builder.add(builder.mul(loop.index, const(2)), const(half))
-                    codes_at = builder.add(pair_at, const(64 + 4 * 64 * half))
                     x_at = builder.mul(block, const(32))
-                    dots = [ir.Constant(words, [0] * 16) for _ in range(tokens)]
-                    for k in range(4):
-                        line = load(flat_a, builder.add(codes_at, const(64 * k)), bytes64)
-                        low = builder.and_(line, low_bits)
-                        high = builder.and_(builder.lshr(line, ir.Constant(bytes64, [4] * 64)), low_bits)
-                        for codes, first in ((low, 4 * k), (high, 16 + 4 * k)):
-                            codes_w = builder.bitcast(codes, words)
-                            for t in range(tokens):
-                                x4 = load(xq_a, builder.add(x_bases[t], builder.add(x_at, const(first))), i32)
-                                dots[t] = builder.call(dpbusd, [dots[t], codes_w, splat(x4, words)])
-                    halves = builder.shuffle_vector(scale_words, scale_words,
-                                                    ir.Constant(vector(i32, 16), list(range(16 * half, 16 * half + 16))))
-                    scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
-                    for t in range(tokens):
-                        d_at = builder.add(d_bases[t], block)
-                        offset = builder.fmul(load(sums_a, d_at, f32), ir.Constant(f32, -8.0))
-                        term = builder.call(fma, [builder.sitofp(dots[t], lanes), splat(load(dx_a, d_at, f32), lanes),
-                                                  splat(offset, lanes)])
-                        builder.store(builder.call(fma, [scales, term, builder.load(accs[t])]), accs[t])
-            for t in range(tokens):
-                at_out = builder.add(obase_v, builder.mul(ostride_v, const(t)))
-                builder.store(builder.load(accs[t]), builder.bitcast(builder.gep(out_a.data, [at_out]),
-                                                                      lanes.as_pointer()), align=4)
+                    if span:  # the codes' offset times the block's int8 sum (sums: int32)
+                        starts = [splat(load(sums_a, builder.add(d_bases[t], block), i32), words)
+                                  for t in range(tokens)]
+                    else:
+                        starts = [ir.Constant(words, [0] * 16)] * tokens
+                    dots = [list(starts) for _ in range(groups)]
+                    for k in range(block_lines):
+                        for g in range(groups):
+                            line = load(flat_a, builder.add(pair_ats[g], const(64 + block_lines * 64 * half + 64 * k)),
+                                        bytes64)
+                            if q8:  # line k: codes 4k..4k+3 of every row
+                                parts = ((line, 4 * k),)
+                            else:  # line k: codes 4k..4k+3 in the low nibbles, 16+4k.. in the high ones
+                                low = builder.and_(line, low_bits)
+                                high = builder.and_(builder.lshr(line, ir.Constant(bytes64, [4] * 64)), low_bits)
+                                parts = ((low, 4 * k), (high, 16 + 4 * k))
+                            for codes, first in parts:
+                                codes_w = builder.bitcast(codes, words)
+                                for t in range(tokens):
+                                    x4 = load(xq_a, builder.add(x_bases[t], builder.add(x_at, const(first))), i32)
+                                    dots[g][t] = builder.call(dpbusd, [dots[g][t], codes_w, splat(x4, words)])
+                    for g in range(groups):
+                        halves = builder.shuffle_vector(scale_words[g], scale_words[g], ir.Constant(
+                            vector(i32, 16), list(range(16 * half, 16 * half + 16))))
+                        scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
+                        for t in range(tokens):
+                            if span:
+                                builder.store(builder.call(fma, [scales, builder.sitofp(dots[g][t], lanes),
+                                                                 builder.load(spans[g][t])]), spans[g][t])
+                                continue
+                            d_at = builder.add(d_bases[t], block)
+                            offset = builder.fmul(load(sums_a, d_at, f32), code_offset)
+                            term = builder.call(fma, [builder.sitofp(dots[g][t], lanes),
+                                                      splat(load(dx_a, d_at, f32), lanes), splat(offset, lanes)])
+                            builder.store(builder.call(fma, [scales, term, builder.load(accs[g][t])]), accs[g][t])
+                if span:  # every fourth pair: the span's sums times the tokens' scales per 256
+                    last = builder.icmp_unsigned("==", builder.and_(loop.index, const(3)), const(3))
+                    with builder.if_then(last):
+                        for t in range(tokens):
+                            d_at = builder.add(builder.lshr(d_bases[t], const(3)), builder.lshr(loop.index, const(2)))
+                            scale = splat(load(dx_a, d_at, f32), lanes)
+                            for g in range(groups):
+                                builder.store(builder.call(fma, [builder.load(spans[g][t]), scale,
+                                                                 builder.load(accs[g][t])]), accs[g][t])
+                                builder.store(ir.Constant(lanes, [0.0] * 16), spans[g][t])
+            for g in range(groups):
+                for t in range(tokens):
+                    at_out = builder.add(obase_v, builder.add(builder.mul(ostride_v, const(t)), const(GROUP * g)))
+                    builder.store(builder.load(accs[g][t]), builder.bitcast(builder.gep(out_a.data, [at_out]),
+                                                                            lanes.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return (types.void(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride),
@@ -185,21 +257,52 @@ def _tile_intrinsic(tokens: int):  # type: ignore[no-untyped-def]
     return tile
 
 
-_tile_one = _tile_intrinsic(1)
-_tile_many = _tile_intrinsic(TILE_TOKENS)
+_TILES = {(scheme, per_256, many): _tile_intrinsic(TILE_TOKENS if many else 1, scheme, per_256,
+                                                   TILE_GROUPS if many else 1)
+          for scheme in SCHEMES for per_256 in (False, True) for many in (False, True)}
+_q4_0_one, _q4_0_many, _q4_0_span1, _q4_0_span = (_TILES["q4_0", p, m] for p in (False, True) for m in (False, True))
+_q8_0_one, _q8_0_many, _q8_0_span1, _q8_0_span = (_TILES["q8_0", p, m] for p in (False, True) for m in (False, True))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def rows(flat, base, row_bytes, first, last, cols, xq, dx, sums, out):  # pragma: no cover - compiled
-    """out[first:last] (whole groups) of the interleaved matrix at byte ``base`` of flat times one
-    token's activations (xq in order, dx and sums per 32: ``vnni._quantized_both``)."""
+def _tile(q8, per_256, many, flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
+          ostride):  # pragma: no cover - compiled
+    # the tile of the scheme (q8: q8_0's, else q4_0's), the activations per 256 or per 32, for
+    # TILE_TOKENS tokens and TILE_GROUPS groups (many) or one of each
+    if q8:
+        if per_256:
+            if many:
+                _q8_0_span(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            else:
+                _q8_0_span1(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        elif many:
+            _q8_0_many(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        else:
+            _q8_0_one(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+    elif per_256:
+        if many:
+            _q4_0_span(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        else:
+            _q4_0_span1(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+    elif many:
+        _q4_0_many(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+    else:
+        _q4_0_one(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def rows(q8, flat, base, row_bytes, first, last, cols, xq, dx, sums, out):  # pragma: no cover - compiled
+    """out[first:last] (whole groups) of the interleaved matrix (q8: q8_0's, else q4_0's) at byte
+    ``base`` of flat times one token's activations (xq in order, dx and sums per 32:
+    ``vnni._quantized_both``)."""
     pairs = cols // 64
     for g in range(first // GROUP, last // GROUP):
-        _tile_one(flat, base + g * GROUP * row_bytes, pairs, xq, 0, 0, dx, sums, 0, 0, out, g * GROUP, 0)
+        _tile(q8, False, False, flat, base + g * GROUP * row_bytes, pairs, xq, 0, 0, dx, sums, 0, 0, out, g * GROUP,
+              0)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matvec(packed, x, out):  # pragma: no cover - compiled
+def _matvec(q8, packed, x, out):  # pragma: no cover - compiled
     n_rows, row_bytes = packed.shape
     cols = x.shape[0]
     xq, _, dx, sums = vnni._quantized_both(x, 1, cols, True, False)
@@ -214,27 +317,57 @@ def _matvec(packed, x, out):  # pragma: no cover - compiled
             if item < 0:
                 break
             first = item * GROUPS_PER_ITEM * GROUP
-            rows(flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, xq[0], dx[0], sums[0],
-                 out)
+            rows(q8, flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, xq[0], dx[0],
+                 sums[0], out)
 
 
-def matvec(packed: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``W @ x`` (float32 [rows]) for an interleaved q4_0 matrix ``packed`` (``repack``) and
-    float32 x [cols], the activations quantized to int8 per 32 as the q4_0 rows' kernels do."""
+def _checked(packed: np.ndarray, scheme: str, cols: int) -> bool:
+    # q8: whether the copy is q8_0's; its shape checked against the activations' (the kernels
+    # read whole groups and pairs of blocks by the shape alone)
+    if not (packed.ndim == 2 and fits(packed.shape[0], cols) and packed.shape[1] * 32 == cols * _block(scheme)):
+        raise ValueError(f"an interleaved {scheme} copy {packed.shape} does not multiply {cols} values a token")
+    return scheme == "q8_0"
+
+
+def matvec(packed: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``W @ x`` (float32 [rows]) for an interleaved q4_0 or q8_0 (``scheme``) matrix ``packed``
+    (``repack``) and float32 x [cols], the activations quantized to int8 per 32 as the rows'
+    kernels do."""
+    q8 = _checked(packed, scheme, x.shape[-1])
     out = np.empty(packed.shape[0], dtype=np.float32) if out is None else out
-    _matvec(read_only(packed), writable(np.ascontiguousarray(x, dtype=np.float32)), out)
+    _matvec(q8, read_only(packed), writable(np.ascontiguousarray(x, dtype=np.float32)), out)
     return out
 
 
+@njit(cache=True, nogil=True)
+def _per_256(x, n, cols, offset):  # pragma: no cover - compiled
+    # n vectors' int8 values per 256 (in order), their scales, and each block's int8 sum times
+    # -offset (the codes') as int32 in a float32 array (the tiles read it as int32)
+    xq = np.empty(n * cols, np.int8)
+    dx = np.empty(n * cols // 256, np.float32)
+    vnni._quantize_groups(x, 256, 0, xq, dx, np.empty(n * cols // 256, np.float32))
+    starts = np.empty(n * cols // 32, np.float32)
+    words = starts.view(np.int32)
+    for b in range(n * cols // 32):
+        total = 0
+        for j in range(32):
+            total += np.int32(xq[32 * b + j])
+        words[b] = -offset * total
+    return xq, dx, starts
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matmul(packed, x, out):  # pragma: no cover - compiled
-    # Work items: GROUPS_PER_ITEM groups by TILE_TOKENS tokens, the groups' tokens in tiles, the
-    # tokens past the last whole tile one at a time.
+def _matmul(q8, per_256, packed, x, out):  # pragma: no cover - compiled
+    # Work items: GROUPS_PER_ITEM groups by TILE_TOKENS tokens; in an item, tiles of TILE_GROUPS
+    # groups by TILE_TOKENS tokens, a group or a token past the last whole tile one at a time.
     n_rows, row_bytes = packed.shape
     n, cols = x.shape
-    xq, _, dx, sums = vnni._quantized_both(x.reshape(-1), n, cols, True, False)
-    flat, xq_flat, dx_flat, sums_flat, out_flat = packed.reshape(-1), xq.reshape(-1), dx.reshape(-1), \
-        sums.reshape(-1), out.reshape(-1)
+    if per_256:
+        xq_flat, dx_flat, sums_flat = _per_256(x.reshape(-1), n, cols, Q8_0_OFFSET if q8 else 8)
+    else:
+        xq, _, dx, sums = vnni._quantized_both(x.reshape(-1), n, cols, True, False)
+        xq_flat, dx_flat, sums_flat = xq.reshape(-1), dx.reshape(-1), sums.reshape(-1)
+    flat, out_flat = packed.reshape(-1), out.reshape(-1)
     blocks = cols // 32
     pairs = cols // 64
     groups = n_rows // GROUP
@@ -249,21 +382,26 @@ def _matmul(packed, x, out):  # pragma: no cover - compiled
                 break
             gi, ti = item // token_items, item % token_items
             first_token = ti * TILE_TOKENS
-            for g in range(gi * GROUPS_PER_ITEM, min(groups, (gi + 1) * GROUPS_PER_ITEM)):
+            last_group = min(groups, (gi + 1) * GROUPS_PER_ITEM)
+            for g in range(gi * GROUPS_PER_ITEM, last_group, TILE_GROUPS):
                 at = g * GROUP * row_bytes
-                if first_token + TILE_TOKENS <= n:
-                    _tile_many(flat, at, pairs, xq_flat, first_token * cols, cols, dx_flat, sums_flat,
-                               first_token * blocks, blocks, out_flat, first_token * n_rows + g * GROUP, n_rows)
-                else:
-                    for token in range(first_token, n):
-                        _tile_one(flat, at, pairs, xq_flat, token * cols, 0, dx_flat, sums_flat, token * blocks, 0,
-                                  out_flat, token * n_rows + g * GROUP, 0)
+                if first_token + TILE_TOKENS <= n and g + TILE_GROUPS <= last_group:
+                    _tile(q8, per_256, True, flat, at, pairs, xq_flat, first_token * cols, cols, dx_flat, sums_flat,
+                          first_token * blocks, blocks, out_flat, first_token * n_rows + g * GROUP, n_rows)
+                    continue
+                for h in range(g, min(last_group, g + TILE_GROUPS)):
+                    for token in range(first_token, min(n, first_token + TILE_TOKENS)):
+                        _tile(q8, per_256, False, flat, h * GROUP * row_bytes, pairs, xq_flat, token * cols, 0,
+                              dx_flat, sums_flat, token * blocks, 0, out_flat, token * n_rows + h * GROUP, 0)
 
 
-def matmul(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
-    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and an interleaved q4_0 matrix
-    ``packed``, each token's activations quantized to int8 per 32."""
+def matmul(x: np.ndarray, packed: np.ndarray, scheme: str) -> np.ndarray:
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and an interleaved q4_0 or q8_0
+    (``scheme``) matrix ``packed``, each token's activations quantized to int8 per 32, or per
+    256 from ``PER_256_MIN_TOKENS`` tokens on where the rows are whole 256s (as the stored
+    layout's products of as many tokens: ``kernels.LANES_MIN_TOKENS``)."""
+    q8 = _checked(packed, scheme, x.shape[-1])
     x = writable(np.ascontiguousarray(x, dtype=np.float32))
     out = np.empty((x.shape[0], packed.shape[0]), dtype=np.float32)
-    _matmul(read_only(packed), x, out)
+    _matmul(q8, x.shape[0] >= PER_256_MIN_TOKENS[scheme] and x.shape[1] % 256 == 0, read_only(packed), x, out)
     return out

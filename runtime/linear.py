@@ -5,7 +5,7 @@ scheme (f32, bf16, int8, q8_0, the 4-bit schemes).
 On the host the bytes stay in the mapped bundle (zero-copy) and products go through ktc's
 kernels (``kernels.linear``: one token through the matrix-vector kernels, which read each weight
 byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size); q4_0
-matrices on a VNNI CPU are read from a copy with their rows interleaved instead
+and q8_0 matrices on a VNNI CPU are read from a copy with their rows interleaved instead
 (``runtime.interleave``: the same bytes reordered, which the kernels multiply faster), unless
 ``interleave=False``. On a device the bytes are uploaded once and decoded by torch when used
 (``device.matmul``).
@@ -42,7 +42,7 @@ class HostLinear(torch.nn.Module):
     """``y = x W^T + b`` for ``W`` [out, in] stored in ``scheme`` as the bundle's raw rows,
     computed on the CPU in float32 (float32 inputs and outputs). ``interleaved``: the rows'
     interleaved copy (``runtime.interleave``) that every product reads instead of ``raw``, made
-    here for a q4_0 matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
+    here for a q4_0 or q8_0 matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
     memory is ``raw``'s size again; the map's pages of ``raw`` are no longer read, so the
     kernel can reclaim them)."""
 
@@ -55,8 +55,9 @@ class HostLinear(torch.nn.Module):
         self.out_features = out_features
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         # read-only once here, not a view made again by every product's call
-        self.interleaved = (read_only(interleaving.repack(raw)) if interleave and scheme == "q4_0" and vnni.HAVE_VNNI
-                            and raw.dtype == np.uint8 and interleaving.fits(out_features, in_features) else None)
+        self.interleaved = (read_only(interleaving.repack(raw, scheme)) if interleave and scheme in interleaving.SCHEMES
+                            and vnni.HAVE_VNNI and raw.dtype == np.uint8 and interleaving.fits(out_features, in_features)
+                            else None)
         # f32 weights are used in place by torch: the same products as an nn.Linear.
         self._weight = _plain_view(raw, scheme, in_features) if scheme == "f32" else None
         self._scales = int8_row_scales(raw, in_features) if scheme == "int8" else None
@@ -68,7 +69,7 @@ class HostLinear(torch.nn.Module):
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """``W x + b`` for one float32 vector (numpy in and out), through ktc's kernels."""
         if self.interleaved is not None:
-            y = interleaving.matvec(self.interleaved, x)
+            y = interleaving.matvec(self.interleaved, self.scheme, x)
         else:
             y = kernels.matvec(self.raw, self.scheme, x, scales=self._scales)
         if self.bias is not None:
@@ -83,7 +84,7 @@ class HostLinear(torch.nn.Module):
                                                                                        self.out_features)
         flat = x.detach().reshape(-1, self.in_features).to(torch.float32)
         if self.interleaved is not None:
-            y = torch.from_numpy(interleaving.matmul(flat.numpy(), self.interleaved))
+            y = torch.from_numpy(interleaving.matmul(flat.numpy(), self.interleaved, self.scheme))
         else:
             y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme, self._scales))
         if self.bias is not None:

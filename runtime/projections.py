@@ -61,7 +61,7 @@ class Projections:
             return None
         # a matrix with an interleaved copy (``HostLinear.interleaved``) is read from it
         copies = [getattr(lin, "interleaved", None) for lin in linears]
-        kinds = [rows.Q4_0X16 if copy is not None else rows.kind(lin.scheme, plain=True)
+        kinds = [rows.INTERLEAVED[lin.scheme] if copy is not None else rows.kind(lin.scheme, plain=True)
                  for lin, copy in zip(linears, copies)]
         cols = linears[0].in_features
         raws = [copy if copy is not None else _row_bytes(lin.raw) for lin, copy in zip(linears, copies)]

@@ -41,11 +41,14 @@ FP8 = BF16 + 1
 # a group) times the activations quantized per group of the kind's own size: INT4 + 0, 1, 2.
 INT4 = FP8 + 1
 INT4_GROUPS = {"int4_g32": 0, "int4_g64": 1, "int4_g128": 2}
-# q4_0 rows interleaved 16 at a time (``interleave.repack``: a layer's projections and output
-# matrix on a VNNI CPU, ``HostLinear.interleaved``) times the activations in order per 32. Not a
-# stored scheme: ``kind`` never names it; the caller that made the copy says so.
+# q4_0 and q8_0 rows interleaved 16 at a time (``interleave.repack``: a layer's projections and
+# output matrix on a VNNI CPU, ``HostLinear.interleaved``; the experts of ``ExpertSet``'s copy)
+# times the activations in order per 32. Not stored schemes: ``kind`` never names them; the
+# caller that made the copy says so (``interleaved``).
 Q4_0X16 = INT4 + len(INT4_GROUPS)
-ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call (whole groups of Q4_0X16's)
+Q8_0X16 = Q4_0X16 + 1
+INTERLEAVED = {"q4_0": Q4_0X16, "q8_0": Q8_0X16}
+ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call (whole groups of the interleaved)
 # A token's down rows in spans of every expert (``rows_combined``) where an expert's span is
 # this long or longer, else an expert at a time (``rows_many``, then ``combined``). Measured in
 # decode steps here, down regions, medians of interleaved runs: at Qwen3-30B-A3B's shape (768-value
@@ -99,7 +102,7 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         if INT4 <= code < Q4_0X16:
             int4 |= 1 << (code - INT4)
         floats |= code == FP8 or code == BF16
-        in_order |= code < 2 or code == Q4_0X16 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K
+        in_order |= code < 2 or code >= Q4_0X16 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K
                                                     and code != _Q6_K)
         in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
@@ -140,8 +143,8 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
     float32 view of the same bytes, where int8 rows keep their scales) times vector v of ``act``
     (``activations``); acc: 16 float32s of scratch (a thread's, ``vnni._block_rows``)."""
     xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs, iq, idx, isum = act
-    if code == Q4_0X16:  # whole groups: the matrix's rows and ROWS_PER_ITEM are multiples of 16
-        interleave.rows(flat, base, row_bytes, first, last, cols, xq[v], dx[v], sums[v], out)
+    if code >= Q4_0X16:  # whole groups: the matrix's rows and ROWS_PER_ITEM are multiples of 16
+        interleave.rows(code == Q8_0X16, flat, base, row_bytes, first, last, cols, xq[v], dx[v], sums[v], out)
         return
     if code >= INT4:
         g = code - INT4

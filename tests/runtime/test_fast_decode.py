@@ -253,8 +253,9 @@ def test_fast_steps_past_one_span_of_positions_equal_transformers_steps(tmp_path
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-def test_interleaved_q4_0_matrices_give_the_stored_layout_s_results(tmp_path):
-    """On a VNNI CPU a q4_0 model's attention, output matrix and experts are multiplied from
+@pytest.mark.parametrize("scheme", ["q4_0", "q8_0"])
+def test_interleaved_matrices_give_the_stored_layout_s_results(scheme, tmp_path):
+    """On a VNNI CPU a q4_0 (or q8_0) model's attention, output matrix and experts are multiplied from
     copies with their rows interleaved (``runtime.interleave``), in the prompt's forward (its
     experts of one token, of a few, of many) and in the compiled decode step; ``interleave=False``
     reads the bundle's rows. The same activations' quantization either way: the same logits but
@@ -262,7 +263,7 @@ def test_interleaved_q4_0_matrices_give_the_stored_layout_s_results(tmp_path):
     from ktc.runtime.linear import HostLinear
 
     # rows of whole pairs of blocks
-    path = _bundle(tmp_path, "qwen3_moe", "q4_0", hidden_size=64, moe_intermediate_size=64)
+    path = _bundle(tmp_path, "qwen3_moe", scheme, hidden_size=64, moe_intermediate_size=64)
     prompt, tokens = _prompt(40), [5, 17, 40, 3]
     runs = {}
     for interleave in (True, False):

@@ -1,6 +1,7 @@
-"""q4_0 rows interleaved 16 at a time (``runtime.interleave``): the copy is the same bytes
-reordered, and its products equal the definition (each block's codes minus 8 times the
-activations quantized per 32, scaled by the block's scale and dx), for one token and several."""
+"""q4_0 and q8_0 rows interleaved 16 at a time (``runtime.interleave``): the copy is the same
+bytes reordered (q8_0's codes plus 128), and its products equal the definition (each block's
+codes, less q4_0's 8, times the activations quantized per 32, scaled by the block's scale and
+dx), for one token and several."""
 
 from __future__ import annotations
 
@@ -14,77 +15,111 @@ from ktc.runtime import interleave, vnni
 
 needs_vnni = pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 SHAPES = [(16, 64), (48, 128), (64, 2048), (160, 768), (32, 4096)]
+SCHEMES = pytest.mark.parametrize("scheme", interleave.SCHEMES)
 
 
-def _case(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _case(rows: int, cols: int, seed: int, scheme: str) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 2)
     x = rng.standard_normal(cols).astype(np.float32) * rng.uniform(0.1, 10)
-    return quantize(w, "q4_0"), x
+    return quantize(w, scheme), x
 
 
-def _definition(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Float64: sum over blocks of d * dx * sum((code - 8) * xq), from the row-major bytes."""
+def _definition(raw: np.ndarray, x: np.ndarray, scheme: str, per: int = 32) -> np.ndarray:
+    """Float64: sum over blocks of d * dx * sum(code * xq), from the row-major bytes (q4_0's
+    codes less 8, q8_0's signed), the activations quantized per ``per`` values."""
     rows, row_bytes = raw.shape
     cols = x.shape[0]
     blocks = cols // 32
-    b = raw.reshape(rows, blocks, 18)
-    codes = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=2).astype(np.float64) - 8
+    b = raw.reshape(rows, blocks, interleave.BLOCK[scheme])
+    if scheme == "q4_0":
+        codes = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=2).astype(np.float64) - 8
+    else:
+        codes = b[..., 2:].copy().view(np.int8).astype(np.float64)
     scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
-    xq, dx, _ = vnni.quantize_activations(x, 32)
+    xq, dx, _ = vnni.quantize_activations(x, per)
     dots = (codes * xq.reshape(blocks, 32).astype(np.float64)).sum(axis=2)
-    return (scale * dx * dots).sum(axis=1)
+    return (scale * np.repeat(dx, per // 32) * dots).sum(axis=1)
 
 
+@SCHEMES
 @pytest.mark.parametrize("shape", SHAPES)
-def test_repack_is_the_same_bytes_reordered_and_unpack_undoes_it(shape):
-    raw, _ = _case(*shape, seed=shape[1])
-    packed = interleave.repack(raw, rows_at_once=32)  # several pieces where there are more rows
+def test_repack_is_the_same_bytes_reordered_and_unpack_undoes_it(shape, scheme):
+    raw, _ = _case(*shape, seed=shape[1], scheme=scheme)
+    block = interleave.BLOCK[scheme]
+    packed = interleave.repack(raw, scheme, rows_at_once=32)  # several pieces where there are more rows
     assert packed.shape == raw.shape and packed.ctypes.data % 64 == 0
-    np.testing.assert_array_equal(np.sort(packed.reshape(-1)), np.sort(raw.reshape(-1)))
-    np.testing.assert_array_equal(interleave.unpack(packed), raw)
+    stored = raw.copy()  # the bytes the copy holds: q8_0's codes plus 128
+    if scheme == "q8_0":
+        stored.reshape(shape[0], -1, block)[..., 2:] ^= 128
+    np.testing.assert_array_equal(np.sort(packed.reshape(-1)), np.sort(stored.reshape(-1)))
+    np.testing.assert_array_equal(interleave.unpack(packed, scheme), raw)
     # the first pair of the first group: row r's scale of block 0 at bytes 2r, of block 1 at
     # 32 + 2r; line k of block 0's codes holds bytes 4k..4k+3 of each row's codes
-    group = packed.reshape(-1)[:interleave.PAIR_BYTES]
-    b = raw[:16].reshape(16, -1, 18)
+    group = packed.reshape(-1)[:2 * interleave.GROUP * block]
+    b = stored[:16].reshape(16, -1, block)
     np.testing.assert_array_equal(group[:32].reshape(16, 2), b[:, 0, :2])
     np.testing.assert_array_equal(group[32:64].reshape(16, 2), b[:, 1, :2])
     np.testing.assert_array_equal(group[64 + 64:64 + 128].reshape(16, 4), b[:, 0, 2 + 4:2 + 8])
+    lines = (block - 2) // 4  # block 1's first line follows block 0's lines
+    np.testing.assert_array_equal(group[64 + 64 * lines:64 + 64 * lines + 64].reshape(16, 4), b[:, 1, 2:6])
 
 
+@SCHEMES
 @pytest.mark.parametrize("rows, cols", [(15, 64), (16, 96), (16, 32)])
-def test_what_cannot_be_interleaved_is_refused(rows, cols):
-    raw, _ = _case(rows, cols, seed=1)
+def test_what_cannot_be_interleaved_is_refused(rows, cols, scheme):
+    raw, x = _case(rows, cols, seed=1, scheme=scheme)
     assert not interleave.fits(rows, cols)
     with pytest.raises(ValueError, match="cannot be interleaved"):
-        interleave.repack(raw)
+        interleave.repack(raw, scheme)
+    with pytest.raises(ValueError, match="only q4_0 and q8_0"):
+        interleave.repack(raw, "q4_1")
+    good, _ = _case(16, 64, seed=1, scheme=scheme)
+    with pytest.raises(ValueError, match="does not multiply 128 values"):
+        interleave.matvec(interleave.repack(good, scheme), scheme, np.zeros(128, np.float32))
 
 
 @needs_vnni
+@SCHEMES
 @pytest.mark.parametrize("shape", SHAPES)
-def test_one_token_matches_the_definition_and_the_row_major_kernel(shape):
+def test_one_token_matches_the_definition_and_the_row_major_kernel(shape, scheme):
     from ktc.runtime.kernels import matvec
 
-    raw, x = _case(*shape, seed=shape[0] + shape[1])
-    want = _definition(raw, x)
-    got = interleave.matvec(interleave.repack(raw), x)
+    raw, x = _case(*shape, seed=shape[0] + shape[1], scheme=scheme)
+    want = _definition(raw, x, scheme)
+    got = interleave.matvec(interleave.repack(raw, scheme), scheme, x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    np.testing.assert_allclose(got, matvec(raw, "q4_0", x), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, matvec(raw, scheme, x), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @needs_vnni
-@pytest.mark.parametrize("tokens", [2, 7, 8, 9, 21])
-@pytest.mark.parametrize("shape", [(64, 256), (80, 2048)])
-def test_several_tokens_equal_each_token_alone(shape, tokens):
-    raw, _ = _case(*shape, seed=tokens)
+@SCHEMES
+@pytest.mark.parametrize("tokens", [2, 7, 8, 9, 13, 21])
+@pytest.mark.parametrize("shape", [(64, 256), (80, 2048), (32, 192)])
+def test_several_tokens_equal_the_definition(shape, tokens, scheme):
+    """Tiles of several tokens and groups, and the groups and tokens past them one at a time (80
+    rows: five groups; 9, 13 and 21 tokens); from PER_256_MIN_TOKENS tokens on where the rows are
+    whole 256s the activations per 256, and each token within their rounding of what it alone
+    gives (per 32); else each token what it gives alone."""
+    raw, _ = _case(*shape, seed=tokens, scheme=scheme)
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, shape[1])).astype(np.float32)
-    packed = interleave.repack(raw)
-    got = interleave.matmul(x, packed)
-    want = np.stack([_definition(raw, row) for row in x])
+    packed = interleave.repack(raw, scheme)
+    got = interleave.matmul(x, packed, scheme)
+    per_256 = tokens >= interleave.PER_256_MIN_TOKENS[scheme] and shape[1] % 256 == 0
+    want = np.stack([_definition(raw, row, scheme, 256 if per_256 else 32) for row in x])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    np.testing.assert_allclose(got, np.stack([interleave.matvec(packed, row) for row in x]), rtol=1e-6,
-                               atol=1e-6 * np.abs(want).max())
+    alone = np.stack([interleave.matvec(packed, scheme, row) for row in x])
+    if per_256:
+        assert 1e-6 < np.linalg.norm(got - alone) / np.linalg.norm(alone) < 3e-2
+    else:
+        np.testing.assert_allclose(got, alone, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_the_products_of_many_tokens_quantize_as_the_stored_layout_s():
+    from ktc.runtime.kernels import LANES_MIN_TOKENS
+
+    assert {s: LANES_MIN_TOKENS[s] for s in interleave.SCHEMES} == interleave.PER_256_MIN_TOKENS
 
 
 def _mapped_rss(path: str) -> int:

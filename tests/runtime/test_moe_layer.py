@@ -255,7 +255,7 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
     rng = np.random.default_rng(8)
     with open_bundle(str(path)) as bundle:
         layer = mf.FAMILIES[family].moe_layers[-1]
-        # the stored layout's paths (q4_0's interleaved copy: test_interleaved_q4_0_experts_...)
+        # the stored layout's paths (the interleaved copy: test_interleaved_experts_...)
         moe = MoELayer(bundle, layer, experts=ExpertSet(bundle, layer, interleave=False))
         few_tokens, grouped = moe.experts._few_tokens, []
 
@@ -282,7 +282,19 @@ def test_batched_tokens_equal_each_token_alone(family, scheme, width, tokens, tm
         if per_256:  # the lanes' per-256 activations do show (the path is taken)
             assert np.linalg.norm(batched - alone) / np.linalg.norm(alone) > 1e-6
     else:
-        np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4 * np.abs(alone).max())
+        _equal_but_for_ties(batched, alone, 1e-4)
+
+
+def _equal_but_for_ties(got: np.ndarray, want: np.ndarray, tolerance: float) -> None:
+    """got [tokens, hidden] equals want to ``tolerance`` of want's largest value in every token
+    but a few, and those within 1%: two compiled paths may compute an activation a float rounding
+    apart, and where it lands within that of a tie of its int8 quantization (x.5; seen: -12.500005
+    in a q8_0 expert's 128 intermediate values) they round it apart, one step of one value (a
+    thousandth of the token's results). A path that computes wrongly differs in most tokens."""
+    scale = np.abs(want).max()
+    off = ~np.isclose(got, want, rtol=0, atol=tolerance * scale).all(axis=1)
+    assert off.sum() <= max(1, len(want) // 50), f"{off.sum()} of {len(want)} tokens differ"
+    np.testing.assert_allclose(got[off], want[off], rtol=0, atol=1e-2 * scale)
 
 
 def test_a_token_choosing_an_expert_twice(tiny_models, tmp_path):
@@ -391,9 +403,10 @@ def test_a_token_alone_splits_as_among_others(tiny_models, tmp_path):
         experts.close()
 
 
+@pytest.mark.parametrize("scheme", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("tokens", [1, 5, 24, 160])
-def test_interleaved_q4_0_experts_equal_the_stored_layout(tokens, tmp_path):
-    """A layer whose experts are all q4_0, on a VNNI CPU, reads them from one copy with their
+def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path):
+    """A layer whose experts are all q4_0 (or all q8_0), on a VNNI CPU, reads them from one copy with their
     rows interleaved (``runtime.interleave``): one token through every path that takes one
     (``rows.chosen_experts_token``, ``rows.pairs_token``), several through ``interleave.matmul``;
     each gives what the stored layout's paths give, within the activations' rounding (those
@@ -407,7 +420,7 @@ def test_interleaved_q4_0_experts_equal_the_stored_layout(tokens, tmp_path):
     folder = mf.write_safetensors(mf.build_hf_model("qwen3_moe", hidden_size=width, intermediate_size=width,
                                                     moe_intermediate_size=width, head_dim=32), str(tmp_path / "src"))
     path = tmp_path / "m.ktb"
-    compile_bundle(folder, str(path), cpu_scheme="q4_0")
+    compile_bundle(folder, str(path), cpu_scheme=scheme)
     h = np.random.default_rng(tokens).standard_normal((tokens, width)).astype(np.float32)
     with open_bundle(str(path)) as bundle:
         layer = mf.FAMILIES["qwen3_moe"].moe_layers[-1]
@@ -422,4 +435,4 @@ def test_interleaved_q4_0_experts_equal_the_stored_layout(tokens, tmp_path):
     assert one_call is not None and one_call[0] is copy.experts._interleaved[0]
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=(2e-2 if tokens > 24 else 1e-5) * scale)
-    np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5 * scale)
+    _equal_but_for_ties(got, alone, 1e-5)
