@@ -765,7 +765,7 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
 @click.option("--no-mmap", "no_mmap", is_flag=True,
               help=_NO_MMAP_HELP + " Refused for a plan that keeps experts on disk.")
 @click.option("--no-interleave", "no_interleave", is_flag=True,
-              help="On the CPU, multiply q4_0 and q8_0 matrices (attention, output, the experts of layers all in "
+              help="On the CPU, multiply q4_0, q8_0 and mxfp4 matrices (attention, output, the experts of layers all in "
                    "one of them) in the "
                    "bundle's own layout, not from copies made at load with their rows interleaved 16 at a time "
                    "(as llama.cpp's --repack 0): the copies' products are faster; they take the load a copy's "
@@ -790,7 +790,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
       ktc run qwen.ktb --prompt-file long.txt -n 64 --device cuda --json
       ktc run qwen.ktb -p "Once upon a time" --device cuda --cache-slots 4 --cache-profile profile.json
       ktc run cpu.ktb -p "Once upon a time" --no-mmap       # weights read into memory first
-      ktc run q4_0.ktb -p "Once upon a time" --no-interleave  # q4_0/q8_0 rows as stored, not interleaved
+      ktc run q4_0.ktb -p "Once upon a time" --no-interleave  # q4_0/q8_0/mxfp4 rows as stored
     """
     from ktc.formats.bundle import open_bundle
     from ktc.runtime.generate import Sampling, encode_prompt, generate, peak_device_bytes, peak_rss_bytes

@@ -116,10 +116,11 @@ class ExpertSet:
     tokens copies the CPU experts its cost model chooses to the device for that forward alone.
     ``cpu_threads``: the Numba threads of the worker that runs the CPU experts beside the
     device's (by default the creating thread's, less one where that leaves three or more).
-    ``interleave``: without a device, a layer whose experts are all q4_0 (or all q8_0) on a VNNI CPU reads them
-    from one copy with every matrix's rows interleaved (``runtime.interleave``; made here, the
-    experts' size again in memory, the map's pages of them released: ``Bundle.release``), unless
-    the plan keeps experts on disk; False reads the bundle's own layout.
+    ``interleave``: without a device, a layer whose experts are all q4_0 (or all q8_0, or all
+    mxfp4) on a VNNI CPU reads them from one copy with every matrix's rows interleaved
+    (``runtime.interleave``; made here, the experts' size again in memory, the map's pages of
+    them released: ``Bundle.release``), unless the plan keeps experts on disk; False reads the
+    bundle's own layout.
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
@@ -186,8 +187,9 @@ class ExpertSet:
         # not where the plan keeps experts on disk: a copy would read them all into RAM
         if (interleave and device is None and self._fused is not None and len(schemes) == 1 and parts == schemes
                 and parts <= set(interleaving.SCHEMES) and vnni.HAVE_VNNI
-                and interleaving.fits(2 * self.intermediate_size, self.hidden_size)
-                and interleaving.fits(self.hidden_size, self.intermediate_size) and not disk_tier(bundle)):
+                and interleaving.fits(2 * self.intermediate_size, self.hidden_size, next(iter(parts)))
+                and interleaving.fits(self.hidden_size, self.intermediate_size, next(iter(parts)))
+                and not disk_tier(bundle)):
             self._interleaved = self._interleave()
             for e in self.cpu:  # the map's pages of them are no longer read
                 bundle.release(f"{prefix}experts.{e}.gate_up")

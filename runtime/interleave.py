@@ -1,5 +1,5 @@
-"""q4_0 and q8_0 matrices laid out for the CPU's products: rows interleaved 16 at a time
-(``repack``).
+"""q4_0, q8_0 and mxfp4 matrices laid out for the CPU's products: rows interleaved 16 at a
+time (``repack``).
 
 In ggml's q4_0 layout each row is a run of 18-byte blocks (an fp16 scale, then 16 bytes of
 4-bit codes). A one-token product of such rows (``vnni._row_intrinsic``) takes a row at a time:
@@ -7,35 +7,39 @@ each 72-byte step of four blocks costs two unaligned loads, a permute to gather 
 scales picked and converted, the activations' per-lane scales and sums loaded, two products and
 two multiply-adds, for 128 weights. Read from L2 on the Zen 4 machine that bounds a core at about
 26 GB/s, below what two cores read from memory in its fast phases (60-70 GB/s): the kernels,
-not the memory, set the decode speed there. q8_0's 34-byte blocks fare the same way (two cores
-41-50 GB/s from the caches). llama.cpp's CPU backend meets the same bound the same way: it
+not the memory, set the decode speed there. q8_0's 34-byte blocks and mxfp4's 17-byte ones fare
+the same way (two cores 41-50 and 21-27 GB/s from the caches). llama.cpp's CPU backend meets the same bound the same way: it
 copies q4_0 tensors into interleaved groups of rows when it loads them (``--repack``, on by
 default; its Q4_0 decode of a two-layer Qwen3-30B-A3B-shaped model fell from 132-152 to 74-83
 tok/s here without it).
 
-Here 16 rows make a group, and the group's blocks go in pairs: the pair's 32 fp16 scales (block
-b's for rows 0-15, then block b+1's) in one 64-byte line, then for each block its codes in lines
-of 4 bytes a row: q4_0's four lines, line k holding bytes 4k..4k+3 of each row's 16 code bytes
-(row r at bytes 4r..4r+3); q8_0's eight, its codes plus 128 (``vpdpbusd`` multiplies unsigned
-bytes by signed ones; the offset times the activations' sum comes off, as q4_0's 8 does). One
+Here 16 rows make a group, and the group's blocks go in units whose scales fill one 64-byte
+line (``Layout``): pairs of fp16 scales' blocks (block b's for rows 0-15, then block b+1's),
+fours of mxfp4's e8m0 bytes; then for each block its codes in lines of 4 bytes a row: q4_0's and
+mxfp4's four lines, line k holding bytes 4k..4k+3 of each row's 16 code bytes (row r at bytes
+4r..4r+3); q8_0's eight, its codes plus 128 (``vpdpbusd`` multiplies unsigned bytes by signed
+ones; the offset times the activations' sum comes off, as q4_0's 8 does, and mxfp4's 12 after
+its codes are looked up as twice their values plus 12, ``vnni.E2M1_TWICE_PLUS_12``). One
 product (``vpdpbusd``) then multiplies 16 rows' codes by four activations broadcast to every
 lane, a block's scales convert once for 16 rows, and every load is a whole aligned line of one
 stream: q4_0 from L2 55 GB/s a core against 26; from memory, one Qwen3-30B-A3B-shaped output
 matrix (151936 x 2048) on two cores 69 against 42 GB/s in a fast phase (a 1 or 2 thread sweep of
 prototypes with and without software prefetch; the hardware prefetcher follows the single
-stream best, so there is none); q8_0 from the caches on two cores 68-90 against 33-41 GB/s. The
-bytes are the same ones, reordered (q8_0's codes offset): a group is ``16 * row_bytes`` bytes.
+stream best, so there is none); q8_0 from the caches on two cores 68-90 against 33-41 GB/s,
+mxfp4 46-64 against 21-27. The bytes are the same ones, reordered (q8_0's codes offset): a group
+is ``16 * row_bytes`` bytes.
 
-``repack`` makes the copy (``HostLinear`` does when it loads a q4_0 or q8_0 matrix on a VNNI
-CPU: ``runtime.linear``; ``ExpertSet`` for a layer of experts all in one of them; both release
+``repack`` makes the copy (``HostLinear`` does when it loads a matrix of these on a VNNI CPU: ``runtime.linear``; ``ExpertSet`` for a layer of experts all in one of them; both release
 the map's pages of what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and
 ``matmul`` multiply one token or several (from ``PER_256_MIN_TOKENS`` tokens on with the
 activations quantized per 256, as the stored layout's products of as many tokens), and ``rows``
-is the one-token product of a run of groups for ``runtime.rows``' kinds ``rows.Q4_0X16`` and
-``rows.Q8_0X16`` (projections that share their input in one parallel region).
+is the one-token product of a run of groups for ``runtime.rows``' kinds ``rows.INTERLEAVED``
+(projections that share their input in one parallel region).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange, types
@@ -47,10 +51,26 @@ from ktc.formats.kernel_args import read_only, writable
 from . import vnni
 
 GROUP = 16  # rows interleaved together
-SCHEMES = ("q4_0", "q8_0")  # the schemes interleaved
-BLOCK = {"q4_0": 18, "q8_0": 34}  # bytes of a block: an fp16 scale, then 32 codes (16 or 32 bytes)
-# q8_0's codes are stored plus 128 (unsigned: ``vpdpbusd`` multiplies unsigned bytes by signed ones)
-Q8_0_OFFSET = 128
+
+
+class Layout(NamedTuple):
+    """A scheme's interleaved layout: bytes of its block (a scale, then 32 codes), of the
+    block's scale (fp16, or mxfp4's e8m0 byte), the blocks of a unit (whose 16 rows' scales fill
+    one 64-byte line), whether its codes are 4-bit, and the offset that makes them unsigned
+    (``vpdpbusd`` multiplies unsigned bytes by signed ones; q8_0's codes are stored plus 128,
+    mxfp4's looked up as twice their value plus 12: ``vnni.E2M1_TWICE_PLUS_12``)."""
+
+    block: int
+    scale_bytes: int
+    unit: int
+    nibbles: bool
+    offset: int
+
+
+LAYOUTS = {"q4_0": Layout(18, 2, 2, True, 8), "q8_0": Layout(34, 2, 2, False, 128),
+           "mxfp4": Layout(17, 1, 4, True, 12)}
+SCHEMES = tuple(LAYOUTS)  # the schemes interleaved; a scheme's code in the kernels is its place here
+_OFFSETS, _UNITS = tuple(lay.offset for lay in LAYOUTS.values()), tuple(lay.unit for lay in LAYOUTS.values())
 # ``matmul``'s tile: each line of codes (of TILE_GROUPS groups), unpacked once, multiplied by
 # TILE_TOKENS tokens' activations, each broadcast once for the groups' lines. Measured (medians
 # of 7 interleaved calls, two threads, GOP/s; the stored layout's products, ``kernels.linear``,
@@ -64,13 +84,19 @@ TILE_TOKENS, TILE_GROUPS = 4, 2
 GROUPS_PER_ITEM = 4  # groups a parallel work item (64 rows, as rows.ROWS_PER_ITEM)
 # Tokens from which ``matmul`` quantizes the activations per 256 values: kernels.LANES_MIN_TOKENS'
 # for the schemes, where the stored layout's products of as many tokens do (``lanes.token_span``)
-PER_256_MIN_TOKENS = {"q4_0": 12, "q8_0": 8}
+PER_256_MIN_TOKENS = {"q4_0": 12, "q8_0": 8, "mxfp4": 12}
 
 
-def fits(rows: int, cols: int) -> bool:
-    """Whether a [rows, cols] q4_0 or q8_0 matrix can be interleaved: whole groups of rows,
-    whole pairs of blocks in a row."""
-    return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % 64 == 0
+def _layout(scheme: str) -> Layout:
+    if scheme not in LAYOUTS:
+        raise ValueError(f"only {', '.join(SCHEMES)} rows are interleaved, not {scheme}")
+    return LAYOUTS[scheme]
+
+
+def fits(rows: int, cols: int, scheme: str) -> bool:
+    """Whether a [rows, cols] matrix of ``scheme`` (one of ``SCHEMES``) can be interleaved:
+    whole groups of rows, whole units of blocks in a row."""
+    return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % (32 * _layout(scheme).unit) == 0
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -80,89 +106,87 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return buffer[start:start + nbytes]
 
 
-def _block(scheme: str) -> int:
-    if scheme not in BLOCK:
-        raise ValueError(f"only {' and '.join(SCHEMES)} rows are interleaved, not {scheme}")
-    return BLOCK[scheme]
-
-
 def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarray | None = None) -> np.ndarray:
     """The interleaved copy (uint8 [rows, row_bytes], on a cache line) of ``scheme``'s rows
-    ``raw`` (q4_0 or q8_0, uint8 [rows, row_bytes]; ``fits``), made ``rows_at_once`` rows at a
-    time (a whole-matrix transpose would need another copy's memory); into ``out`` (uint8 [rows,
+    ``raw`` (uint8 [rows, row_bytes]; ``fits``), made ``rows_at_once`` rows at a time (a
+    whole-matrix transpose would need another copy's memory); into ``out`` (uint8 [rows,
     row_bytes]) where given."""
-    block = _block(scheme)
+    lay = _layout(scheme)
     rows, row_bytes = raw.shape
-    blocks = row_bytes // block
-    if raw.dtype != np.uint8 or row_bytes % block or not fits(rows, blocks * 32):
+    blocks = row_bytes // lay.block
+    if raw.dtype != np.uint8 or row_bytes % lay.block or not fits(rows, blocks * 32, scheme):
         raise ValueError(f"{scheme} rows {raw.shape} cannot be interleaved by {GROUP} (rows a multiple of {GROUP}, "
-                         "an even number of blocks a row)")
+                         f"blocks a row a multiple of {lay.unit})")
     if out is None:
         out = aligned_empty(rows * row_bytes).reshape(rows, row_bytes)
     elif out.shape != raw.shape or out.dtype != np.uint8:
         raise ValueError(f"an interleaved copy of {raw.shape} rows goes into uint8 {raw.shape}, not {out.dtype} {out.shape}")
-    lines = (block - 2) // 4  # lines of codes a block
-    step = max(GROUP, rows_at_once // GROUP * GROUP)
+    code_bytes = lay.block - lay.scale_bytes
+    units, step = blocks // lay.unit, max(GROUP, rows_at_once // GROUP * GROUP)
     for first in range(0, rows, step):
         part = np.asarray(raw[first:first + step])
         n = part.shape[0] // GROUP
-        b = part.reshape(n, GROUP, blocks // 2, 2, block)
-        # [group, pair, block of the pair, row, 2 bytes] and [group, pair, block, line k, row, 4 bytes]
-        scales = b[..., :2].transpose(0, 2, 3, 1, 4).reshape(n, blocks // 2, 64)
-        codes = b[..., 2:].reshape(n, GROUP, blocks // 2, 2, lines, 4).transpose(0, 2, 3, 4, 1, 5).reshape(
-            n, blocks // 2, 2 * GROUP * (block - 2))
-        target = out[first:first + step].reshape(n, blocks // 2, 2 * GROUP * block)
+        b = part.reshape(n, GROUP, units, lay.unit, lay.block)
+        # [group, unit, block of the unit, row, scale bytes] and [group, unit, block, line k, row, 4 bytes]
+        scales = b[..., :lay.scale_bytes].transpose(0, 2, 3, 1, 4).reshape(n, units, 64)
+        codes = b[..., lay.scale_bytes:].reshape(n, GROUP, units, lay.unit, code_bytes // 4, 4).transpose(
+            0, 2, 3, 4, 1, 5).reshape(n, units, lay.unit * GROUP * code_bytes)
+        target = out[first:first + step].reshape(n, units, GROUP * lay.unit * lay.block)
         target[..., :64] = scales
         target[..., 64:] = codes
         if scheme == "q8_0":
-            target[..., 64:] ^= Q8_0_OFFSET
+            target[..., 64:] ^= 128
     return out
 
 
 def unpack(packed: np.ndarray, scheme: str) -> np.ndarray:
     """``scheme``'s rows (uint8 [rows, row_bytes]) of an interleaved copy: ``repack`` undone."""
-    block = _block(scheme)
+    lay = _layout(scheme)
     rows, row_bytes = packed.shape
-    blocks = row_bytes // block
-    lines = (block - 2) // 4
+    units = row_bytes // lay.block // lay.unit
+    code_bytes = lay.block - lay.scale_bytes
     n = rows // GROUP
-    p = np.asarray(packed).reshape(n, blocks // 2, 2 * GROUP * block)
-    scales = p[..., :64].reshape(n, blocks // 2, 2, GROUP, 2).transpose(0, 3, 1, 2, 4)
-    codes = p[..., 64:].reshape(n, blocks // 2, 2, lines, GROUP, 4).transpose(0, 4, 1, 2, 3, 5).reshape(
-        n, GROUP, blocks // 2, 2, block - 2)
-    out = np.empty((n, GROUP, blocks // 2, 2, block), dtype=np.uint8)
-    out[..., :2] = scales
-    out[..., 2:] = codes
+    p = np.asarray(packed).reshape(n, units, GROUP * lay.unit * lay.block)
+    scales = p[..., :64].reshape(n, units, lay.unit, GROUP, lay.scale_bytes).transpose(0, 3, 1, 2, 4)
+    codes = p[..., 64:].reshape(n, units, lay.unit, code_bytes // 4, GROUP, 4).transpose(0, 4, 1, 2, 3, 5).reshape(
+        n, GROUP, units, lay.unit, code_bytes)
+    out = np.empty((n, GROUP, units, lay.unit, lay.block), dtype=np.uint8)
+    out[..., :lay.scale_bytes] = scales
+    out[..., lay.scale_bytes:] = codes
     if scheme == "q8_0":
-        out[..., 2:] ^= Q8_0_OFFSET
+        out[..., lay.scale_bytes:] ^= 128
     return out.reshape(rows, row_bytes)
 
 
 def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 1):  # type: ignore[no-untyped-def]
-    """``tile(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)``:
-    the 16 rows of ``scheme``'s group at byte ``at`` of flat (``pairs`` pairs of blocks; with
+    """``tile(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)``:
+    the 16 rows of ``scheme``'s group at byte ``at`` of flat (``units`` units of blocks; with
     ``groups`` 2, the next group's too) times ``tokens`` tokens' activations (token t's int8
     values at xq[xbase + t * xstride], in order), each token's results stored at out[obase + t *
-    ostride]. Per block and token: the products of the codes (unsigned: q4_0's 0..15, q8_0's plus
-    128) summed in 16 int32 lanes, one a row. Activations quantized per 32 (not ``span``): their
-    scales and dequantized sums per 32 at dx and sums [dbase + t * dstride]; each block's sums,
-    in float, times the activations' scale less the codes' offset (8, 128) times their sum,
-    times the rows' scales. Per 256 (``span``: pairs a multiple of 4): the codes' offset times
-    each block's int8 sum at sums (int32) [dbase + t * dstride] starts its integer sums, which
-    are converted and times the rows' scales each block, and times the activations' scale (dx
-    [(dbase + t * dstride) / 8]) each 256 values (dbase and dstride multiples of 8)."""
+    ostride]. Per block and token: the products of the codes (unsigned: ``Layout.offset``
+    above their values) summed in 16 int32 lanes, one a row. Activations quantized per 32 (not
+    ``span``): their scales and dequantized sums per 32 at dx and sums [dbase + t * dstride];
+    each block's sums, in float, times the activations' scale less the codes' offset times
+    their sum, times the rows' scales. Per 256 (``span``: whole 256s a row): the codes' offset
+    times each block's int8 sum at sums (int32) [dbase + t * dstride] starts its integer sums,
+    which are converted and times the rows' scales each block, and times the activations' scale
+    (dx [(dbase + t * dstride) / 8]) each 256 values (dbase and dstride multiples of 8)."""
     from llvmlite import ir
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
     vector = ir.VectorType
-    bytes64, words, lanes = vector(i8, 64), vector(i32, 16), vector(f32, 16)
+    bytes64, bytes16, words, lanes = vector(i8, 64), vector(i8, 16), vector(i32, 16), vector(f32, 16)
+    lay = LAYOUTS[scheme]
+    unit_bytes = GROUP * lay.unit * lay.block
+    block_lines = (lay.block - lay.scale_bytes) // 4  # lines of codes a block
+    units_a_span = 8 // lay.unit  # units of 256 values
 
     @intrinsic
-    def tile(typingctx, flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
+    def tile(typingctx, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
              ostride):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             flat_a, xq_a, dx_a, sums_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3, 6, 7, 10))
-            at_v, pairs_v, xbase_v, xstride_v, dbase_v, dstride_v, obase_v, ostride_v = vnni._indices(
+            at_v, units_v, xbase_v, xstride_v, dbase_v, dstride_v, obase_v, ostride_v = vnni._indices(
                 context, builder, signature, args, (1, 2, 4, 5, 8, 9, 11, 12))
             index_t = at_v.type
 
@@ -180,24 +204,41 @@ def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 
                 return [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(tokens)]
                         for _ in range(groups)]
 
+            def block_scales(line, j):  # type: ignore[no-untyped-def]
+                # the 16 rows' scales of block j of a unit, from the unit's line of scales
+                if lay.scale_bytes == 2:  # fp16
+                    halves = builder.shuffle_vector(builder.bitcast(line, vector(i16, 32)), ir.Constant(
+                        vector(i16, 32), ir.Undefined), ir.Constant(vector(i32, 16), list(range(16 * j, 16 * j + 16))))
+                    return builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
+                # e8m0 byte e: 2^(e - 127), halved (the looked-up codes are twice their values):
+                # the float's exponent field e - 1 from e = 2 on, else 2^-128 and 2^-127's bits
+                exponents = builder.zext(builder.shuffle_vector(line, ir.Constant(bytes64, ir.Undefined), ir.Constant(
+                    vector(i32, 16), list(range(16 * j, 16 * j + 16)))), words)
+                normal = builder.shl(builder.sub(exponents, ir.Constant(words, [1] * 16)), ir.Constant(words, [23] * 16))
+                tiny = builder.shl(ir.Constant(words, [0x00200000] * 16), exponents)
+                bits = builder.select(builder.icmp_unsigned(">=", exponents, ir.Constant(words, [2] * 16)), normal,
+                                      tiny)
+                return builder.bitcast(bits, lanes)
+
             dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
                                                  "llvm.fma.v16f32")
+            shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bytes64, [bytes64] * 2),
+                                                     "llvm.x86.avx512.pshuf.b.512")
+            e2m1 = ir.Constant(bytes64, list(vnni.E2M1_TWICE_PLUS_12) * 4)
             low_bits = ir.Constant(bytes64, [15] * 64)
-            q8 = scheme == "q8_0"
-            pair_bytes, block_lines = 2 * GROUP * BLOCK[scheme], (BLOCK[scheme] - 2) // 4
-            code_offset = ir.Constant(f32, -Q8_0_OFFSET if q8 else -8.0)
+            code_offset = ir.Constant(f32, -float(lay.offset))
             accs, spans = zeros(), zeros()  # [group][token]: the results, a span's sums
             x_bases = [vnni._nth(builder, xbase_v, xstride_v, t) for t in range(tokens)]
             d_bases = [vnni._nth(builder, dbase_v, dstride_v, t) for t in range(tokens)]
-            group_bytes = builder.mul(pairs_v, const(pair_bytes))
-            with cgutils.for_range(builder, pairs_v) as loop:
-                pair_ats = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
-                                        builder.mul(loop.index, const(pair_bytes))) for g in range(groups)]
-                scale_words = [load(flat_a, pair_at, vector(i16, 32)) for pair_at in pair_ats]
-                for half in range(2):
-                    block = builder.add(builder.mul(loop.index, const(2)), const(half))
+            group_bytes = builder.mul(units_v, const(unit_bytes))
+            with cgutils.for_range(builder, units_v) as loop:
+                unit_ats = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
+                                        builder.mul(loop.index, const(unit_bytes))) for g in range(groups)]
+                scale_lines = [load(flat_a, unit_at, bytes64) for unit_at in unit_ats]
+                for j in range(lay.unit):
+                    block = builder.add(builder.mul(loop.index, const(lay.unit)), const(j))
                     x_at = builder.mul(block, const(32))
                     if span:  # the codes' offset times the block's int8 sum (sums: int32)
                         starts = [splat(load(sums_a, builder.add(d_bases[t], block), i32), words)
@@ -207,23 +248,23 @@ def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 
                     dots = [list(starts) for _ in range(groups)]
                     for k in range(block_lines):
                         for g in range(groups):
-                            line = load(flat_a, builder.add(pair_ats[g], const(64 + block_lines * 64 * half + 64 * k)),
+                            line = load(flat_a, builder.add(unit_ats[g], const(64 + 64 * (block_lines * j + k))),
                                         bytes64)
-                            if q8:  # line k: codes 4k..4k+3 of every row
-                                parts = ((line, 4 * k),)
+                            if not lay.nibbles:  # line k: codes 4k..4k+3 of every row
+                                parts = [(line, 4 * k)]
                             else:  # line k: codes 4k..4k+3 in the low nibbles, 16+4k.. in the high ones
                                 low = builder.and_(line, low_bits)
                                 high = builder.and_(builder.lshr(line, ir.Constant(bytes64, [4] * 64)), low_bits)
-                                parts = ((low, 4 * k), (high, 16 + 4 * k))
+                                parts = [(low, 4 * k), (high, 16 + 4 * k)]
+                                if scheme == "mxfp4":  # e2m1 codes -> twice their values, plus 12
+                                    parts = [(builder.call(shuffle, [e2m1, codes]), first) for codes, first in parts]
                             for codes, first in parts:
                                 codes_w = builder.bitcast(codes, words)
                                 for t in range(tokens):
                                     x4 = load(xq_a, builder.add(x_bases[t], builder.add(x_at, const(first))), i32)
                                     dots[g][t] = builder.call(dpbusd, [dots[g][t], codes_w, splat(x4, words)])
                     for g in range(groups):
-                        halves = builder.shuffle_vector(scale_words[g], scale_words[g], ir.Constant(
-                            vector(i32, 16), list(range(16 * half, 16 * half + 16))))
-                        scales = builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
+                        scales = block_scales(scale_lines[g], j)
                         for t in range(tokens):
                             if span:
                                 builder.store(builder.call(fma, [scales, builder.sitofp(dots[g][t], lanes),
@@ -234,11 +275,13 @@ def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 
                             term = builder.call(fma, [builder.sitofp(dots[g][t], lanes),
                                                       splat(load(dx_a, d_at, f32), lanes), splat(offset, lanes)])
                             builder.store(builder.call(fma, [scales, term, builder.load(accs[g][t])]), accs[g][t])
-                if span:  # every fourth pair: the span's sums times the tokens' scales per 256
-                    last = builder.icmp_unsigned("==", builder.and_(loop.index, const(3)), const(3))
+                if span:  # a span's last unit: its sums times the tokens' scales per 256
+                    last = builder.icmp_unsigned("==", builder.and_(loop.index, const(units_a_span - 1)),
+                                                 const(units_a_span - 1))
                     with builder.if_then(last):
                         for t in range(tokens):
-                            d_at = builder.add(builder.lshr(d_bases[t], const(3)), builder.lshr(loop.index, const(2)))
+                            d_at = builder.add(builder.lshr(d_bases[t], const(3)),
+                                               builder.udiv(loop.index, const(units_a_span)))
                             scale = splat(load(dx_a, d_at, f32), lanes)
                             for g in range(groups):
                                 builder.store(builder.call(fma, [builder.load(spans[g][t]), scale,
@@ -251,7 +294,7 @@ def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 
                                                                             lanes.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return (types.void(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride),
+        return (types.void(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride),
                 codegen)
 
     return tile
@@ -262,47 +305,59 @@ _TILES = {(scheme, per_256, many): _tile_intrinsic(TILE_TOKENS if many else 1, s
           for scheme in SCHEMES for per_256 in (False, True) for many in (False, True)}
 _q4_0_one, _q4_0_many, _q4_0_span1, _q4_0_span = (_TILES["q4_0", p, m] for p in (False, True) for m in (False, True))
 _q8_0_one, _q8_0_many, _q8_0_span1, _q8_0_span = (_TILES["q8_0", p, m] for p in (False, True) for m in (False, True))
+_mxfp4_one, _mxfp4_many, _mxfp4_span1, _mxfp4_span = (_TILES["mxfp4", p, m] for p in (False, True)
+                                                      for m in (False, True))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tile(q8, per_256, many, flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
-          ostride):  # pragma: no cover - compiled
-    # the tile of the scheme (q8: q8_0's, else q4_0's), the activations per 256 or per 32, for
-    # TILE_TOKENS tokens and TILE_GROUPS groups (many) or one of each
-    if q8:
+def _tile(code, per_256, many, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride):  # pragma: no cover - compiled
+    # the tile of scheme SCHEMES[code], the activations per 256 or per 32, for TILE_TOKENS
+    # tokens and TILE_GROUPS groups (many) or one of each
+    if code == 1:
         if per_256:
             if many:
-                _q8_0_span(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+                _q8_0_span(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
             else:
-                _q8_0_span1(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+                _q8_0_span1(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
         elif many:
-            _q8_0_many(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            _q8_0_many(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
         else:
-            _q8_0_one(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-    elif per_256:
-        if many:
-            _q4_0_span(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            _q8_0_one(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+    elif code == 2:
+        if per_256:
+            if many:
+                _mxfp4_span(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            else:
+                _mxfp4_span1(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        elif many:
+            _mxfp4_many(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
         else:
-            _q4_0_span1(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-    elif many:
-        _q4_0_many(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            _mxfp4_one(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
     else:
-        _q4_0_one(flat, at, pairs, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        if per_256:
+            if many:
+                _q4_0_span(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            else:
+                _q4_0_span1(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        elif many:
+            _q4_0_many(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        else:
+            _q4_0_one(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def rows(q8, flat, base, row_bytes, first, last, cols, xq, dx, sums, out):  # pragma: no cover - compiled
-    """out[first:last] (whole groups) of the interleaved matrix (q8: q8_0's, else q4_0's) at byte
+def rows(code, flat, base, row_bytes, first, last, cols, xq, dx, sums, out):  # pragma: no cover - compiled
+    """out[first:last] (whole groups) of the interleaved matrix of scheme SCHEMES[code] at byte
     ``base`` of flat times one token's activations (xq in order, dx and sums per 32:
     ``vnni._quantized_both``)."""
-    pairs = cols // 64
+    units = cols // (32 * _UNITS[code])
     for g in range(first // GROUP, last // GROUP):
-        _tile(q8, False, False, flat, base + g * GROUP * row_bytes, pairs, xq, 0, 0, dx, sums, 0, 0, out, g * GROUP,
-              0)
+        _tile(code, False, False, flat, base + g * GROUP * row_bytes, units, xq, 0, 0, dx, sums, 0, 0, out,
+              g * GROUP, 0)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matvec(q8, packed, x, out):  # pragma: no cover - compiled
+def _matvec(code, packed, x, out):  # pragma: no cover - compiled
     n_rows, row_bytes = packed.shape
     cols = x.shape[0]
     xq, _, dx, sums = vnni._quantized_both(x, 1, cols, True, False)
@@ -317,25 +372,25 @@ def _matvec(q8, packed, x, out):  # pragma: no cover - compiled
             if item < 0:
                 break
             first = item * GROUPS_PER_ITEM * GROUP
-            rows(q8, flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, xq[0], dx[0],
+            rows(code, flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, xq[0], dx[0],
                  sums[0], out)
 
 
-def _checked(packed: np.ndarray, scheme: str, cols: int) -> bool:
-    # q8: whether the copy is q8_0's; its shape checked against the activations' (the kernels
-    # read whole groups and pairs of blocks by the shape alone)
-    if not (packed.ndim == 2 and fits(packed.shape[0], cols) and packed.shape[1] * 32 == cols * _block(scheme)):
+def _checked(packed: np.ndarray, scheme: str, cols: int) -> int:
+    # the scheme's code (its place in SCHEMES), the copy's shape checked against the
+    # activations' (the kernels read whole groups and units of blocks by the shape alone)
+    if not (packed.ndim == 2 and fits(packed.shape[0], cols, scheme)
+            and packed.shape[1] * 32 == cols * LAYOUTS[scheme].block):
         raise ValueError(f"an interleaved {scheme} copy {packed.shape} does not multiply {cols} values a token")
-    return scheme == "q8_0"
+    return SCHEMES.index(scheme)
 
 
 def matvec(packed: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``W @ x`` (float32 [rows]) for an interleaved q4_0 or q8_0 (``scheme``) matrix ``packed``
-    (``repack``) and float32 x [cols], the activations quantized to int8 per 32 as the rows'
-    kernels do."""
-    q8 = _checked(packed, scheme, x.shape[-1])
+    """``W @ x`` (float32 [rows]) for an interleaved matrix ``packed`` of ``scheme`` (``repack``)
+    and float32 x [cols], the activations quantized to int8 per 32 as the rows' kernels do."""
+    code = _checked(packed, scheme, x.shape[-1])
     out = np.empty(packed.shape[0], dtype=np.float32) if out is None else out
-    _matvec(q8, read_only(packed), writable(np.ascontiguousarray(x, dtype=np.float32)), out)
+    _matvec(code, read_only(packed), writable(np.ascontiguousarray(x, dtype=np.float32)), out)
     return out
 
 
@@ -357,19 +412,19 @@ def _per_256(x, n, cols, offset):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _matmul(q8, per_256, packed, x, out):  # pragma: no cover - compiled
+def _matmul(code, per_256, packed, x, out):  # pragma: no cover - compiled
     # Work items: GROUPS_PER_ITEM groups by TILE_TOKENS tokens; in an item, tiles of TILE_GROUPS
     # groups by TILE_TOKENS tokens, a group or a token past the last whole tile one at a time.
     n_rows, row_bytes = packed.shape
     n, cols = x.shape
     if per_256:
-        xq_flat, dx_flat, sums_flat = _per_256(x.reshape(-1), n, cols, Q8_0_OFFSET if q8 else 8)
+        xq_flat, dx_flat, sums_flat = _per_256(x.reshape(-1), n, cols, _OFFSETS[code])
     else:
         xq, _, dx, sums = vnni._quantized_both(x.reshape(-1), n, cols, True, False)
         xq_flat, dx_flat, sums_flat = xq.reshape(-1), dx.reshape(-1), sums.reshape(-1)
     flat, out_flat = packed.reshape(-1), out.reshape(-1)
     blocks = cols // 32
-    pairs = cols // 64
+    units = cols // (32 * _UNITS[code])
     groups = n_rows // GROUP
     group_items = (groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
     token_items = (n + TILE_TOKENS - 1) // TILE_TOKENS
@@ -386,22 +441,22 @@ def _matmul(q8, per_256, packed, x, out):  # pragma: no cover - compiled
             for g in range(gi * GROUPS_PER_ITEM, last_group, TILE_GROUPS):
                 at = g * GROUP * row_bytes
                 if first_token + TILE_TOKENS <= n and g + TILE_GROUPS <= last_group:
-                    _tile(q8, per_256, True, flat, at, pairs, xq_flat, first_token * cols, cols, dx_flat, sums_flat,
+                    _tile(code, per_256, True, flat, at, units, xq_flat, first_token * cols, cols, dx_flat, sums_flat,
                           first_token * blocks, blocks, out_flat, first_token * n_rows + g * GROUP, n_rows)
                     continue
                 for h in range(g, min(last_group, g + TILE_GROUPS)):
                     for token in range(first_token, min(n, first_token + TILE_TOKENS)):
-                        _tile(q8, per_256, False, flat, h * GROUP * row_bytes, pairs, xq_flat, token * cols, 0,
+                        _tile(code, per_256, False, flat, h * GROUP * row_bytes, units, xq_flat, token * cols, 0,
                               dx_flat, sums_flat, token * blocks, 0, out_flat, token * n_rows + h * GROUP, 0)
 
 
 def matmul(x: np.ndarray, packed: np.ndarray, scheme: str) -> np.ndarray:
-    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and an interleaved q4_0 or q8_0
-    (``scheme``) matrix ``packed``, each token's activations quantized to int8 per 32, or per
-    256 from ``PER_256_MIN_TOKENS`` tokens on where the rows are whole 256s (as the stored
-    layout's products of as many tokens: ``kernels.LANES_MIN_TOKENS``)."""
-    q8 = _checked(packed, scheme, x.shape[-1])
+    """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and an interleaved matrix
+    ``packed`` of ``scheme``, each token's activations quantized to int8 per 32, or per 256 from
+    ``PER_256_MIN_TOKENS`` tokens on where the rows are whole 256s (as the stored layout's
+    products of as many tokens: ``kernels.LANES_MIN_TOKENS``)."""
+    code = _checked(packed, scheme, x.shape[-1])
     x = writable(np.ascontiguousarray(x, dtype=np.float32))
     out = np.empty((x.shape[0], packed.shape[0]), dtype=np.float32)
-    _matmul(q8, x.shape[0] >= PER_256_MIN_TOKENS[scheme] and x.shape[1] % 256 == 0, read_only(packed), x, out)
+    _matmul(code, x.shape[0] >= PER_256_MIN_TOKENS[scheme] and x.shape[1] % 256 == 0, read_only(packed), x, out)
     return out

@@ -4,8 +4,8 @@ scheme (f32, bf16, int8, q8_0, the 4-bit schemes).
 
 On the host the bytes stay in the mapped bundle (zero-copy) and products go through ktc's
 kernels (``kernels.linear``: one token through the matrix-vector kernels, which read each weight
-byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size); q4_0
-and q8_0 matrices on a VNNI CPU are read from a copy with their rows interleaved instead
+byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size); q4_0,
+q8_0 and mxfp4 matrices on a VNNI CPU are read from a copy with their rows interleaved instead
 (``runtime.interleave``: the same bytes reordered, which the kernels multiply faster), unless
 ``interleave=False``. On a device the bytes are uploaded once and decoded by torch when used
 (``device.matmul``).
@@ -42,7 +42,7 @@ class HostLinear(torch.nn.Module):
     """``y = x W^T + b`` for ``W`` [out, in] stored in ``scheme`` as the bundle's raw rows,
     computed on the CPU in float32 (float32 inputs and outputs). ``interleaved``: the rows'
     interleaved copy (``runtime.interleave``) that every product reads instead of ``raw``, made
-    here for a q4_0 or q8_0 matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
+    here for a q4_0, q8_0 or mxfp4 matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
     memory is ``raw``'s size again; the map's pages of ``raw`` are no longer read, so the
     kernel can reclaim them)."""
 
@@ -55,9 +55,9 @@ class HostLinear(torch.nn.Module):
         self.out_features = out_features
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         # read-only once here, not a view made again by every product's call
-        self.interleaved = (read_only(interleaving.repack(raw, scheme)) if interleave and scheme in interleaving.SCHEMES
-                            and vnni.HAVE_VNNI and raw.dtype == np.uint8 and interleaving.fits(out_features, in_features)
-                            else None)
+        interleave = (interleave and scheme in interleaving.SCHEMES and vnni.HAVE_VNNI and raw.dtype == np.uint8
+                      and interleaving.fits(out_features, in_features, scheme))
+        self.interleaved = read_only(interleaving.repack(raw, scheme)) if interleave else None
         # f32 weights are used in place by torch: the same products as an nn.Linear.
         self._weight = _plain_view(raw, scheme, in_features) if scheme == "f32" else None
         self._scales = int8_row_scales(raw, in_features) if scheme == "int8" else None

@@ -41,13 +41,13 @@ FP8 = BF16 + 1
 # a group) times the activations quantized per group of the kind's own size: INT4 + 0, 1, 2.
 INT4 = FP8 + 1
 INT4_GROUPS = {"int4_g32": 0, "int4_g64": 1, "int4_g128": 2}
-# q4_0 and q8_0 rows interleaved 16 at a time (``interleave.repack``: a layer's projections and
-# output matrix on a VNNI CPU, ``HostLinear.interleaved``; the experts of ``ExpertSet``'s copy)
-# times the activations in order per 32. Not stored schemes: ``kind`` never names them; the
-# caller that made the copy says so (``interleaved``).
+# q4_0, q8_0 and mxfp4 rows interleaved 16 at a time (``interleave.repack``: a layer's
+# projections and output matrix on a VNNI CPU, ``HostLinear.interleaved``; the experts of
+# ``ExpertSet``'s copy) times the activations in order per 32: Q4_0X16 plus the scheme's place in
+# ``interleave.SCHEMES``. Not stored schemes: ``kind`` never names them; the caller that made
+# the copy says so (``INTERLEAVED``).
 Q4_0X16 = INT4 + len(INT4_GROUPS)
-Q8_0X16 = Q4_0X16 + 1
-INTERLEAVED = {"q4_0": Q4_0X16, "q8_0": Q8_0X16}
+INTERLEAVED = {name: Q4_0X16 + code for code, name in enumerate(interleave.SCHEMES)}
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call (whole groups of the interleaved)
 # A token's down rows in spans of every expert (``rows_combined``) where an expert's span is
 # this long or longer, else an expert at a time (``rows_many``, then ``combined``). Measured in
@@ -144,7 +144,7 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
     (``activations``); acc: 16 float32s of scratch (a thread's, ``vnni._block_rows``)."""
     xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs, iq, idx, isum = act
     if code >= Q4_0X16:  # whole groups: the matrix's rows and ROWS_PER_ITEM are multiples of 16
-        interleave.rows(code == Q8_0X16, flat, base, row_bytes, first, last, cols, xq[v], dx[v], sums[v], out)
+        interleave.rows(code - Q4_0X16, flat, base, row_bytes, first, last, cols, xq[v], dx[v], sums[v], out)
         return
     if code >= INT4:
         g = code - INT4

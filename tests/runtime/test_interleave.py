@@ -1,7 +1,7 @@
-"""q4_0 and q8_0 rows interleaved 16 at a time (``runtime.interleave``): the copy is the same
-bytes reordered (q8_0's codes plus 128), and its products equal the definition (each block's
-codes, less q4_0's 8, times the activations quantized per 32, scaled by the block's scale and
-dx), for one token and several."""
+"""q4_0, q8_0 and mxfp4 rows interleaved 16 at a time (``runtime.interleave``): the copy is the
+same bytes reordered (q8_0's codes plus 128), and its products equal the definition (each
+block's code values times the activations quantized per 32, scaled by the block's scale and dx),
+for one token and several."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ktc.formats.quantize import quantize
 from ktc.runtime import interleave, vnni
 
 needs_vnni = pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-SHAPES = [(16, 64), (48, 128), (64, 2048), (160, 768), (32, 4096)]
+SHAPES = [(16, 128), (48, 256), (64, 2048), (160, 768), (32, 4096)]
 SCHEMES = pytest.mark.parametrize("scheme", interleave.SCHEMES)
 
 
@@ -26,17 +26,26 @@ def _case(rows: int, cols: int, seed: int, scheme: str) -> tuple[np.ndarray, np.
 
 
 def _definition(raw: np.ndarray, x: np.ndarray, scheme: str, per: int = 32) -> np.ndarray:
-    """Float64: sum over blocks of d * dx * sum(code * xq), from the row-major bytes (q4_0's
-    codes less 8, q8_0's signed), the activations quantized per ``per`` values."""
+    """Float64: sum over blocks of d * dx * sum(value * xq), from the row-major bytes (q4_0's
+    codes less 8, q8_0's signed, mxfp4's e2m1 values and 2^(e - 127)), the activations quantized
+    per ``per`` values."""
     rows, row_bytes = raw.shape
     cols = x.shape[0]
     blocks = cols // 32
-    b = raw.reshape(rows, blocks, interleave.BLOCK[scheme])
+    lay = interleave.LAYOUTS[scheme]
+    b = raw.reshape(rows, blocks, lay.block)
+    codes_at = lay.scale_bytes
+    if lay.nibbles:
+        codes = np.concatenate([b[..., codes_at:] & 15, b[..., codes_at:] >> 4], axis=2)
     if scheme == "q4_0":
-        codes = np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], axis=2).astype(np.float64) - 8
+        codes = codes.astype(np.float64) - 8
+        scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    elif scheme == "mxfp4":
+        codes = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0, -0.5, -1, -1.5, -2, -3, -4, -6])[codes]
+        scale = np.ldexp(1.0, b[..., 0].astype(np.int64) - 127)
     else:
         codes = b[..., 2:].copy().view(np.int8).astype(np.float64)
-    scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+        scale = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
     xq, dx, _ = vnni.quantize_activations(x, per)
     dots = (codes * xq.reshape(blocks, 32).astype(np.float64)).sum(axis=2)
     return (scale * np.repeat(dx, per // 32) * dots).sum(axis=1)
@@ -46,37 +55,40 @@ def _definition(raw: np.ndarray, x: np.ndarray, scheme: str, per: int = 32) -> n
 @pytest.mark.parametrize("shape", SHAPES)
 def test_repack_is_the_same_bytes_reordered_and_unpack_undoes_it(shape, scheme):
     raw, _ = _case(*shape, seed=shape[1], scheme=scheme)
-    block = interleave.BLOCK[scheme]
+    lay = interleave.LAYOUTS[scheme]
+    size, at = lay.scale_bytes, lay.scale_bytes  # a block's scale bytes; its codes' start
     packed = interleave.repack(raw, scheme, rows_at_once=32)  # several pieces where there are more rows
     assert packed.shape == raw.shape and packed.ctypes.data % 64 == 0
     stored = raw.copy()  # the bytes the copy holds: q8_0's codes plus 128
     if scheme == "q8_0":
-        stored.reshape(shape[0], -1, block)[..., 2:] ^= 128
+        stored.reshape(shape[0], -1, lay.block)[..., at:] ^= 128
     np.testing.assert_array_equal(np.sort(packed.reshape(-1)), np.sort(stored.reshape(-1)))
     np.testing.assert_array_equal(interleave.unpack(packed, scheme), raw)
-    # the first pair of the first group: row r's scale of block 0 at bytes 2r, of block 1 at
-    # 32 + 2r; line k of block 0's codes holds bytes 4k..4k+3 of each row's codes
-    group = packed.reshape(-1)[:2 * interleave.GROUP * block]
-    b = stored[:16].reshape(16, -1, block)
-    np.testing.assert_array_equal(group[:32].reshape(16, 2), b[:, 0, :2])
-    np.testing.assert_array_equal(group[32:64].reshape(16, 2), b[:, 1, :2])
-    np.testing.assert_array_equal(group[64 + 64:64 + 128].reshape(16, 4), b[:, 0, 2 + 4:2 + 8])
-    lines = (block - 2) // 4  # block 1's first line follows block 0's lines
-    np.testing.assert_array_equal(group[64 + 64 * lines:64 + 64 * lines + 64].reshape(16, 4), b[:, 1, 2:6])
+    # the first unit of the first group: row r's scale of block j at bytes (16 j + r) * size;
+    # line k of block j's codes holds bytes 4k..4k+3 of each row's codes
+    unit = packed.reshape(-1)[:interleave.GROUP * lay.unit * lay.block]
+    b = stored[:16].reshape(16, -1, lay.block)
+    lines = (lay.block - size) // 4
+    for j in range(lay.unit):
+        np.testing.assert_array_equal(unit[16 * j * size:16 * (j + 1) * size].reshape(16, size), b[:, j, :size])
+        for k in (0, 1, lines - 1):
+            line = 64 + 64 * (lines * j + k)
+            np.testing.assert_array_equal(unit[line:line + 64].reshape(16, 4), b[:, j, at + 4 * k:at + 4 * k + 4])
 
 
-@SCHEMES
-@pytest.mark.parametrize("rows, cols", [(15, 64), (16, 96), (16, 32)])
-def test_what_cannot_be_interleaved_is_refused(rows, cols, scheme):
+@pytest.mark.parametrize("scheme, rows, cols", [(scheme, rows, cols) for scheme in interleave.SCHEMES
+                                                 for rows, cols in [(15, 128), (16, 96), (16, 32)]]
+                         + [("mxfp4", 16, 192)])  # mxfp4: units of four blocks
+def test_what_cannot_be_interleaved_is_refused(scheme, rows, cols):
     raw, x = _case(rows, cols, seed=1, scheme=scheme)
-    assert not interleave.fits(rows, cols)
+    assert not interleave.fits(rows, cols, scheme)
     with pytest.raises(ValueError, match="cannot be interleaved"):
         interleave.repack(raw, scheme)
-    with pytest.raises(ValueError, match="only q4_0 and q8_0"):
+    with pytest.raises(ValueError, match="rows are interleaved, not q4_1"):
         interleave.repack(raw, "q4_1")
-    good, _ = _case(16, 64, seed=1, scheme=scheme)
-    with pytest.raises(ValueError, match="does not multiply 128 values"):
-        interleave.matvec(interleave.repack(good, scheme), scheme, np.zeros(128, np.float32))
+    good, _ = _case(16, 128, seed=1, scheme=scheme)
+    with pytest.raises(ValueError, match="does not multiply 256 values"):
+        interleave.matvec(interleave.repack(good, scheme), scheme, np.zeros(256, np.float32))
 
 
 @needs_vnni
@@ -95,7 +107,7 @@ def test_one_token_matches_the_definition_and_the_row_major_kernel(shape, scheme
 @needs_vnni
 @SCHEMES
 @pytest.mark.parametrize("tokens", [2, 7, 8, 9, 13, 21])
-@pytest.mark.parametrize("shape", [(64, 256), (80, 2048), (32, 192)])
+@pytest.mark.parametrize("shape", [(64, 256), (80, 2048), (32, 384)])
 def test_several_tokens_equal_the_definition(shape, tokens, scheme):
     """Tiles of several tokens and groups, and the groups and tokens past them one at a time (80
     rows: five groups; 9, 13 and 21 tokens); from PER_256_MIN_TOKENS tokens on where the rows are
