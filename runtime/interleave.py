@@ -8,10 +8,10 @@ scales picked and converted, the activations' per-lane scales and sums loaded, t
 two multiply-adds, for 128 weights. Read from L2 on the Zen 4 machine that bounds a core at about
 26 GB/s, below what two cores read from memory in its fast phases (60-70 GB/s): the kernels,
 not the memory, set the decode speed there. q8_0's 34-byte blocks and mxfp4's 17-byte ones fare
-the same way (two cores 41-50 and 21-27 GB/s from the caches). llama.cpp's CPU backend meets the same bound the same way: it
-copies q4_0 tensors into interleaved groups of rows when it loads them (``--repack``, on by
-default; its Q4_0 decode of a two-layer Qwen3-30B-A3B-shaped model fell from 132-152 to 74-83
-tok/s here without it).
+the same way (two cores 41-50 and 21-27 GB/s from the caches). llama.cpp's CPU backend meets
+the same bound the same way: it copies q4_0 tensors into interleaved groups of rows when it loads
+them (``--repack``, on by default; its Q4_0 decode of a two-layer Qwen3-30B-A3B-shaped model
+fell from 132-152 to 74-83 tok/s here without it).
 
 Here 16 rows make a group, and the group's blocks go in units whose scales fill one 64-byte
 line (``Layout``): pairs of fp16 scales' blocks (block b's for rows 0-15, then block b+1's),
@@ -29,8 +29,9 @@ stream best, so there is none); q8_0 from the caches on two cores 68-90 against 
 mxfp4 46-64 against 21-27. The bytes are the same ones, reordered (q8_0's codes offset): a group
 is ``16 * row_bytes`` bytes.
 
-``repack`` makes the copy (``HostLinear`` does when it loads a matrix of these on a VNNI CPU: ``runtime.linear``; ``ExpertSet`` for a layer of experts all in one of them; both release
-the map's pages of what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and
+``repack`` makes the copy (``HostLinear`` does when it loads a matrix of these on a VNNI CPU:
+``runtime.linear``; ``ExpertSet`` for a layer of experts all in one of them; both release the
+map's pages of what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and
 ``matmul`` multiply one token or several (from ``PER_256_MIN_TOKENS`` tokens on with the
 activations quantized per 256, as the stored layout's products of as many tokens), and ``rows``
 is the one-token product of a run of groups for ``runtime.rows``' kinds ``rows.INTERLEAVED``
@@ -158,9 +159,9 @@ def unpack(packed: np.ndarray, scheme: str) -> np.ndarray:
     return out.reshape(rows, row_bytes)
 
 
-def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 1):  # type: ignore[no-untyped-def]
-    """``tile(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)``:
-    the 16 rows of ``scheme``'s group at byte ``at`` of flat (``units`` units of blocks; with
+def _tile_intrinsic(tokens: int, span: bool = False, groups: int = 1):  # type: ignore[no-untyped-def]
+    """``tile(code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
+    ostride)``: the 16 rows of scheme SCHEMES[code]'s group at byte ``at`` of flat (``units`` units of blocks; with
     ``groups`` 2, the next group's too) times ``tokens`` tokens' activations (token t's int8
     values at xq[xbase + t * xstride], in order), each token's results stored at out[obase + t *
     ostride]. Per block and token: the products of the codes (unsigned: ``Layout.offset``
@@ -176,18 +177,14 @@ def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
     vector = ir.VectorType
     bytes64, bytes16, words, lanes = vector(i8, 64), vector(i8, 16), vector(i32, 16), vector(f32, 16)
-    lay = LAYOUTS[scheme]
-    unit_bytes = GROUP * lay.unit * lay.block
-    block_lines = (lay.block - lay.scale_bytes) // 4  # lines of codes a block
-    units_a_span = 8 // lay.unit  # units of 256 values
 
     @intrinsic
-    def tile(typingctx, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
+    def tile(typingctx, code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
              ostride):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            flat_a, xq_a, dx_a, sums_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3, 6, 7, 10))
-            at_v, units_v, xbase_v, xstride_v, dbase_v, dstride_v, obase_v, ostride_v = vnni._indices(
-                context, builder, signature, args, (1, 2, 4, 5, 8, 9, 11, 12))
+            flat_a, xq_a, dx_a, sums_a, out_a = vnni._arrays(context, builder, signature, args, (1, 4, 7, 8, 11))
+            code_v, at_v, units_v, xbase_v, xstride_v, dbase_v, dstride_v, obase_v, ostride_v = vnni._indices(
+                context, builder, signature, args, (0, 2, 3, 5, 6, 9, 10, 12, 13))
             index_t = at_v.type
 
             def const(k):  # type: ignore[no-untyped-def]
@@ -204,145 +201,144 @@ def _tile_intrinsic(tokens: int, scheme: str, span: bool = False, groups: int = 
                 return [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(tokens)]
                         for _ in range(groups)]
 
-            def block_scales(line, j):  # type: ignore[no-untyped-def]
-                # the 16 rows' scales of block j of a unit, from the unit's line of scales
-                if lay.scale_bytes == 2:  # fp16
-                    halves = builder.shuffle_vector(builder.bitcast(line, vector(i16, 32)), ir.Constant(
-                        vector(i16, 32), ir.Undefined), ir.Constant(vector(i32, 16), list(range(16 * j, 16 * j + 16))))
-                    return builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
-                # e8m0 byte e: 2^(e - 127), halved (the looked-up codes are twice their values):
-                # the float's exponent field e - 1 from e = 2 on, else 2^-128 and 2^-127's bits
-                exponents = builder.zext(builder.shuffle_vector(line, ir.Constant(bytes64, ir.Undefined), ir.Constant(
-                    vector(i32, 16), list(range(16 * j, 16 * j + 16)))), words)
-                normal = builder.shl(builder.sub(exponents, ir.Constant(words, [1] * 16)), ir.Constant(words, [23] * 16))
-                tiny = builder.shl(ir.Constant(words, [0x00200000] * 16), exponents)
-                bits = builder.select(builder.icmp_unsigned(">=", exponents, ir.Constant(words, [2] * 16)), normal,
-                                      tiny)
-                return builder.bitcast(bits, lanes)
+            def emit(scheme):  # type: ignore[no-untyped-def]
+                # the tile's code for one scheme
+                lay = LAYOUTS[scheme]
+                unit_bytes = GROUP * lay.unit * lay.block
+                block_lines = (lay.block - lay.scale_bytes) // 4  # lines of codes a block
+                units_a_span = 8 // lay.unit  # units of 256 values
 
-            dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
-                                                    "llvm.x86.avx512.vpdpbusd.512")
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
-                                                 "llvm.fma.v16f32")
-            shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bytes64, [bytes64] * 2),
-                                                     "llvm.x86.avx512.pshuf.b.512")
-            e2m1 = ir.Constant(bytes64, list(vnni.E2M1_TWICE_PLUS_12) * 4)
-            low_bits = ir.Constant(bytes64, [15] * 64)
-            code_offset = ir.Constant(f32, -float(lay.offset))
-            accs, spans = zeros(), zeros()  # [group][token]: the results, a span's sums
-            x_bases = [vnni._nth(builder, xbase_v, xstride_v, t) for t in range(tokens)]
-            d_bases = [vnni._nth(builder, dbase_v, dstride_v, t) for t in range(tokens)]
-            group_bytes = builder.mul(units_v, const(unit_bytes))
-            with cgutils.for_range(builder, units_v) as loop:
-                unit_ats = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
-                                        builder.mul(loop.index, const(unit_bytes))) for g in range(groups)]
-                scale_lines = [load(flat_a, unit_at, bytes64) for unit_at in unit_ats]
-                for j in range(lay.unit):
-                    block = builder.add(builder.mul(loop.index, const(lay.unit)), const(j))
-                    x_at = builder.mul(block, const(32))
-                    if span:  # the codes' offset times the block's int8 sum (sums: int32)
-                        starts = [splat(load(sums_a, builder.add(d_bases[t], block), i32), words)
-                                  for t in range(tokens)]
-                    else:
-                        starts = [ir.Constant(words, [0] * 16)] * tokens
-                    dots = [list(starts) for _ in range(groups)]
-                    for k in range(block_lines):
-                        for g in range(groups):
-                            line = load(flat_a, builder.add(unit_ats[g], const(64 + 64 * (block_lines * j + k))),
-                                        bytes64)
-                            if not lay.nibbles:  # line k: codes 4k..4k+3 of every row
-                                parts = [(line, 4 * k)]
-                            else:  # line k: codes 4k..4k+3 in the low nibbles, 16+4k.. in the high ones
-                                low = builder.and_(line, low_bits)
-                                high = builder.and_(builder.lshr(line, ir.Constant(bytes64, [4] * 64)), low_bits)
-                                parts = [(low, 4 * k), (high, 16 + 4 * k)]
-                                if scheme == "mxfp4":  # e2m1 codes -> twice their values, plus 12
-                                    parts = [(builder.call(shuffle, [e2m1, codes]), first) for codes, first in parts]
-                            for codes, first in parts:
-                                codes_w = builder.bitcast(codes, words)
-                                for t in range(tokens):
-                                    x4 = load(xq_a, builder.add(x_bases[t], builder.add(x_at, const(first))), i32)
-                                    dots[g][t] = builder.call(dpbusd, [dots[g][t], codes_w, splat(x4, words)])
-                    for g in range(groups):
-                        scales = block_scales(scale_lines[g], j)
-                        for t in range(tokens):
-                            if span:
-                                builder.store(builder.call(fma, [scales, builder.sitofp(dots[g][t], lanes),
-                                                                 builder.load(spans[g][t])]), spans[g][t])
-                                continue
-                            d_at = builder.add(d_bases[t], block)
-                            offset = builder.fmul(load(sums_a, d_at, f32), code_offset)
-                            term = builder.call(fma, [builder.sitofp(dots[g][t], lanes),
-                                                      splat(load(dx_a, d_at, f32), lanes), splat(offset, lanes)])
-                            builder.store(builder.call(fma, [scales, term, builder.load(accs[g][t])]), accs[g][t])
-                if span:  # a span's last unit: its sums times the tokens' scales per 256
-                    last = builder.icmp_unsigned("==", builder.and_(loop.index, const(units_a_span - 1)),
-                                                 const(units_a_span - 1))
-                    with builder.if_then(last):
-                        for t in range(tokens):
-                            d_at = builder.add(builder.lshr(d_bases[t], const(3)),
-                                               builder.udiv(loop.index, const(units_a_span)))
-                            scale = splat(load(dx_a, d_at, f32), lanes)
+                def block_scales(line, j):  # type: ignore[no-untyped-def]
+                    # the 16 rows' scales of block j of a unit, from the unit's line of scales
+                    if lay.scale_bytes == 2:  # fp16
+                        picks = ir.Constant(vector(i32, 16), list(range(16 * j, 16 * j + 16)))
+                        halves = builder.shuffle_vector(builder.bitcast(line, vector(i16, 32)),
+                                                        ir.Constant(vector(i16, 32), ir.Undefined), picks)
+                        return builder.fpext(builder.bitcast(halves, vector(ir.HalfType(), 16)), lanes)
+                    # e8m0 byte e: 2^(e - 127), halved (the looked-up codes are twice their values):
+                    # the float's exponent field e - 1 from e = 2 on, else 2^-128 and 2^-127's bits
+                    picks = ir.Constant(vector(i32, 16), list(range(16 * j, 16 * j + 16)))
+                    exponents = builder.zext(builder.shuffle_vector(line, ir.Constant(bytes64, ir.Undefined), picks),
+                                             words)
+                    normal = builder.shl(builder.sub(exponents, ir.Constant(words, [1] * 16)),
+                                         ir.Constant(words, [23] * 16))
+                    tiny = builder.shl(ir.Constant(words, [0x00200000] * 16), exponents)
+                    bits = builder.select(builder.icmp_unsigned(">=", exponents, ir.Constant(words, [2] * 16)), normal,
+                                          tiny)
+                    return builder.bitcast(bits, lanes)
+
+                dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(words, [words] * 3),
+                                                        "llvm.x86.avx512.vpdpbusd.512")
+                fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+                                                     "llvm.fma.v16f32")
+                shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(bytes64, [bytes64] * 2),
+                                                         "llvm.x86.avx512.pshuf.b.512")
+                e2m1 = ir.Constant(bytes64, list(vnni.E2M1_TWICE_PLUS_12) * 4)
+                low_bits = ir.Constant(bytes64, [15] * 64)
+                code_offset = ir.Constant(f32, -float(lay.offset))
+                accs, spans = zeros(), zeros()  # [group][token]: the results, a span's sums
+                x_bases = [vnni._nth(builder, xbase_v, xstride_v, t) for t in range(tokens)]
+                d_bases = [vnni._nth(builder, dbase_v, dstride_v, t) for t in range(tokens)]
+                group_bytes = builder.mul(units_v, const(unit_bytes))
+                with cgutils.for_range(builder, units_v) as loop:
+                    unit_ats = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
+                                            builder.mul(loop.index, const(unit_bytes))) for g in range(groups)]
+                    scale_lines = [load(flat_a, unit_at, bytes64) for unit_at in unit_ats]
+                    for j in range(lay.unit):
+                        block = builder.add(builder.mul(loop.index, const(lay.unit)), const(j))
+                        x_at = builder.mul(block, const(32))
+                        if span:  # the codes' offset times the block's int8 sum (sums: int32)
+                            starts = [splat(load(sums_a, builder.add(d_bases[t], block), i32), words)
+                                      for t in range(tokens)]
+                        else:
+                            starts = [ir.Constant(words, [0] * 16)] * tokens
+                        dots = [list(starts) for _ in range(groups)]
+                        for k in range(block_lines):
                             for g in range(groups):
-                                builder.store(builder.call(fma, [builder.load(spans[g][t]), scale,
-                                                                 builder.load(accs[g][t])]), accs[g][t])
-                                builder.store(ir.Constant(lanes, [0.0] * 16), spans[g][t])
-            for g in range(groups):
-                for t in range(tokens):
-                    at_out = builder.add(obase_v, builder.add(builder.mul(ostride_v, const(t)), const(GROUP * g)))
-                    builder.store(builder.load(accs[g][t]), builder.bitcast(builder.gep(out_a.data, [at_out]),
-                                                                            lanes.as_pointer()), align=4)
+                                line = load(flat_a, builder.add(unit_ats[g], const(64 + 64 * (block_lines * j + k))),
+                                            bytes64)
+                                if not lay.nibbles:  # line k: codes 4k..4k+3 of every row
+                                    parts = [(line, 4 * k)]
+                                else:  # line k: codes 4k..4k+3 in the low nibbles, 16+4k.. in the high ones
+                                    low = builder.and_(line, low_bits)
+                                    high = builder.and_(builder.lshr(line, ir.Constant(bytes64, [4] * 64)), low_bits)
+                                    parts = [(low, 4 * k), (high, 16 + 4 * k)]
+                                    if scheme == "mxfp4":  # e2m1 codes -> twice their values, plus 12
+                                        parts = [(builder.call(shuffle, [e2m1, codes]), first)
+                                                 for codes, first in parts]
+                                for codes, first in parts:
+                                    codes_w = builder.bitcast(codes, words)
+                                    for t in range(tokens):
+                                        x4 = load(xq_a, builder.add(x_bases[t], builder.add(x_at, const(first))), i32)
+                                        dots[g][t] = builder.call(dpbusd, [dots[g][t], codes_w, splat(x4, words)])
+                        for g in range(groups):
+                            scales = block_scales(scale_lines[g], j)
+                            for t in range(tokens):
+                                if span:
+                                    builder.store(builder.call(fma, [scales, builder.sitofp(dots[g][t], lanes),
+                                                                     builder.load(spans[g][t])]), spans[g][t])
+                                    continue
+                                d_at = builder.add(d_bases[t], block)
+                                offset = builder.fmul(load(sums_a, d_at, f32), code_offset)
+                                term = builder.call(fma, [builder.sitofp(dots[g][t], lanes),
+                                                          splat(load(dx_a, d_at, f32), lanes), splat(offset, lanes)])
+                                builder.store(builder.call(fma, [scales, term, builder.load(accs[g][t])]), accs[g][t])
+                    if span:  # a span's last unit: its sums times the tokens' scales per 256
+                        last = builder.icmp_unsigned("==", builder.and_(loop.index, const(units_a_span - 1)),
+                                                     const(units_a_span - 1))
+                        with builder.if_then(last):
+                            for t in range(tokens):
+                                d_at = builder.add(builder.lshr(d_bases[t], const(3)),
+                                                   builder.udiv(loop.index, const(units_a_span)))
+                                scale = splat(load(dx_a, d_at, f32), lanes)
+                                for g in range(groups):
+                                    builder.store(builder.call(fma, [builder.load(spans[g][t]), scale,
+                                                                     builder.load(accs[g][t])]), accs[g][t])
+                                    builder.store(ir.Constant(lanes, [0.0] * 16), spans[g][t])
+                for g in range(groups):
+                    for t in range(tokens):
+                        at_out = builder.add(obase_v, builder.add(builder.mul(ostride_v, const(t)), const(GROUP * g)))
+                        builder.store(builder.load(accs[g][t]), builder.bitcast(builder.gep(out_a.data, [at_out]),
+                                                                                lanes.as_pointer()), align=4)
+            def emit_from(k):  # type: ignore[no-untyped-def]
+                # scheme k's code where code is k, else the next schemes'
+                if k == len(SCHEMES) - 1:
+                    emit(SCHEMES[k])
+                    return
+                with builder.if_else(builder.icmp_signed("==", code_v, const(k))) as (this, others):
+                    with this:
+                        emit(SCHEMES[k])
+                    with others:
+                        emit_from(k + 1)
+
+            emit_from(0)
             return context.get_dummy_value()
 
-        return (types.void(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride),
-                codegen)
+        return (types.void(code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
+                           ostride), codegen)
 
     return tile
 
 
-_TILES = {(scheme, per_256, many): _tile_intrinsic(TILE_TOKENS if many else 1, scheme, per_256,
-                                                   TILE_GROUPS if many else 1)
-          for scheme in SCHEMES for per_256 in (False, True) for many in (False, True)}
-_q4_0_one, _q4_0_many, _q4_0_span1, _q4_0_span = (_TILES["q4_0", p, m] for p in (False, True) for m in (False, True))
-_q8_0_one, _q8_0_many, _q8_0_span1, _q8_0_span = (_TILES["q8_0", p, m] for p in (False, True) for m in (False, True))
-_mxfp4_one, _mxfp4_many, _mxfp4_span1, _mxfp4_span = (_TILES["mxfp4", p, m] for p in (False, True)
-                                                      for m in (False, True))
+# one token or TILE_TOKENS x TILE_GROUPS, activations per 32 or per 256
+_one, _many = _tile_intrinsic(1), _tile_intrinsic(TILE_TOKENS, False, TILE_GROUPS)
+_span1, _span = _tile_intrinsic(1, True), _tile_intrinsic(TILE_TOKENS, True, TILE_GROUPS)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tile(code, per_256, many, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride):  # pragma: no cover - compiled
-    # the tile of scheme SCHEMES[code], the activations per 256 or per 32, for TILE_TOKENS
-    # tokens and TILE_GROUPS groups (many) or one of each
-    if code == 1:
-        if per_256:
-            if many:
-                _q8_0_span(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-            else:
-                _q8_0_span1(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-        elif many:
-            _q8_0_many(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+def _tile(per_256, many, code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
+          ostride):  # pragma: no cover - compiled
+    # scheme SCHEMES[code]'s tile, the activations per 256 or per 32, for TILE_TOKENS tokens and
+    # TILE_GROUPS groups (many) or one of each
+    if per_256:
+        if many:
+            _span(code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
         else:
-            _q8_0_one(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-    elif code == 2:
-        if per_256:
-            if many:
-                _mxfp4_span(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-            else:
-                _mxfp4_span1(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-        elif many:
-            _mxfp4_many(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-        else:
-            _mxfp4_one(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+            _span1(code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+    elif many:
+        _many(code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
     else:
-        if per_256:
-            if many:
-                _q4_0_span(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-            else:
-                _q4_0_span1(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-        elif many:
-            _q4_0_many(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
-        else:
-            _q4_0_one(flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
+        _one(code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase, ostride)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -352,7 +348,7 @@ def rows(code, flat, base, row_bytes, first, last, cols, xq, dx, sums, out):  # 
     ``vnni._quantized_both``)."""
     units = cols // (32 * _UNITS[code])
     for g in range(first // GROUP, last // GROUP):
-        _tile(code, False, False, flat, base + g * GROUP * row_bytes, units, xq, 0, 0, dx, sums, 0, 0, out,
+        _tile(False, False, code, flat, base + g * GROUP * row_bytes, units, xq, 0, 0, dx, sums, 0, 0, out,
               g * GROUP, 0)
 
 
@@ -441,12 +437,12 @@ def _matmul(code, per_256, packed, x, out):  # pragma: no cover - compiled
             for g in range(gi * GROUPS_PER_ITEM, last_group, TILE_GROUPS):
                 at = g * GROUP * row_bytes
                 if first_token + TILE_TOKENS <= n and g + TILE_GROUPS <= last_group:
-                    _tile(code, per_256, True, flat, at, units, xq_flat, first_token * cols, cols, dx_flat, sums_flat,
+                    _tile(per_256, True, code, flat, at, units, xq_flat, first_token * cols, cols, dx_flat, sums_flat,
                           first_token * blocks, blocks, out_flat, first_token * n_rows + g * GROUP, n_rows)
                     continue
                 for h in range(g, min(last_group, g + TILE_GROUPS)):
                     for token in range(first_token, min(n, first_token + TILE_TOKENS)):
-                        _tile(code, per_256, False, flat, h * GROUP * row_bytes, units, xq_flat, token * cols, 0,
+                        _tile(per_256, False, code, flat, h * GROUP * row_bytes, units, xq_flat, token * cols, 0,
                               dx_flat, sums_flat, token * blocks, 0, out_flat, token * n_rows + h * GROUP, 0)
 
 
