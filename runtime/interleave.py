@@ -134,9 +134,10 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
             0, 2, 3, 4, 1, 5).reshape(n, units, lay.unit * GROUP * code_bytes)
         target = out[first:first + step].reshape(n, units, GROUP * lay.unit * lay.block)
         target[..., :64] = scales
-        target[..., 64:] = codes
-        if scheme == "q8_0":
-            target[..., 64:] ^= 128
+        if scheme == "q8_0":  # its codes plus 128, in the one pass that places them
+            np.bitwise_xor(codes, np.uint8(128), out=target[..., 64:])
+        else:
+            target[..., 64:] = codes
     return out
 
 
@@ -153,9 +154,10 @@ def unpack(packed: np.ndarray, scheme: str) -> np.ndarray:
         n, GROUP, units, lay.unit, code_bytes)
     out = np.empty((n, GROUP, units, lay.unit, lay.block), dtype=np.uint8)
     out[..., :lay.scale_bytes] = scales
-    out[..., lay.scale_bytes:] = codes
     if scheme == "q8_0":
-        out[..., lay.scale_bytes:] ^= 128
+        np.bitwise_xor(codes, np.uint8(128), out=out[..., lay.scale_bytes:])
+    else:
+        out[..., lay.scale_bytes:] = codes
     return out.reshape(rows, row_bytes)
 
 
@@ -176,7 +178,7 @@ def _tile_intrinsic(tokens: int, span: bool = False, groups: int = 1):  # type: 
 
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
     vector = ir.VectorType
-    bytes64, bytes16, words, lanes = vector(i8, 64), vector(i8, 16), vector(i32, 16), vector(f32, 16)
+    bytes64, words, lanes = vector(i8, 64), vector(i32, 16), vector(f32, 16)
 
     @intrinsic
     def tile(typingctx, code, flat, at, units, xq, xbase, xstride, dx, sums, dbase, dstride, out, obase,
