@@ -765,8 +765,8 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
 @click.option("--no-mmap", "no_mmap", is_flag=True,
               help=_NO_MMAP_HELP + " Refused for a plan that keeps experts on disk.")
 @click.option("--no-interleave", "no_interleave", is_flag=True,
-              help="On the CPU, multiply q4_0, q8_0 and mxfp4 matrices (attention, output, the experts of layers all in "
-                   "one of them) in the "
+              help="On the CPU, multiply q4_0, q8_0, mxfp4 and q4_k matrices (attention, output, the experts of "
+                   "layers whose experts share one scheme) in the "
                    "bundle's own layout, not from copies made at load with their rows interleaved 16 at a time "
                    "(as llama.cpp's --repack 0): the copies' products are faster; they take the load a copy's "
                    "time, and the map's pages of what they copied are released.")

@@ -27,7 +27,7 @@ from . import interleave as interleaving
 from . import rows, triton_experts, vnni
 from .device import DEVICE_DECODERS, batched_matmul, check_device, from_host, upload
 from .device_cache import DeviceSlots
-from .kernels import LANES_MIN_TOKENS, _act, expert_forward, expert_forward_batch, experts_token
+from .kernels import LANES_MIN_TOKENS, _act, expert_forward, expert_forward_batch, experts_token, linear
 from .offload import PrefillOffload
 
 
@@ -116,11 +116,11 @@ class ExpertSet:
     tokens copies the CPU experts its cost model chooses to the device for that forward alone.
     ``cpu_threads``: the Numba threads of the worker that runs the CPU experts beside the
     device's (by default the creating thread's, less one where that leaves three or more).
-    ``interleave``: without a device, a layer whose experts are all q4_0 (or all q8_0, or all
-    mxfp4) on a VNNI CPU reads them from one copy with every matrix's rows interleaved
-    (``runtime.interleave``; made here, the experts' size again in memory, the map's pages of
-    them released: ``Bundle.release``), unless the plan keeps experts on disk; False reads the
-    bundle's own layout.
+    ``interleave``: without a device, a layer whose experts share one scheme on a VNNI CPU reads
+    them from one copy with the rows of their q4_0, q8_0, mxfp4 and q4_k matrices interleaved
+    (``runtime.interleave``; the others, Q4_K_M's q6_k down rows, copied as they are; made here,
+    the experts' size again in memory, the map's pages of them released: ``Bundle.release``),
+    unless the plan keeps experts on disk; False reads the bundle's own layout.
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: Any = None, compute_dtype: Any = None,
@@ -182,18 +182,21 @@ class ExpertSet:
                                       for e in range(self.num_experts)]),
                             np.stack([self.cpu[e].down_bias if e in self.cpu else np.zeros_like(first.down_bias)
                                       for e in range(self.num_experts)]))
-        # (copy, gate/up offsets, down offsets): the experts' interleaved copy, where made
-        self._interleaved: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # (copy, gate/up offsets, down offsets, whether each is interleaved): the experts' copy, where made
+        self._interleaved: tuple[np.ndarray, np.ndarray, np.ndarray, tuple[bool, bool]] | None = None
         # not where the plan keeps experts on disk: a copy would read them all into RAM
-        if (interleave and device is None and self._fused is not None and len(schemes) == 1 and parts == schemes
-                and parts <= set(interleaving.SCHEMES) and vnni.HAVE_VNNI
-                and interleaving.fits(2 * self.intermediate_size, self.hidden_size, next(iter(parts)))
-                and interleaving.fits(self.hidden_size, self.intermediate_size, next(iter(parts)))
-                and not disk_tier(bundle)):
-            self._interleaved = self._interleave()
-            for e in self.cpu:  # the map's pages of them are no longer read
-                bundle.release(f"{prefix}experts.{e}.gate_up")
-                bundle.release(f"{prefix}experts.{e}.down")
+        if interleave and device is None and self._fused is not None and len(schemes) == 1 and vnni.HAVE_VNNI \
+                and not disk_tier(bundle):
+            gu_part, dn_part = (part.name for part in expert_schemes(next(iter(schemes))))
+            which = (gu_part in interleaving.SCHEMES and interleaving.fits(2 * self.intermediate_size,
+                                                                           self.hidden_size, gu_part),
+                     dn_part in interleaving.SCHEMES and interleaving.fits(self.hidden_size,
+                                                                           self.intermediate_size, dn_part))
+            if any(which):
+                self._interleaved = self._interleave(which)
+                for e in self.cpu:  # the map's pages of them are no longer read
+                    bundle.release(f"{prefix}experts.{e}.gate_up")
+                    bundle.release(f"{prefix}experts.{e}.down")
         self.device = device
         self.gpu_experts = tuple(gpu)
         self.device_bytes = 0  # the plan's device experts' (the cache's slots: ``cache.nbytes``)
@@ -239,9 +242,11 @@ class ExpertSet:
                                          initializer=_numba_threads, initargs=(cpu_threads,))
                       if self._on_device else None)
 
-    def _interleave(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every CPU expert's gate/up and down matrices interleaved (``interleave.repack``) into
-        one read-only copy, and their byte offsets in it (-1 for an expert not on the CPU)."""
+    def _interleave(self, which: tuple[bool, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[bool, bool]]:
+        """Every CPU expert's gate/up and down matrices in one read-only copy, each interleaved
+        (``interleave.repack``) where ``which`` says so (gate/up, down) and as it is otherwise
+        (Q4_K_M's q6_k down rows beside q4_k gate/up), their byte offsets in it (-1 for an expert
+        not on the CPU), and ``which``."""
         first = next(iter(self.cpu.values()))
         gu_bytes, dn_bytes = first.gate_up.nbytes, first.down.nbytes
         copy = interleaving.aligned_empty(len(self.cpu) * (gu_bytes + dn_bytes))
@@ -249,23 +254,40 @@ class ExpertSet:
         dn = np.full(self.num_experts, -1, dtype=np.int64)
         at = 0
         for e, ex in sorted(self.cpu.items()):
-            for matrix, offsets in ((ex.gate_up, gu), (ex.down, dn)):
-                interleaving.repack(matrix, ex.scheme, out=copy[at:at + matrix.nbytes].reshape(matrix.shape))
+            for matrix, offsets, part, interleaved in zip((ex.gate_up, ex.down), (gu, dn), expert_schemes(ex.scheme),
+                                                          which):
+                target = copy[at:at + matrix.nbytes].reshape(matrix.shape)
+                if interleaved:
+                    interleaving.repack(matrix, part.name, out=target)
+                else:
+                    target[...] = matrix
                 offsets[e] = at
                 at += matrix.nbytes
-        return read_only(copy), gu, dn
+        return read_only(copy), gu, dn, which
 
     def _interleaved_forward(self, e: int, x: np.ndarray) -> np.ndarray:
-        """Tokens x [T, hidden] through CPU expert ``e``'s interleaved matrices (``interleave.matmul``)."""
-        copy, gu, dn = self._interleaved  # type: ignore[misc]
+        """Tokens x [T, hidden] through CPU expert ``e``'s matrices in the copy (``interleave.matmul``
+        where interleaved; where the interleaved are q4_k's and the tokens many, ``lanes``' products
+        as the stored layout's, over the rows put back a chunk at a time)."""
+        copy, gu, dn, which = self._interleaved  # type: ignore[misc]
         ex = self.cpu[e]
+        parts = tuple(part.name for part in expert_schemes(ex.scheme))
         gate_up = copy[gu[e]:gu[e] + ex.gate_up.nbytes].reshape(ex.gate_up.shape)
         down = copy[dn[e]:dn[e] + ex.down.nbytes].reshape(ex.down.shape)
-        h = interleaving.matmul(x, gate_up, ex.scheme)
+        if (len(x) >= interleaving.K_LANES_MIN_TOKENS and self.activation in ("silu", "swiglu_clamped")
+                and all(part in interleaving.K_SCHEMES for part, flag in zip(parts, which) if flag)):
+            return expert_forward_batch(gate_up, down, ex.scheme, x, activation=self.activation,
+                                        gate_up_bias=ex.gate_up_bias, down_bias=ex.down_bias,
+                                        limit=self.swiglu_limit, alpha=self.swiglu_alpha, interleaved=which)
+
+        def product(x: np.ndarray, matrix: np.ndarray, scheme: str, interleaved: bool) -> np.ndarray:
+            return interleaving.matmul(x, matrix, scheme) if interleaved else linear(x, matrix, scheme)
+
+        h = product(x, gate_up, parts[0], which[0])
         if ex.gate_up_bias is not None:
             h += ex.gate_up_bias
-        y = interleaving.matmul(_act(h, self.intermediate_size, self.activation, self.swiglu_limit,
-                                     self.swiglu_alpha).astype(np.float32), down, ex.scheme)
+        y = product(_act(h, self.intermediate_size, self.activation, self.swiglu_limit,
+                         self.swiglu_alpha).astype(np.float32), down, parts[1], which[1])
         if ex.down_bias is not None:
             y += ex.down_bias
         return y
@@ -706,9 +728,12 @@ class ExpertSet:
         if all(rows.kind(name) is not None for name in gu_names + dn_names):
             gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
             dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
-            if self._interleaved is not None:  # the copy, its offsets, its kind (rows of the scheme's size)
-                file, gate_up, down = self._interleaved
-                gu_kinds = dn_kinds = np.full(self.num_experts, rows.INTERLEAVED[gu_names[0]], dtype=np.int64)
+            if self._interleaved is not None:  # the copy, its offsets, its kinds (rows of the schemes' sizes)
+                file, gate_up, down, which = self._interleaved
+                if which[0]:
+                    gu_kinds = np.full(self.num_experts, rows.INTERLEAVED[gu_names[0]], dtype=np.int64)
+                if which[1]:
+                    dn_kinds = np.full(self.num_experts, rows.INTERLEAVED[dn_names[0]], dtype=np.int64)
             f16, e8m0 = vnni._tables()
             biases = self._fused_biases
             none = np.zeros((1, 1), dtype=np.float32)

@@ -478,9 +478,9 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     into the process's memory (huge pages where Linux gives them) instead of mapping it: the CPU
     kernels read faster there where the map reads slowly (``formats.bundle.open_bundle``);
     refused for a plan that keeps experts on disk (they are there because RAM cannot hold them).
-    ``interleave``: on the CPU, q4_0, q8_0 and mxfp4 matrices (attention, the output matrix, and
-    the experts of layers whose experts are all in one of them where nothing runs on a device
-    and none are on disk) are
+    ``interleave``: on the CPU, q4_0, q8_0, mxfp4 and q4_k matrices (attention, the output matrix,
+    and the experts of layers whose experts share one scheme where nothing runs on a device and
+    none are on disk) are
     multiplied from copies with their rows interleaved (``runtime.interleave``, as llama.cpp's
     ``--repack``), made at load; False reads them in the bundle's own layout.
     """

@@ -1,5 +1,5 @@
-"""q4_0, q8_0 and mxfp4 matrices laid out for the CPU's products: rows interleaved 16 at a
-time (``repack``).
+"""q4_0, q8_0, mxfp4 and q4_k matrices laid out for the CPU's products: rows interleaved 16 at
+a time (``repack``).
 
 In ggml's q4_0 layout each row is a run of 18-byte blocks (an fp16 scale, then 16 bytes of
 4-bit codes). A one-token product of such rows (``vnni._row_intrinsic``) takes a row at a time:
@@ -29,17 +29,28 @@ stream best, so there is none); q8_0 from the caches on two cores 68-90 against 
 mxfp4 46-64 against 21-27. The bytes are the same ones, reordered (q8_0's codes offset): a group
 is ``16 * row_bytes`` bytes.
 
+q4_k's super-blocks (256 values, 144 bytes a row) go the same way, each group's super-block its
+16 rows' 36 four-byte words word by word (``_k_tile_intrinsic``): the codes a line of 16 rows at a
+time as q4_0's, the 6-bit scales and minimums unpacked for 16 rows at once. From the caches on
+two cores 61-72 GB/s against 25-30 for the stored rows; from memory, a Mixtral-8x7B-shaped
+expert's matrices in the slow phase (34 GB/s) 30-32 against 27-29. Many tokens (from
+``K_LANES_MIN_TOKENS``) go to the stored layout's lanes (``runtime.lanes``), each chunk of rows
+put back in the stored layout in the worker's buffer first: a tile of a few tokens' products
+per line made 0.8x the lanes' GOP/s at 96 tokens.
+
 ``repack`` makes the copy (``HostLinear`` does when it loads a matrix of these on a VNNI CPU:
 ``runtime.linear``; ``ExpertSet`` for a layer of experts all in one of them; both release the
 map's pages of what they copied, ``Bundle.release``), ``unpack`` undoes it, ``matvec`` and
 ``matmul`` multiply one token or several (from ``PER_256_MIN_TOKENS`` tokens on with the
-activations quantized per 256, as the stored layout's products of as many tokens), and ``rows``
-is the one-token product of a run of groups for ``runtime.rows``' kinds ``rows.INTERLEAVED``
-(projections that share their input in one parallel region).
+activations quantized per 256, as the stored layout's products of as many tokens; q4_k's always
+per 256), and ``rows`` (``k_rows``) is the one-token product of a run of groups for
+``runtime.rows``' kinds ``rows.INTERLEAVED`` (projections that share their input in one parallel
+region).
 """
 
 from __future__ import annotations
 
+import mmap
 from typing import NamedTuple
 
 import numpy as np
@@ -52,6 +63,7 @@ from ktc.formats.kernel_args import read_only, writable
 from . import vnni
 
 GROUP = 16  # rows interleaved together
+HUGE_PAGE = 2 << 20
 
 
 class Layout(NamedTuple):
@@ -70,7 +82,11 @@ class Layout(NamedTuple):
 
 LAYOUTS = {"q4_0": Layout(18, 2, 2, True, 8), "q8_0": Layout(34, 2, 2, False, 128),
            "mxfp4": Layout(17, 1, 4, True, 12)}
-SCHEMES = tuple(LAYOUTS)  # the schemes interleaved; a scheme's code in the kernels is its place here
+BLOCK_SCHEMES = tuple(LAYOUTS)
+# q4_k's super-blocks (``_k_tile_intrinsic``, below)
+K_SCHEMES = ("q4_k",)
+K_BLOCK, K_WORDS = 144, 36  # bytes of a row's super-block; its four-byte words
+SCHEMES = BLOCK_SCHEMES + K_SCHEMES  # the schemes interleaved; a scheme's code in the kernels is its place here
 _OFFSETS, _UNITS = tuple(lay.offset for lay in LAYOUTS.values()), tuple(lay.unit for lay in LAYOUTS.values())
 # ``matmul``'s tile: each line of codes (of TILE_GROUPS groups), unpacked once, multiplied by
 # TILE_TOKENS tokens' activations, each broadcast once for the groups' lines. Measured (medians
@@ -89,19 +105,30 @@ PER_256_MIN_TOKENS = {"q4_0": 12, "q8_0": 8, "mxfp4": 12}
 
 
 def _layout(scheme: str) -> Layout:
-    if scheme not in LAYOUTS:
+    if scheme not in SCHEMES:
         raise ValueError(f"only {', '.join(SCHEMES)} rows are interleaved, not {scheme}")
     return LAYOUTS[scheme]
 
 
+def _row_values(scheme: str) -> int:
+    # the values of a row that make a whole unit of blocks (q4_k: a super-block)
+    return 256 if scheme in K_SCHEMES else 32 * _layout(scheme).unit
+
+
 def fits(rows: int, cols: int, scheme: str) -> bool:
     """Whether a [rows, cols] matrix of ``scheme`` (one of ``SCHEMES``) can be interleaved:
-    whole groups of rows, whole units of blocks in a row."""
-    return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % (32 * _layout(scheme).unit) == 0
+    whole groups of rows, whole units of blocks (q4_k: super-blocks) in a row."""
+    return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % _row_values(scheme) == 0
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting on a cache line."""
+    """uint8 [nbytes] starting on a cache line; from 2 MiB on in anonymous memory of its own, in
+    huge pages where Linux gives them (``MADV_HUGEPAGE``, asked before the pages are touched)."""
+    if nbytes >= HUGE_PAGE:
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        return np.frombuffer(buffer, dtype=np.uint8)
     buffer = np.empty(nbytes + 64, dtype=np.uint8)
     start = -buffer.ctypes.data % 64
     return buffer[start:start + nbytes]
@@ -112,18 +139,28 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
     ``raw`` (uint8 [rows, row_bytes]; ``fits``), made ``rows_at_once`` rows at a time (a
     whole-matrix transpose would need another copy's memory); into ``out`` (uint8 [rows,
     row_bytes]) where given."""
-    lay = _layout(scheme)
     rows, row_bytes = raw.shape
-    blocks = row_bytes // lay.block
-    if raw.dtype != np.uint8 or row_bytes % lay.block or not fits(rows, blocks * 32, scheme):
+    block, values = (K_BLOCK, 256) if scheme in K_SCHEMES else (_layout(scheme).block, 32)
+    if raw.dtype != np.uint8 or row_bytes % block or not fits(rows, row_bytes // block * values, scheme):
         raise ValueError(f"{scheme} rows {raw.shape} cannot be interleaved by {GROUP} (rows a multiple of {GROUP}, "
-                         f"blocks a row a multiple of {lay.unit})")
+                         f"values a row a multiple of {_row_values(scheme)})")
     if out is None:
         out = aligned_empty(rows * row_bytes).reshape(rows, row_bytes)
     elif out.shape != raw.shape or out.dtype != np.uint8:
         raise ValueError(f"an interleaved copy of {raw.shape} rows goes into uint8 {raw.shape}, not {out.dtype} {out.shape}")
+    step = max(GROUP, rows_at_once // GROUP * GROUP)
+    if scheme in K_SCHEMES:  # each super-block's 16 rows word by word
+        blocks = row_bytes // K_BLOCK
+        for first in range(0, rows, step):
+            part = np.asarray(raw[first:first + step])
+            n = part.shape[0] // GROUP
+            out[first:first + step].reshape(n, blocks, K_WORDS, GROUP, 4)[...] = part.reshape(
+                n, GROUP, blocks, K_WORDS, 4).transpose(0, 2, 3, 1, 4)
+        return out
+    lay = LAYOUTS[scheme]
+    blocks = row_bytes // lay.block
     code_bytes = lay.block - lay.scale_bytes
-    units, step = blocks // lay.unit, max(GROUP, rows_at_once // GROUP * GROUP)
+    units = blocks // lay.unit
     for first in range(0, rows, step):
         part = np.asarray(raw[first:first + step])
         n = part.shape[0] // GROUP
@@ -143,8 +180,12 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
 
 def unpack(packed: np.ndarray, scheme: str) -> np.ndarray:
     """``scheme``'s rows (uint8 [rows, row_bytes]) of an interleaved copy: ``repack`` undone."""
-    lay = _layout(scheme)
     rows, row_bytes = packed.shape
+    if scheme in K_SCHEMES:
+        n, blocks = rows // GROUP, row_bytes // K_BLOCK
+        return np.ascontiguousarray(np.asarray(packed).reshape(n, blocks, K_WORDS, GROUP, 4).transpose(
+            0, 3, 1, 2, 4)).reshape(rows, row_bytes)
+    lay = _layout(scheme)
     units = row_bytes // lay.block // lay.unit
     code_bytes = lay.block - lay.scale_bytes
     n = rows // GROUP
@@ -304,12 +345,12 @@ def _tile_intrinsic(tokens: int, span: bool = False, groups: int = 1):  # type: 
                                                                                 lanes.as_pointer()), align=4)
             def emit_from(k):  # type: ignore[no-untyped-def]
                 # scheme k's code where code is k, else the next schemes'
-                if k == len(SCHEMES) - 1:
-                    emit(SCHEMES[k])
+                if k == len(BLOCK_SCHEMES) - 1:
+                    emit(BLOCK_SCHEMES[k])
                     return
                 with builder.if_else(builder.icmp_signed("==", code_v, const(k))) as (this, others):
                     with this:
-                        emit(SCHEMES[k])
+                        emit(BLOCK_SCHEMES[k])
                     with others:
                         emit_from(k + 1)
 
@@ -374,11 +415,234 @@ def _matvec(code, packed, x, out):  # pragma: no cover - compiled
                  sums[0], out)
 
 
+
+# ------------------------------------------------------------------------------------------------
+# q4_k: super-blocks of 256 values, 144 bytes a row (fp16 d and dmin, 12 bytes of 6-bit scales
+# and minimums of its eight 32-value sub-blocks, 128 bytes of codes: chunk j's 32 bytes hold
+# sub-block 2j in their low nibbles and 2j + 1 in their high ones). A group's super-block is its
+# 16 rows' 36 four-byte words word by word: line 0 every row's d and dmin, lines 1-3 the scale
+# bytes, line 4 + 8j + k code bytes 32j + 4k.. 32j + 4k + 3 of every row. Against the
+# activations quantized per 256 in order (``vnni.quantize_superblocks``, as the stored rows'
+# q6_k reads them): each sub-block's products summed in 16 int32 lanes, one a row, times its
+# 6-bit scale (``vpmulld``), the minimums through the activations' int16 sums per 16
+# (``vpdpwssd``, each minimum twice beside a sub-block's two sums); once a super-block, both
+# sums converted and times the rows' d and dmin and the activations' scale.
+# ``matmul``'s q4_k tile (tokens x groups): two sums a sub-block pair for every token and group
+# beside the integer and float sums hold more registers than the block schemes' tiles.
+K_TILE_TOKENS, K_TILE_GROUPS = 3, 2
+# From this many tokens on, q4_k's products take the stored layout's many-token kernel
+# (``lanes``: 16 tokens a vector) over each chunk of rows put back in the stored layout.
+K_LANES_MIN_TOKENS = 12
+
+
+def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-def]
+    """``tile(flat, at, blocks, yk, ybase, ystride, dk, dstride, bsum, bstride, out, obase,
+    ostride)``: the 16 rows of the interleaved q4_k group at byte ``at`` of flat (``blocks``
+    super-blocks a row; with ``groups`` 2 the next group's too) times ``tokens`` tokens'
+    activations per 256 (token t's int8 values in order at yk[ybase + t * ystride], its scales
+    at dk[t * dstride], its int16 sums per 16 at bsum[t * bstride]), token t's results stored at
+    out[obase + t * ostride] (16 a group)."""
+    from llvmlite import ir
+
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    vector = ir.VectorType
+    bytes64, words, lanes = vector(i8, 64), vector(i32, 16), vector(f32, 16)
+
+    @intrinsic
+    def tile(typingctx, flat, at, blocks, yk, ybase, ystride, dk, dstride, bsum, bstride, out, obase,
+             ostride):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3, 6, 8, 10))
+            at_v, blocks_v, ybase_v, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
+                context, builder, signature, args, (1, 2, 4, 5, 7, 9, 11, 12))
+            index_t = at_v.type
+
+            def const(k):  # type: ignore[no-untyped-def]
+                return ir.Constant(index_t, k)
+
+            def load(array, index, t):  # type: ignore[no-untyped-def]
+                return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=1)
+
+            def splat(value, t):  # type: ignore[no-untyped-def]
+                one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, one, ir.Constant(vector(i32, 16), [0] * 16))
+
+            def each(value):  # type: ignore[no-untyped-def]
+                return ir.Constant(words, [value] * 16)
+
+            def fn(name, ret, argtypes):  # type: ignore[no-untyped-def]
+                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
+
+            dpbusd = fn("llvm.x86.avx512.vpdpbusd.512", words, [words] * 3)
+            dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", words, [words] * 3)
+            fma = fn("llvm.fma.v16f32", lanes, [lanes] * 3)
+            pshufb = fn("llvm.x86.avx512.pshuf.b.512", bytes64, [bytes64] * 2)
+
+            def picked(bytes_, b, twice):  # type: ignore[no-untyped-def]
+                # byte b of every word, as a word (or twice, as two int16s)
+                mask = []
+                for w in range(16):
+                    first = 4 * (w % 4) + b  # within the word's 16-byte lane
+                    mask += [first, -128, first if twice else -128, -128]
+                return builder.bitcast(builder.call(pshufb, [builder.bitcast(bytes_, bytes64),
+                                                             ir.Constant(bytes64, mask)]), words)
+
+            low_bits = ir.Constant(bytes64, [15] * 64)
+            zero_w, zero_f = ir.Constant(words, [0] * 16), ir.Constant(lanes, [0.0] * 16)
+            accs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(tokens)] for _ in range(groups)]
+            y_bases = [vnni._nth(builder, ybase_v, ystride_v, t) for t in range(tokens)]
+            group_bytes = builder.mul(blocks_v, const(GROUP * K_BLOCK))
+            with cgutils.for_range(builder, blocks_v) as loop:
+                i = loop.index
+                bases = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
+                                     builder.mul(i, const(GROUP * K_BLOCK))) for g in range(groups)]
+                heads = []
+                for base in bases:
+                    halves = builder.bitcast(load(flat_a, base, bytes64), vector(i16, 32))
+                    d, dmin = (builder.fpext(builder.bitcast(builder.shuffle_vector(
+                        halves, ir.Constant(vector(i16, 32), ir.Undefined),
+                        ir.Constant(vector(i32, 16), list(range(p, 32, 2)))), vector(ir.HalfType(), 16)), lanes)
+                        for p in (0, 1))
+                    a, b, c = (load(flat_a, builder.add(base, const(64 * n)), words) for n in (1, 2, 3))
+                    # the scales (bytes of sc and sh: sub-blocks 0-3 and 4-7) and minimums (mn, mh)
+                    high_a = builder.and_(builder.lshr(a, each(2)), each(0x30303030))
+                    high_b = builder.and_(builder.lshr(b, each(2)), each(0x30303030))
+                    sc = builder.and_(a, each(0x3F3F3F3F))
+                    sh = builder.or_(builder.and_(c, each(0x0F0F0F0F)), high_a)
+                    mn = builder.and_(b, each(0x3F3F3F3F))
+                    mh = builder.or_(builder.and_(builder.lshr(c, each(4)), each(0x0F0F0F0F)), high_b)
+                    heads.append((d, dmin, (sc, sh), (mn, mh)))
+                ints = [[zero_w] * tokens for _ in range(groups)]
+                for j in range(4):  # sub-blocks 2j (low nibbles) and 2j + 1 (high)
+                    dots = [[[zero_w, zero_w] for _ in range(tokens)] for _ in range(groups)]
+                    for k in range(8):
+                        for g, base in enumerate(bases):
+                            line = load(flat_a, builder.add(base, const(64 * (4 + 8 * j + k))), bytes64)
+                            low = builder.bitcast(builder.and_(line, low_bits), words)
+                            high = builder.bitcast(builder.and_(builder.lshr(line, ir.Constant(bytes64, [4] * 64)),
+                                                                low_bits), words)
+                            for t in range(tokens):
+                                y_at = builder.add(y_bases[t], builder.add(builder.mul(i, const(256)),
+                                                                           const(64 * j + 4 * k)))
+                                for h, codes in enumerate((low, high)):
+                                    y4 = splat(load(yk_a, builder.add(y_at, const(32 * h)), i32), words)
+                                    dots[g][t][h] = builder.call(dpbusd, [dots[g][t][h], codes, y4])
+                    for g in range(groups):
+                        scales = [picked(heads[g][2][s // 4], s % 4, False) for s in (2 * j, 2 * j + 1)]
+                        for t in range(tokens):
+                            ints[g][t] = builder.add(ints[g][t], builder.add(builder.mul(dots[g][t][0], scales[0]),
+                                                                             builder.mul(dots[g][t][1], scales[1])))
+                for t in range(tokens):
+                    block = builder.add(builder.mul(dstride_v, const(t)), i)
+                    scale = splat(load(dk_a, block, f32), lanes)
+                    sums_at = builder.add(builder.mul(bstride_v, const(t)), builder.mul(i, const(16)))
+                    pairs = [splat(load(bsum_a, builder.add(sums_at, const(2 * s)), i32), words) for s in range(8)]
+                    for g in range(groups):
+                        d, dmin, _, mins = heads[g]
+                        least = zero_w
+                        for s in range(8):
+                            least = builder.call(dpwssd, [least, picked(mins[s // 4], s % 4, True), pairs[s]])
+                        acc = builder.call(fma, [builder.sitofp(ints[g][t], lanes), builder.fmul(d, scale),
+                                                 builder.load(accs[g][t])])
+                        acc = builder.call(fma, [builder.sitofp(least, lanes),
+                                                 builder.fmul(dmin, builder.fsub(zero_f, scale)), acc])
+                        builder.store(acc, accs[g][t])
+            for g in range(groups):
+                for t in range(tokens):
+                    at_out = builder.add(obase_v, builder.add(builder.mul(ostride_v, const(t)), const(GROUP * g)))
+                    builder.store(builder.load(accs[g][t]), builder.bitcast(builder.gep(out_a.data, [at_out]),
+                                                                            lanes.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return (types.void(flat, at, blocks, yk, ybase, ystride, dk, dstride, bsum, bstride, out, obase, ostride),
+                codegen)
+
+    return tile
+
+
+_k_one, _k_many = _k_tile_intrinsic(1), _k_tile_intrinsic(K_TILE_TOKENS, K_TILE_GROUPS)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def k_rows(flat, base, row_bytes, first, last, cols, yk, ybase, dk, bsum, out):  # pragma: no cover - compiled
+    """out[first:last] (whole groups) of the interleaved q4_k matrix at byte ``base`` of flat
+    times one token's activations per 256 (yk in order from ybase, dk, bsum:
+    ``vnni.quantize_superblocks``)."""
+    for g in range(first // GROUP, last // GROUP):
+        _k_one(flat, base + g * GROUP * row_bytes, cols // 256, yk, ybase, 0, dk, 0, bsum, 0, out, g * GROUP, 0)
+
+
+@njit(cache=True, nogil=True)
+def _k_activations(x, n, cols):  # pragma: no cover - compiled
+    # n vectors' activations per 256 in order (yk [n, 2 * cols], from cols), scales and sums per 16
+    yk = np.empty((n, 2 * cols), np.int8)
+    dk = np.empty(n * cols // 256, np.float32)
+    bsum = np.empty(n * cols // 16, np.int16)
+    vnni.quantize_superblocks(x, cols, yk, dk, bsum, False, True)
+    return yk.reshape(-1), dk, bsum
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _k_matmul(packed, x, out):  # pragma: no cover - compiled
+    # Work items: GROUPS_PER_ITEM groups by K_TILE_TOKENS tokens; in an item, tiles of
+    # K_TILE_GROUPS groups by K_TILE_TOKENS tokens, a group or a token past the last whole tile
+    # one at a time (``_matmul``'s items).
+    n_rows, row_bytes = packed.shape
+    n, cols = x.shape
+    yk, dk, bsum = _k_activations(x.reshape(-1), n, cols)
+    flat, out_flat = packed.reshape(-1), out.reshape(-1)
+    blocks = cols // 256
+    groups = n_rows // GROUP
+    group_items = (groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
+    token_items = (n + K_TILE_TOKENS - 1) // K_TILE_TOKENS
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for t in prange(threads):
+        while True:
+            item = vnni.work_item(counters, t, threads, group_items * token_items)
+            if item < 0:
+                break
+            gi, ti = item // token_items, item % token_items
+            first_token = ti * K_TILE_TOKENS
+            last_group = min(groups, (gi + 1) * GROUPS_PER_ITEM)
+            for g in range(gi * GROUPS_PER_ITEM, last_group, K_TILE_GROUPS):
+                at = g * GROUP * row_bytes
+                if first_token + K_TILE_TOKENS <= n and g + K_TILE_GROUPS <= last_group:
+                    _k_many(flat, at, blocks, yk, first_token * 2 * cols + cols, 2 * cols, dk[first_token * blocks:],
+                            blocks, bsum[first_token * 16 * blocks:], 16 * blocks, out_flat,
+                            first_token * n_rows + g * GROUP, n_rows)
+                    continue
+                for h in range(g, min(last_group, g + K_TILE_GROUPS)):
+                    for token in range(first_token, min(n, first_token + K_TILE_TOKENS)):
+                        _k_one(flat, h * GROUP * row_bytes, blocks, yk, token * 2 * cols + cols, 0,
+                               dk[token * blocks:], 0, bsum[token * 16 * blocks:], 0, out_flat,
+                               token * n_rows + h * GROUP, 0)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _k_matvec(packed, x, out):  # pragma: no cover - compiled
+    n_rows, row_bytes = packed.shape
+    cols = x.shape[0]
+    yk, dk, bsum = _k_activations(x, 1, cols)
+    flat = packed.reshape(-1)
+    items = (n_rows // GROUP + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for t in prange(threads):
+        while True:
+            item = vnni.work_item(counters, t, threads, items)
+            if item < 0:
+                break
+            first = item * GROUPS_PER_ITEM * GROUP
+            k_rows(flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, yk, cols, dk, bsum,
+                   out)
+
+
 def _checked(packed: np.ndarray, scheme: str, cols: int) -> int:
     # the scheme's code (its place in SCHEMES), the copy's shape checked against the
     # activations' (the kernels read whole groups and units of blocks by the shape alone)
-    if not (packed.ndim == 2 and fits(packed.shape[0], cols, scheme)
-            and packed.shape[1] * 32 == cols * LAYOUTS[scheme].block):
+    block, values = (K_BLOCK, 256) if scheme in K_SCHEMES else (_layout(scheme).block, 32)
+    if not (packed.ndim == 2 and fits(packed.shape[0], cols, scheme) and packed.shape[1] * values == cols * block):
         raise ValueError(f"an interleaved {scheme} copy {packed.shape} does not multiply {cols} values a token")
     return SCHEMES.index(scheme)
 
@@ -388,7 +652,11 @@ def matvec(packed: np.ndarray, scheme: str, x: np.ndarray, out: np.ndarray | Non
     and float32 x [cols], the activations quantized to int8 per 32 as the rows' kernels do."""
     code = _checked(packed, scheme, x.shape[-1])
     out = np.empty(packed.shape[0], dtype=np.float32) if out is None else out
-    _matvec(code, read_only(packed), writable(np.ascontiguousarray(x, dtype=np.float32)), out)
+    x = writable(np.ascontiguousarray(x, dtype=np.float32))
+    if scheme in K_SCHEMES:
+        _k_matvec(read_only(packed), x, out)
+    else:
+        _matvec(code, read_only(packed), x, out)
     return out
 
 
@@ -455,6 +723,13 @@ def matmul(x: np.ndarray, packed: np.ndarray, scheme: str) -> np.ndarray:
     products of as many tokens: ``kernels.LANES_MIN_TOKENS``)."""
     code = _checked(packed, scheme, x.shape[-1])
     x = writable(np.ascontiguousarray(x, dtype=np.float32))
+    if scheme in K_SCHEMES and x.shape[0] >= K_LANES_MIN_TOKENS:
+        from . import lanes  # (lanes imports this module)
+
+        return lanes.matmul(x, packed, scheme, interleaved=True)
     out = np.empty((x.shape[0], packed.shape[0]), dtype=np.float32)
+    if scheme in K_SCHEMES:
+        _k_matmul(read_only(packed), x, out)
+        return out
     _matmul(code, x.shape[0] >= PER_256_MIN_TOKENS[scheme] and x.shape[1] % 256 == 0, read_only(packed), x, out)
     return out

@@ -531,22 +531,26 @@ def expert_forward(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: np.nda
 def expert_forward_batch(gate_up: np.ndarray, down: np.ndarray, scheme: str, x: np.ndarray, *,
                          activation: str = "silu", gate_up_bias: np.ndarray | None = None,
                          down_bias: np.ndarray | None = None, limit: float | None = None,
-                         alpha: float | None = None) -> np.ndarray:
+                         alpha: float | None = None, interleaved: tuple[bool, bool] = (False, False)) -> np.ndarray:
     """Tokens ``x`` [T, hidden] routed to one expert, each product through ``linear``; where both
     products go to ``lanes.matmul``, gate/up's by row, its activation quantized for down 16 tokens
-    at a time (``lanes.activated``)."""
+    at a time (``lanes.activated``). ``interleaved``: gate/up's and down's rows are q4_k
+    copies (``interleave.repack``), which only ``lanes`` reads: the caller sends them with a SiLU
+    and ``interleave.K_LANES_MIN_TOKENS`` tokens or more."""
     x = np.asarray(x, dtype=np.float32)
     inter = gate_up.shape[0] // 2
     scheme, down_scheme = (s.name for s in expert_schemes(scheme))
     n = x.shape[0]
-    if (activation in ("silu", "swiglu_clamped") and _by_lanes(gate_up, scheme, n, x.shape[1])
-            and _by_lanes(down, down_scheme, n, inter)):
+    if any(interleaved) and activation not in ("silu", "swiglu_clamped"):
+        raise ValueError(f"interleaved rows go through lanes' products, which take a SiLU, not {activation}")
+    if activation in ("silu", "swiglu_clamped") and (any(interleaved) or (
+            _by_lanes(gate_up, scheme, n, x.shape[1]) and _by_lanes(down, down_scheme, n, inter))):
         padded = -(-n // lanes.LANE_TOKENS) * lanes.LANE_TOKENS  # gate/up's sums by row: this call's alone
         h_rows = lanes.scratch("h_rows", gate_up.shape[0] * padded, np.float32).reshape(gate_up.shape[0], padded)
-        lanes.matmul(x, gate_up, scheme, by_row=True, out=h_rows)
+        lanes.matmul(x, gate_up, scheme, by_row=True, out=h_rows, interleaved=interleaved[0])
         quantized = lanes.activated(h_rows, n, inter, down_scheme, activation == "swiglu_clamped",
                                     7.0 if limit is None else limit, 1.702 if alpha is None else alpha, gate_up_bias)
-        y = lanes.product(quantized, n, inter, down, down_scheme)
+        y = lanes.product(quantized, n, inter, down, down_scheme, interleaved=interleaved[1])
         if down_bias is not None:
             y += down_bias
         return y

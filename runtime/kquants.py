@@ -455,7 +455,7 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
     dot product of the ``blocks``
     q4_k super-blocks (with ``five``, q5_k: the same scales, minimums and nibbles, and a fifth
     bit per code from its 32 ``qh`` bytes, 16 where set) at byte ``at`` of ``flat`` times
-    activations quantized per 256 values (``_quantize_superblocks``: int8 ``yk`` in its layout,
+    activations quantized per 256 values (``vnni.quantize_superblocks``: int8 ``yk`` in its layout,
     scale ``dk`` per 256, int16 sums per 16 ``bsum``), as llama.cpp's q4_K x q8_K product does:
     a super-block's products summed in integers (vpmaddubsw pairs codes and activations,
     vpdpwssd scales the pairs by their sub-block's 6-bit scale), one float multiply-add a
@@ -696,7 +696,7 @@ def k_activations(x, kind):  # pragma: no cover - compiled
     yk = np.empty((n, (2 if natural else 1) * cols + 64), np.int8)
     dk = np.empty(n * cols // 256, np.float32)
     bsum = np.empty(n * cols // 16, np.int16)
-    _quantize_superblocks(x.reshape(-1), cols, yk, dk, bsum, not natural, natural)
+    vnni.quantize_superblocks(x.reshape(-1), cols, yk, dk, bsum, not natural, natural)
     return yk, cols if natural else 0, dk.reshape(n, cols // 256), bsum.reshape(n, cols // 16)
 
 
@@ -723,35 +723,6 @@ def batched_fits(scheme: str, cols: int) -> bool:
     return vnni.HAVE_VNNI and vnni._COMPILED and scheme in PER_256 and cols % 256 == 0
 
 
-@njit(cache=True, nogil=True)
-def _quantize_superblocks(x, cols, yk, dk, bsum, layout, natural):  # pragma: no cover - compiled
-    # Vectors of cols values (x flat) per 256 values: d = largest magnitude / 127 (1 for zeros),
-    # codes rint(x / d) into yk [vectors, 2 * cols]: with ``layout`` the first cols laid out for
-    # _q4_k_whole_row (each 128 values' 32-value sub-blocks in the order 0, 2, 1, 3), with
-    # ``natural`` the next cols in order (_q6_k_whole_row); the codes' sums per 16 in order. In
-    # vectors (vnni's intrinsics: the VNNI kernels that read these run only where they compile).
-    per = cols // 256
-    for b in range(dk.shape[0]):
-        v, within = b // per, (b % per) * 256
-        start = 256 * b
-        amax = np.float32(0.0)
-        for sub in range(8):
-            amax = max(amax, vnni._amax32(x, start + 32 * sub))
-        d = amax / np.float32(127) if amax > 0 else np.float32(1.0)
-        inverse = np.float32(1.0) / d
-        dk[b] = d
-        row = yk[v]
-        for sub in range(8):
-            if natural:
-                at = cols + within + 32 * sub
-                bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = vnni._codes32(x, start + 32 * sub, inverse,
-                                                                                   row, at, at + 16)
-            if layout:
-                at = within + 32 * (sub + (1 if sub % 4 == 1 else -1 if sub % 4 == 2 else 0))
-                bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = vnni._codes32(x, start + 32 * sub, inverse,
-                                                                                   row, at, at + 16)
-
-
 _q2_k_row, _q3_k_row, _iq4_xs_row = (_superblock_intrinsic(k) for k in ("q2_k", "q3_k", "iq4_xs"))
 
 
@@ -762,7 +733,7 @@ def _k_row(flat, kind, start, blocks, xq, dx, sums32, isum16, dsum16, yk, dk, bs
     # offsets take q2_k the dequantized sums per 16, q3_k the int8 sums per 16, iq4_xs the sums
     # per 32; q4_k, q5_k and q6_k: ``_q4_k_whole_row``, ``_q5_k_whole_row`` and
     # ``_q6_k_whole_row`` against the activations quantized per 256, yk, dk, bsum of
-    # ``_quantize_superblocks``).
+    # ``vnni.quantize_superblocks``).
     if kind == 2:
         return _q4_k_whole_row(flat, start, blocks, yk, 0, dk, bsum)
     if kind == 4:
@@ -827,7 +798,7 @@ def _activations(x: np.ndarray, schemes: tuple[str, ...] | str) -> tuple[np.ndar
     """x [n, cols] quantized for the kernels of ``schemes``: int8 values, scales per 32,
     dequantized sums per 32, int8 sums per 16 (q3_k's offsets), dequantized sums per 16 (q2_k's
     minimums); and for q4_k, q5_k and q6_k quantized per 256 (``yk``, ``dk``, ``bsum`` of
-    ``_quantize_superblocks``, in the layouts they read; else empty). Compiled, one thread: a
+    ``vnni.quantize_superblocks``, in the layouts they read; else empty). Compiled, one thread: a
     decode step calls this twice a layer."""
     n, cols = x.shape
     names = (schemes,) if isinstance(schemes, str) else schemes
@@ -860,13 +831,13 @@ def _quantized(x, n, cols, per32, layout, natural):  # pragma: no cover - compil
 def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - compiled
     """n vectors of cols values (x flat) quantized per 256 for q4_k and q5_k (``layout``) and q6_k
     (``natural``): yk [n, 2 * cols], dk [n, cols / 256], bsum [n, cols / 16]
-    (``_quantize_superblocks``); [n, 0] arrays where neither reads them."""
+    (``vnni.quantize_superblocks``); [n, 0] arrays where neither reads them."""
     per = cols if layout or natural else 0
     yk = np.empty((n, 2 * per), np.int8)
     dk = np.empty(n * per // 256, np.float32)
     bsum = np.empty(n * per // 16, np.int16)  # at most 16 * 127: vpmaddwd reads them
     if per:
-        _quantize_superblocks(x, cols, yk, dk, bsum, layout, natural)
+        vnni.quantize_superblocks(x, cols, yk, dk, bsum, layout, natural)
     return yk, dk.reshape(n, per // 256), bsum.reshape(n, per // 16)
 
 

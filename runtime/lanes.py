@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from ktc.formats.float_bits import bf16_value
 from ktc.formats.kernel_args import read_only, writable
 
-from . import vnni
+from . import interleave, vnni
 
 _SCRATCH = threading.local()  # ``scratch``'s arrays, per thread
 SCRATCH_KEEP_BYTES = 256 << 20  # larger ones are not kept (``scratch``)
@@ -1374,13 +1374,16 @@ def _rows_of(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0,
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
-            by_row, chunk):  # pragma: no cover - compiled
+            by_row, chunk, interleaved):  # pragma: no cover - compiled
     # The tokens' quantized activations times the rows raw of KINDS' ``kind``: out [n, rows], or with
     # ``by_row`` [rows, 16 * groups] (each row's sums for every token, the tokens padded to whole
     # groups of 16: the tiles' own layout, stored as they are computed). Each worker takes a
     # ``chunk``-row chunk at a time (a multiple of 16: ``chunk_rows``), with its own buffers for the
     # chunk's codes, scales and (without ``by_row``) its tiles' sums, which go to out 16 x 16 at a
     # time (``_transpose16``).
+    # With ``interleaved``, raw is an interleaved q4_k copy (``interleave.repack``): each chunk's
+    # rows (whole groups) are put back in the stored layout in the worker's buffer first
+    # (``_deinterleaved``) and unpacked from there.
     # Chunks go to whichever worker is free (a counter, ``vnni.fetch_add``): dealt in turn
     # beforehand, both threads had the same chunks whatever their speed, and an expert at
     # Mixtral's shape took 2-9% longer at 256 tokens (per-pair medians of 7 interleaved rounds:
@@ -1414,11 +1417,16 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
         sc = np.zeros(chunk * params, np.float32)
         mn = np.zeros(chunk * params, np.float32)
         sums = vnni.zeros64(groups * chunk * 16, np.float32)
+        plain = np.empty((chunk if interleaved else 0, row_bytes), np.uint8)
         while True:
             first, count = vnni.next_chunk(taken, chunk, rows)
             if count <= 0:
                 break
-            _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
+            if interleaved:
+                _deinterleaved(flat, first, count, row_bytes, plain.reshape(-1))
+                _unpack_rows(kind, plain, 0, count, plain.reshape(-1), w, cols, sc, mn, params, e8m0, pairs)
+            else:
+                _unpack_rows(kind, raw, first, count, flat, w, cols, sc, mn, params, e8m0, pairs)
             sc[count * params:] = 0  # rows past the matrix's last (their codes are stale)
             mn[count * params:] = 0
             # likely the worker's next chunk (taken in turn while both run at one speed), prefetched by the tiles,
@@ -1537,6 +1545,28 @@ def _matmul(raw, kind, e8m0, act, scales, shift, dsum, n, cols, workers, out,
                     out[t, first + r] = sums[(g * chunk + r) * 16 + lane]
 
 
+@njit(cache=True, nogil=True)
+def _deinterleaved(flat, first, count, row_bytes, plain):  # pragma: no cover - compiled
+    # Rows first..first + count (whole groups) of an interleaved q4_k copy at flat, into plain
+    # in the stored layout: each group's super-block is 36 lines of its 16 rows' four-byte words,
+    # the first 32 put back 16 x 16 at a time through registers (``_transpose16``, the bits
+    # moved as float32 lanes), the last 4 one by one.
+    src, dst = flat.view(np.float32), plain.view(np.float32)
+    src_words, dst_words = flat.view(np.uint32), plain.view(np.uint32)
+    words = row_bytes // 4
+    block_words = interleave.K_BLOCK // 4
+    unit = interleave.GROUP * block_words  # a group's super-block, in words
+    for g in range(count // interleave.GROUP):
+        for i in range(words // block_words):
+            s = (first + interleave.GROUP * g) * words + i * unit
+            o = interleave.GROUP * g * words + i * block_words
+            _transpose16(src, s, dst, o, words)
+            _transpose16(src, s + 256, dst, o + 16, words)
+            for k in range(32, block_words):
+                for r in range(interleave.GROUP):
+                    dst_words[o + r * words + k] = src_words[s + interleave.GROUP * k + r]
+
+
 def chunk_rows(n: int, rows: int, cols: int, workers: int) -> int:
     """Rows a worker of ``matmul`` unpacks and multiplies at a time for n tokens times rows of
     ``cols`` values: WIDE_CHUNK_ROWS where the matrix still makes 8 chunks a worker, from 48 tokens
@@ -1555,22 +1585,25 @@ def fits(scheme: str, cols: int) -> bool:
     return vnni.HAVE_VNNI and vnni._COMPILED and kind is not None and cols % _VALUES[kind] == 0
 
 
-def matmul(x: np.ndarray, raw: np.ndarray, scheme: str, by_row: bool = False, out: np.ndarray | None = None
-           ) -> np.ndarray:
+def matmul(x: np.ndarray, raw: np.ndarray, scheme: str, by_row: bool = False, out: np.ndarray | None = None,
+           interleaved: bool = False) -> np.ndarray:
     """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and one matrix of ``KINDS`` stored
     as C-contiguous uint8 rows ``raw`` (``fits``), without decoding it: each token's activations
     quantized to int8 per 256 values where the rows are whole 256s, else per 32 (or per int4
     group: ``token_span``). With ``by_row`` its
     transpose instead, [rows, n rounded up to a multiple of 16] (the tokens past n: zeros).
-    Into ``out`` where given (C-contiguous float32 of that shape)."""
+    Into ``out`` where given (C-contiguous float32 of that shape). With ``interleaved``, raw
+    is a q4_k matrix's interleaved copy (``interleave.repack``)."""
     x = writable(np.ascontiguousarray(x, dtype=np.float32))
-    return product(quantized(x, scheme), x.shape[0], x.shape[1], raw, scheme, by_row, out)
+    return product(quantized(x, scheme), x.shape[0], x.shape[1], raw, scheme, by_row, out, interleaved)
 
 
 def product(activations: tuple[np.ndarray, ...], n: int, cols: int, raw: np.ndarray, scheme: str,
-            by_row: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+            by_row: bool = False, out: np.ndarray | None = None, interleaved: bool = False) -> np.ndarray:
     """``matmul`` of n tokens of cols values already quantized for ``scheme`` (``quantized``,
     ``activated``)."""
+    if interleaved and scheme not in interleave.K_SCHEMES:
+        raise ValueError(f"only {', '.join(interleave.K_SCHEMES)} copies are read here, not {scheme}'s")
     raw = read_only(raw)
     rows = raw.shape[0]
     padded = (n + LANE_TOKENS - 1) // LANE_TOKENS * LANE_TOKENS
@@ -1580,6 +1613,6 @@ def product(activations: tuple[np.ndarray, ...], n: int, cols: int, raw: np.ndar
     chunk = chunk_rows(n, rows, cols, threads)
     chunks = (rows + chunk - 1) // chunk
     _matmul(raw, KINDS[scheme], vnni._tables()[1], *activations, n, cols, max(1, min(threads, chunks)), out,
-            by_row, chunk)
+            by_row, chunk, interleaved)
     return out
 

@@ -5,7 +5,7 @@ scheme (f32, bf16, int8, q8_0, the 4-bit schemes).
 On the host the bytes stay in the mapped bundle (zero-copy) and products go through ktc's
 kernels (``kernels.linear``: one token through the matrix-vector kernels, which read each weight
 byte once, so a CPU-only bundle reads no more bytes per token than its scheme's size); q4_0,
-q8_0 and mxfp4 matrices on a VNNI CPU are read from a copy with their rows interleaved instead
+q8_0, mxfp4 and q4_k matrices on a VNNI CPU are read from a copy with their rows interleaved instead
 (``runtime.interleave``: the same bytes reordered, which the kernels multiply faster), unless
 ``interleave=False``. On a device the bytes are uploaded once and decoded by torch when used
 (``device.matmul``).
@@ -42,7 +42,7 @@ class HostLinear(torch.nn.Module):
     """``y = x W^T + b`` for ``W`` [out, in] stored in ``scheme`` as the bundle's raw rows,
     computed on the CPU in float32 (float32 inputs and outputs). ``interleaved``: the rows'
     interleaved copy (``runtime.interleave``) that every product reads instead of ``raw``, made
-    here for a q4_0, q8_0 or mxfp4 matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
+    here for a q4_0, q8_0, mxfp4 or q4_k matrix on a VNNI CPU whose shape allows it where ``interleave`` (the copy's
     memory is ``raw``'s size again; the map's pages of ``raw`` are no longer read, so the
     kernel can reclaim them)."""
 

@@ -41,13 +41,14 @@ FP8 = BF16 + 1
 # a group) times the activations quantized per group of the kind's own size: INT4 + 0, 1, 2.
 INT4 = FP8 + 1
 INT4_GROUPS = {"int4_g32": 0, "int4_g64": 1, "int4_g128": 2}
-# q4_0, q8_0 and mxfp4 rows interleaved 16 at a time (``interleave.repack``: a layer's
+# q4_0, q8_0, mxfp4 and q4_k rows interleaved 16 at a time (``interleave.repack``: a layer's
 # projections and output matrix on a VNNI CPU, ``HostLinear.interleaved``; the experts of
-# ``ExpertSet``'s copy) times the activations in order per 32: Q4_0X16 plus the scheme's place in
-# ``interleave.SCHEMES``. Not stored schemes: ``kind`` never names them; the caller that made
-# the copy says so (``INTERLEAVED``).
+# ``ExpertSet``'s copy) times the activations in order, per 32 (q4_k: per 256, as q6_k's rows
+# read them): Q4_0X16 plus the scheme's place in ``interleave.SCHEMES``. Not stored schemes:
+# ``kind`` never names them; the caller that made the copy says so (``INTERLEAVED``).
 Q4_0X16 = INT4 + len(INT4_GROUPS)
 INTERLEAVED = {name: Q4_0X16 + code for code, name in enumerate(interleave.SCHEMES)}
+_Q4_KX16 = INTERLEAVED["q4_k"]
 ROWS_PER_ITEM = 64  # rows per parallel work item, over all the matrices of a call (whole groups of the interleaved)
 # A token's down rows in spans of every expert (``rows_combined``) where an expert's span is
 # this long or longer, else an expert at a time (``rows_many``, then ``combined``). Measured in
@@ -102,8 +103,8 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
         if INT4 <= code < Q4_0X16:
             int4 |= 1 << (code - INT4)
         floats |= code == FP8 or code == BF16
-        in_order |= code < 2 or code >= Q4_0X16 or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K
-                                                    and code != _Q6_K)
+        in_order |= (code < 2 or (code >= Q4_0X16 and code != _Q4_KX16)
+                     or (KQUANT <= code < BF16 and code != _Q4_K and code != _Q5_K and code != _Q6_K))
         in_quads |= 2 <= code < KQUANT
         sums16 |= code == _Q2_K or code == _Q3_K
         blocks |= code < KQUANT
@@ -124,7 +125,7 @@ def activations(x, n, cols, kinds):  # pragma: no cover - compiled
     if sums16:
         kquants._sums16(xq.reshape(-1), dx.reshape(-1), isum16.reshape(-1), dsum16.reshape(-1))
     yk, dk, bsum = kquants.superblock_activations(x, n, cols, ((kinds == _Q4_K) | (kinds == _Q5_K)).any(),
-                                                  (kinds == _Q6_K).any())
+                                                  ((kinds == _Q6_K) | (kinds == _Q4_KX16)).any())
     width = n * cols if int4 else 0
     iq, idx, isum = np.empty((3, width), np.int8), np.empty((3, width // 32), np.float32), np.empty((3, width // 32),
                                                                                                    np.float32)
@@ -143,6 +144,9 @@ def rows(code, flat, f32, f16, e8m0, base, row_bytes, first, last, cols, act, v,
     float32 view of the same bytes, where int8 rows keep their scales) times vector v of ``act``
     (``activations``); acc: 16 float32s of scratch (a thread's, ``vnni._block_rows``)."""
     xq, quads, dx, sums, lanes, isum16, dsum16, yk, dk, bsum, xs, iq, idx, isum = act
+    if code == _Q4_KX16:  # whole groups, as below; the activations per 256 in order, as q6_k's
+        interleave.k_rows(flat, base, row_bytes, first, last, cols, yk[v], cols, dk[v], bsum[v], out)
+        return
     if code >= Q4_0X16:  # whole groups: the matrix's rows and ROWS_PER_ITEM are multiples of 16
         interleave.rows(code - Q4_0X16, flat, base, row_bytes, first, last, cols, xq[v], dx[v], sums[v], out)
         return

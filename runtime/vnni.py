@@ -1646,3 +1646,33 @@ def matvec_int4(raw: np.ndarray, x: np.ndarray, group: int, out: np.ndarray) -> 
     flat = read_only(raw).reshape(-1)  # rows are whole groups of 4-byte scale pairs: the length is even
     _matvec_int4_vnni(flat, flat.view(np.uint16), row_bytes, rows, x.shape[0], group, xq, dx, xsum, out)
     return out
+
+
+@njit(cache=True, nogil=True)
+def quantize_superblocks(x, cols, yk, dk, bsum, layout, natural):  # pragma: no cover - compiled
+    """Vectors of cols values (x flat) per 256 values: d = largest magnitude / 127 (1 for zeros),
+    codes rint(x / d) into yk [vectors, 2 * cols]: with ``layout`` the first cols laid out for
+    kquants' q4_k and q5_k rows (each 128 values' 32-value sub-blocks in the order 0, 2, 1, 3),
+    with ``natural`` the next cols in order (q6_k's rows, interleaved q4_k's); the codes' sums
+    per 16 in order into bsum. In vectors (the VNNI kernels that read these run only where they
+    compile)."""
+    per = cols // 256
+    for b in range(dk.shape[0]):
+        v, within = b // per, (b % per) * 256
+        start = 256 * b
+        amax = np.float32(0.0)
+        for sub in range(8):
+            amax = max(amax, _amax32(x, start + 32 * sub))
+        d = amax / np.float32(127) if amax > 0 else np.float32(1.0)
+        inverse = np.float32(1.0) / d
+        dk[b] = d
+        row = yk[v]
+        for sub in range(8):
+            if natural:
+                at = cols + within + 32 * sub
+                bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = _codes32(x, start + 32 * sub, inverse, row, at,
+                                                                              at + 16)
+            if layout:
+                at = within + 32 * (sub + (1 if sub % 4 == 1 else -1 if sub % 4 == 2 else 0))
+                bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = _codes32(x, start + 32 * sub, inverse, row, at,
+                                                                              at + 16)

@@ -253,9 +253,9 @@ def test_fast_steps_past_one_span_of_positions_equal_transformers_steps(tmp_path
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("scheme, width", [("q4_0", 64), ("q8_0", 64), ("mxfp4", 128)])
+@pytest.mark.parametrize("scheme, width", [("q4_0", 64), ("q8_0", 64), ("mxfp4", 128), ("q4_k", 256)])
 def test_interleaved_matrices_give_the_stored_layout_s_results(scheme, width, tmp_path):
-    """On a VNNI CPU a q4_0 (or q8_0, or mxfp4: rows of whole 128s) model's attention, output
+    """On a VNNI CPU a q4_0 (or q8_0; mxfp4: rows of whole 128s; q4_k: of 256s) model's attention, output
     matrix and experts are multiplied from copies with their rows interleaved
     (``runtime.interleave``), in the prompt's forward (its experts of one token, of a few, of
     many) and in the compiled decode step; ``interleave=False`` reads the bundle's rows. The same activations' quantization either way: the same logits but

@@ -1,7 +1,8 @@
-"""q4_0, q8_0 and mxfp4 rows interleaved 16 at a time (``runtime.interleave``): the copy is the
-same bytes reordered (q8_0's codes plus 128), and its products equal the definition (each
-block's code values times the activations quantized per 32, scaled by the block's scale and dx),
-for one token and several."""
+"""q4_0, q8_0, mxfp4 and q4_k rows interleaved 16 at a time (``runtime.interleave``): the copy
+is the same bytes reordered (q8_0's codes plus 128), and its products equal the definition
+(each block's code values times the activations quantized per 32, scaled by the block's scale
+and dx; q4_k's dequantized weights times the activations quantized per 256), for one token and
+several."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ktc.runtime import interleave, vnni
 
 needs_vnni = pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 SHAPES = [(16, 128), (48, 256), (64, 2048), (160, 768), (32, 4096)]
-SCHEMES = pytest.mark.parametrize("scheme", interleave.SCHEMES)
+SCHEMES = pytest.mark.parametrize("scheme", interleave.BLOCK_SCHEMES)
+K_SHAPES = [(16, 256), (48, 512), (64, 2048), (160, 768), (32, 4096)]
 
 
 def _case(rows: int, cols: int, seed: int, scheme: str) -> tuple[np.ndarray, np.ndarray]:
@@ -76,9 +78,9 @@ def test_repack_is_the_same_bytes_reordered_and_unpack_undoes_it(shape, scheme):
             np.testing.assert_array_equal(unit[line:line + 64].reshape(16, 4), b[:, j, at + 4 * k:at + 4 * k + 4])
 
 
-@pytest.mark.parametrize("scheme, rows, cols", [(scheme, rows, cols) for scheme in interleave.SCHEMES
+@pytest.mark.parametrize("scheme, rows, cols", [(scheme, rows, cols) for scheme in interleave.BLOCK_SCHEMES
                                                  for rows, cols in [(15, 128), (16, 96), (16, 32)]]
-                         + [("mxfp4", 16, 192)])  # mxfp4: units of four blocks
+                         + [("mxfp4", 16, 192), ("q4_k", 15, 256), ("q4_k", 8, 512)])  # mxfp4: units of four blocks
 def test_what_cannot_be_interleaved_is_refused(scheme, rows, cols):
     raw, x = _case(rows, cols, seed=1, scheme=scheme)
     assert not interleave.fits(rows, cols, scheme)
@@ -86,9 +88,9 @@ def test_what_cannot_be_interleaved_is_refused(scheme, rows, cols):
         interleave.repack(raw, scheme)
     with pytest.raises(ValueError, match="rows are interleaved, not q4_1"):
         interleave.repack(raw, "q4_1")
-    good, _ = _case(16, 128, seed=1, scheme=scheme)
-    with pytest.raises(ValueError, match="does not multiply 256 values"):
-        interleave.matvec(interleave.repack(good, scheme), scheme, np.zeros(256, np.float32))
+    good, _ = _case(16, 256 if scheme == "q4_k" else 128, seed=1, scheme=scheme)
+    with pytest.raises(ValueError, match="does not multiply 512 values"):
+        interleave.matvec(interleave.repack(good, scheme), scheme, np.zeros(512, np.float32))
 
 
 @needs_vnni
@@ -131,7 +133,72 @@ def test_several_tokens_equal_the_definition(shape, tokens, scheme):
 def test_the_products_of_many_tokens_quantize_as_the_stored_layout_s():
     from ktc.runtime.kernels import LANES_MIN_TOKENS
 
-    assert {s: LANES_MIN_TOKENS[s] for s in interleave.SCHEMES} == interleave.PER_256_MIN_TOKENS
+    assert {s: LANES_MIN_TOKENS[s] for s in interleave.BLOCK_SCHEMES} == interleave.PER_256_MIN_TOKENS
+    assert interleave.K_LANES_MIN_TOKENS == LANES_MIN_TOKENS["q4_k"]
+
+
+def _k_definition(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Float64: q4_k's dequantized weights (the reference decoder) times the activations
+    quantized per 256 (their int8 values times their scale)."""
+    from ktc.formats.quantize import dequantize
+
+    w = dequantize(raw, "q4_k", x.shape[0]).astype(np.float64)
+    xq, dx, _ = vnni.quantize_activations(x, 256)
+    return w @ (xq.astype(np.float64) * np.repeat(dx, 256))
+
+
+@pytest.mark.parametrize("shape", K_SHAPES)
+def test_q4_k_repack_puts_each_super_block_s_16_rows_word_by_word(shape):
+    """Line w of a group's super-block holds four-byte word w of each of its 16 rows' 144 bytes
+    (d and dmin, three words of scales, 32 of codes); unpack undoes it."""
+    raw, _ = _case(*shape, seed=shape[1], scheme="q4_k")
+    packed = interleave.repack(raw, "q4_k", rows_at_once=32)
+    assert packed.shape == raw.shape and packed.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(np.sort(packed.reshape(-1)), np.sort(raw.reshape(-1)))
+    np.testing.assert_array_equal(interleave.unpack(packed, "q4_k"), raw)
+    blocks = shape[1] // 256
+    flat = packed.reshape(-1)
+    for g in {0, shape[0] // 16 - 1}:
+        for i in {0, blocks - 1}:
+            at = (g * blocks + i) * 16 * 144
+            for w in (0, 1, 3, 4, 35):
+                want = raw[16 * g:16 * g + 16, 144 * i + 4 * w:144 * i + 4 * w + 4]
+                np.testing.assert_array_equal(flat[at + 64 * w:at + 64 * w + 64].reshape(16, 4), want)
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", K_SHAPES)
+def test_q4_k_one_token_matches_the_definition_and_the_row_major_kernel(shape):
+    from ktc.runtime.kernels import matvec
+
+    raw, x = _case(*shape, seed=shape[0] + shape[1], scheme="q4_k")
+    want = _k_definition(raw, x)
+    got = interleave.matvec(interleave.repack(raw, "q4_k"), "q4_k", x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, matvec(raw, "q4_k", x), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("tokens", [2, 3, 7, 9, 13, 40])
+@pytest.mark.parametrize("shape", [(64, 256), (80, 2048), (48, 768)])
+def test_q4_k_several_tokens_equal_the_definition_and_each_token_alone(shape, tokens):
+    """Tiles of K_TILE_TOKENS tokens by K_TILE_GROUPS groups, and the groups and tokens past them
+    (80 and 48 rows: five and three groups) one at a time; from K_LANES_MIN_TOKENS tokens on the
+    stored layout's lanes over the rows put back a chunk at a time, which give exactly what they
+    give the stored rows: each token what the definition gives, and what it gives alone (the
+    same activations per 256)."""
+    from ktc.runtime import lanes
+
+    raw, _ = _case(*shape, seed=tokens, scheme="q4_k")
+    x = np.random.default_rng(tokens).standard_normal((tokens, shape[1])).astype(np.float32)
+    packed = interleave.repack(raw, "q4_k")
+    got = interleave.matmul(x, packed, "q4_k")
+    want = np.stack([_k_definition(raw, row) for row in x])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    alone = np.stack([interleave.matvec(packed, "q4_k", row) for row in x])
+    np.testing.assert_allclose(got, alone, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    if tokens >= interleave.K_LANES_MIN_TOKENS:
+        np.testing.assert_array_equal(got, lanes.matmul(x, raw, "q4_k"))
 
 
 def _mapped_rss(path: str) -> int:

@@ -403,20 +403,22 @@ def test_a_token_alone_splits_as_among_others(tiny_models, tmp_path):
         experts.close()
 
 
-@pytest.mark.parametrize("scheme", ["q4_0", "q8_0", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["q4_0", "q8_0", "mxfp4", "q4_k", "q4_k+q6_k"])
 @pytest.mark.parametrize("tokens", [1, 5, 24, 160])
 def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path):
-    """A layer whose experts are all q4_0 (or all q8_0, or mxfp4), on a VNNI CPU, reads them from one copy with their
-    rows interleaved (``runtime.interleave``): one token through every path that takes one
-    (``rows.chosen_experts_token``, ``rows.pairs_token``), several through ``interleave.matmul``;
-    each gives what the stored layout's paths give, within the activations' rounding (those
-    quantize per 256 from LANES_MIN_TOKENS tokens an expert, the copy's products per 32), and
-    each token alone what it gives in the batch."""
+    """A layer whose experts are all q4_0 (or all q8_0, mxfp4, q4_k; or q4_k gate/up beside q6_k
+    down, as Q4_K_M's), on a VNNI CPU, reads them from one copy with their rows interleaved
+    (``runtime.interleave``; q6_k's copied as they are): one token through every path that
+    takes one (``rows.chosen_experts_token``, ``rows.pairs_token``), several through
+    ``interleave.matmul`` (q6_k's through the stored layout's products); each gives what the
+    stored layout's paths give, within the activations' rounding (those quantize per 256 from
+    LANES_MIN_TOKENS tokens an expert, the copy's block schemes' products per 32), and each
+    token alone what it gives in the batch."""
     from ktc.runtime import vnni
 
     if not vnni.HAVE_VNNI:
         pytest.skip("the interleaved copy needs AVX-512 VNNI")
-    width = 128
+    width = 256 if "q4_k" in scheme else 128  # q4_k: rows of whole super-blocks
     folder = mf.write_safetensors(mf.build_hf_model("qwen3_moe", hidden_size=width, intermediate_size=width,
                                                     moe_intermediate_size=width, head_dim=32), str(tmp_path / "src"))
     path = tmp_path / "m.ktb"
@@ -427,6 +429,7 @@ def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path):
         copy = MoELayer(bundle, layer)
         stored = MoELayer(bundle, layer, experts=ExpertSet(bundle, layer, interleave=False))
         assert copy.experts._interleaved is not None and stored.experts._interleaved is None
+        assert copy.experts._interleaved[3] == (True, scheme != "q4_k+q6_k")
         got, want = copy.forward(h), stored.forward(h)
         alone = np.concatenate([copy.forward(h[t:t + 1]) for t in range(tokens)])
         one_call = copy.experts.one_call_tables()
