@@ -409,7 +409,6 @@ def _matvec(code, packed, x, out):  # pragma: no cover - compiled
                  sums[0], out)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # q4_k: super-blocks of 256 values, 144 bytes a row (fp16 d and dmin, 12 bytes of 6-bit scales
 # and minimums of its eight 32-value sub-blocks, 128 bytes of codes: chunk j's 32 bytes hold
@@ -421,8 +420,12 @@ def _matvec(code, packed, x, out):  # pragma: no cover - compiled
 # 6-bit scale (``vpmulld``), the minimums through the activations' int16 sums per 16
 # (``vpdpwssd``, each minimum twice beside a sub-block's two sums); once a super-block, both
 # sums converted and times the rows' d and dmin and the activations' scale.
-# ``matmul``'s q4_k tile (tokens x groups): two sums a sub-block pair for every token and group
-# beside the integer and float sums hold more registers than the block schemes' tiles.
+# ``matmul``'s q4_k tile (tokens x groups), for 2-11 tokens. Measured at 96 tokens (two threads,
+# medians of 7 interleaved calls, GOP/s at 28672 x 4096 and 4096 x 14336): 3 x 2 562 and 506,
+# 2 x 2 512 and 447, 2 x 3 505 and 452, 1 x 4 428 and 419, 4 x 2 409 and 432, 2 x 4 391 and 390,
+# 3 x 3 361 and 356, 4 x 1 351 and 290; the stored layout's lanes in the same runs 626-690 and
+# 550-631, hence the lanes from K_LANES_MIN_TOKENS on. At 4 tokens (1536 x 2048) 313 against
+# the stored rows' tiles' 158.
 K_TILE_TOKENS, K_TILE_GROUPS = 3, 2
 # From this many tokens on, q4_k's products take the stored layout's many-token kernel
 # (``lanes``: 16 tokens a vector) over each chunk of rows put back in the stored layout.
