@@ -222,17 +222,7 @@ def _tile_intrinsic(tokens: int, span: bool = False, groups: int = 1):  # type: 
             flat_a, xq_a, dx_a, sums_a, out_a = vnni._arrays(context, builder, signature, args, (1, 4, 7, 8, 11))
             code_v, at_v, units_v, xbase_v, xstride_v, dbase_v, dstride_v, obase_v, ostride_v = vnni._indices(
                 context, builder, signature, args, (0, 2, 3, 5, 6, 9, 10, 12, 13))
-            index_t = at_v.type
-
-            def const(k):  # type: ignore[no-untyped-def]
-                return ir.Constant(index_t, k)
-
-            def load(array, index, t):  # type: ignore[no-untyped-def]
-                return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=1)
-
-            def splat(value, t):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(vector(i32, 16), [0] * 16))
+            const, _, load, _, _, splat, _ = vnni.emitters(builder, at_v.type)
 
             def zeros():  # type: ignore[no-untyped-def]
                 return [[cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(tokens)]
@@ -389,24 +379,44 @@ def rows(code, flat, base, row_bytes, first, last, cols, xq, dx, sums, out):  # 
               g * GROUP, 0)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _next_tile_item(counters, t, threads, groups, n, tile_tokens):  # pragma: no cover - compiled
+    # The next work item of the many-token loops (``vnni.work_item``): GROUPS_PER_ITEM groups by
+    # ``tile_tokens`` tokens, as (its first token, its first group, the group past its last);
+    # the first token -1 when none is left.
+    token_items = (n + tile_tokens - 1) // tile_tokens
+    item = vnni.work_item(counters, t, threads, (groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM * token_items)
+    if item < 0:
+        return -1, 0, 0
+    gi, ti = item // token_items, item % token_items
+    return ti * tile_tokens, gi * GROUPS_PER_ITEM, min(groups, (gi + 1) * GROUPS_PER_ITEM)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next_rows(counters, t, threads, n_rows):  # pragma: no cover - compiled
+    # The next work item of the one-token loops (``vnni.work_item``): GROUPS_PER_ITEM groups' rows,
+    # (first, last); first -1 when none is left.
+    item = vnni.work_item(counters, t, threads, (n_rows // GROUP + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM)
+    if item < 0:
+        return -1, 0
+    first = item * GROUPS_PER_ITEM * GROUP
+    return first, min(n_rows, first + GROUPS_PER_ITEM * GROUP)
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _matvec(code, packed, x, out):  # pragma: no cover - compiled
     n_rows, row_bytes = packed.shape
     cols = x.shape[0]
     xq, _, dx, sums = vnni._quantized_both(x, 1, cols, True, False)
     flat = packed.reshape(-1)
-    groups = n_rows // GROUP
-    items = (groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:
-            item = vnni.work_item(counters, t, threads, items)
-            if item < 0:
+            first, last = _next_rows(counters, t, threads, n_rows)
+            if first < 0:
                 break
-            first = item * GROUPS_PER_ITEM * GROUP
-            rows(code, flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, xq[0], dx[0],
-                 sums[0], out)
+            rows(code, flat, 0, row_bytes, first, last, cols, xq[0], dx[0], sums[0], out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -452,23 +462,10 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
             flat_a, yk_a, dk_a, bsum_a, out_a = vnni._arrays(context, builder, signature, args, (0, 3, 6, 8, 10))
             at_v, blocks_v, ybase_v, ystride_v, dstride_v, bstride_v, obase_v, ostride_v = vnni._indices(
                 context, builder, signature, args, (1, 2, 4, 5, 7, 9, 11, 12))
-            index_t = at_v.type
-
-            def const(k):  # type: ignore[no-untyped-def]
-                return ir.Constant(index_t, k)
-
-            def load(array, index, t):  # type: ignore[no-untyped-def]
-                return builder.load(builder.bitcast(builder.gep(array.data, [index]), t.as_pointer()), align=1)
-
-            def splat(value, t):  # type: ignore[no-untyped-def]
-                one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(vector(i32, 16), [0] * 16))
+            const, _, load, _, _, splat, fn = vnni.emitters(builder, at_v.type)
 
             def each(value):  # type: ignore[no-untyped-def]
                 return ir.Constant(words, [value] * 16)
-
-            def fn(name, ret, argtypes):  # type: ignore[no-untyped-def]
-                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
 
             dpbusd = fn("llvm.x86.avx512.vpdpbusd.512", words, [words] * 3)
             dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", words, [words] * 3)
@@ -590,19 +587,14 @@ def _k_matmul(packed, x, out):  # pragma: no cover - compiled
     flat, out_flat = packed.reshape(-1), out.reshape(-1)
     blocks = cols // 256
     groups = n_rows // GROUP
-    group_items = (groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
-    token_items = (n + K_TILE_TOKENS - 1) // K_TILE_TOKENS
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:
-            item = vnni.work_item(counters, t, threads, group_items * token_items)
-            if item < 0:
+            first_token, first_group, last_group = _next_tile_item(counters, t, threads, groups, n, K_TILE_TOKENS)
+            if first_token < 0:
                 break
-            gi, ti = item // token_items, item % token_items
-            first_token = ti * K_TILE_TOKENS
-            last_group = min(groups, (gi + 1) * GROUPS_PER_ITEM)
-            for g in range(gi * GROUPS_PER_ITEM, last_group, K_TILE_GROUPS):
+            for g in range(first_group, last_group, K_TILE_GROUPS):
                 at = g * GROUP * row_bytes
                 if first_token + K_TILE_TOKENS <= n and g + K_TILE_GROUPS <= last_group:
                     _k_many(flat, at, blocks, yk, first_token * 2 * cols + cols, 2 * cols, dk[first_token * blocks:],
@@ -622,17 +614,14 @@ def _k_matvec(packed, x, out):  # pragma: no cover - compiled
     cols = x.shape[0]
     yk, dk, bsum = _k_activations(x, 1, cols)
     flat = packed.reshape(-1)
-    items = (n_rows // GROUP + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:
-            item = vnni.work_item(counters, t, threads, items)
-            if item < 0:
+            first, last = _next_rows(counters, t, threads, n_rows)
+            if first < 0:
                 break
-            first = item * GROUPS_PER_ITEM * GROUP
-            k_rows(flat, 0, row_bytes, first, min(n_rows, first + GROUPS_PER_ITEM * GROUP), cols, yk, cols, dk, bsum,
-                   out)
+            k_rows(flat, 0, row_bytes, first, last, cols, yk, cols, dk, bsum, out)
 
 
 def _checked(packed: np.ndarray, scheme: str, cols: int) -> int:
@@ -689,19 +678,14 @@ def _matmul(code, per_256, packed, x, out):  # pragma: no cover - compiled
     blocks = cols // 32
     units = cols // (32 * _UNITS[code])
     groups = n_rows // GROUP
-    group_items = (groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
-    token_items = (n + TILE_TOKENS - 1) // TILE_TOKENS
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)
     for t in prange(threads):
         while True:
-            item = vnni.work_item(counters, t, threads, group_items * token_items)
-            if item < 0:
+            first_token, first_group, last_group = _next_tile_item(counters, t, threads, groups, n, TILE_TOKENS)
+            if first_token < 0:
                 break
-            gi, ti = item // token_items, item % token_items
-            first_token = ti * TILE_TOKENS
-            last_group = min(groups, (gi + 1) * GROUPS_PER_ITEM)
-            for g in range(gi * GROUPS_PER_ITEM, last_group, TILE_GROUPS):
+            for g in range(first_group, last_group, TILE_GROUPS):
                 at = g * GROUP * row_bytes
                 if first_token + TILE_TOKENS <= n and g + TILE_GROUPS <= last_group:
                     _tile(per_256, True, code, flat, at, units, xq_flat, first_token * cols, cols, dx_flat, sums_flat,

@@ -359,40 +359,6 @@ def _superblock_intrinsic(kind: str):  # type: ignore[no-untyped-def]
     return row
 
 
-def _emitters(builder, index_t):  # type: ignore[no-untyped-def]
-    """The whole-row intrinsics' small LLVM helpers: an index constant, a vector type, an
-    unaligned vector load at ``index + offset`` of an array, a vector constant, a shuffle, a
-    splat and an LLVM function by name."""
-    from llvmlite import ir
-
-    i32 = ir.IntType(32)
-
-    def c(v):  # type: ignore[no-untyped-def]
-        return ir.Constant(index_t, v)
-
-    def vec(t, n):  # type: ignore[no-untyped-def]
-        return ir.VectorType(t, n)
-
-    def load(array, index, t, offset=0, align=1):  # type: ignore[no-untyped-def]
-        pointer = builder.bitcast(builder.gep(array.data, [builder.add(index, c(offset))]), t.as_pointer())
-        return builder.load(pointer, align=align)
-
-    def const(t, values):  # type: ignore[no-untyped-def]
-        return ir.Constant(t, values if isinstance(values, list) else [values] * t.count)
-
-    def shuffle(a, b, mask):  # type: ignore[no-untyped-def]
-        return builder.shuffle_vector(a, b, ir.Constant(vec(i32, len(mask)), mask))
-
-    def splat(value, t):  # type: ignore[no-untyped-def]
-        one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
-        return shuffle(one, one, [0] * t.count)
-
-    def fn(name, ret, argtypes):  # type: ignore[no-untyped-def]
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
-
-    return c, vec, load, const, shuffle, splat, fn
-
-
 def _superblock_ops(builder, fn, vec):  # type: ignore[no-untyped-def]
     """The LLVM functions of the per-256 products (q4_k, q5_k, q6_k): vpmaddubsw, vpdpwssd, a
     16-lane fused multiply-add and vpmaddwd (256-bit)."""
@@ -475,7 +441,7 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
              b_bases):
         # the loop over the super-blocks of the rows at bytes ``at_list``; the rows' products
         # with each token's activations (bases of yk, dk, bsum), [row][token]
-        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at_list[0].type)
+        c, vec, load, const, shuffle, splat, fn = vnni.emitters(builder, at_list[0].type)
         maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
         v64, d16, f16v, f8v = vec(i8, 64), vec(i32, 16), vec(f32, 16), vec(f32, 8)
         fma8 = fn("llvm.fma.v8f32", f8v, [f8v] * 3)
@@ -573,7 +539,7 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
 
     def emit(builder, flat_a, yk_a, dk_a, bsum_a, at_list, nblocks, y_bases, d_bases,  # type: ignore[no-untyped-def]
              b_bases):
-        c, vec, load, const, shuffle, splat, fn = _emitters(builder, at_list[0].type)
+        c, vec, load, const, shuffle, splat, fn = vnni.emitters(builder, at_list[0].type)
         maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
         v64, v32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i32, 16), vec(f32, 16)
 

@@ -471,6 +471,40 @@ def _prefetch_ahead(builder, flat_a, at, nbytes, locality=_ONCE):  # type: ignor
                                 ir.Constant(i32, 1)])
 
 
+def emitters(builder, index_t):  # type: ignore[no-untyped-def]
+    """The intrinsics' small LLVM helpers (kquants' whole rows, interleave's tiles): an index
+    constant, a vector type, an unaligned vector load at ``index + offset`` of an array, a vector
+    constant, a shuffle, a splat and an LLVM function by name."""
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+
+    def c(v):  # type: ignore[no-untyped-def]
+        return ir.Constant(index_t, v)
+
+    def vec(t, n):  # type: ignore[no-untyped-def]
+        return ir.VectorType(t, n)
+
+    def load(array, index, t, offset=0, align=1):  # type: ignore[no-untyped-def]
+        pointer = builder.bitcast(builder.gep(array.data, [builder.add(index, c(offset))]), t.as_pointer())
+        return builder.load(pointer, align=align)
+
+    def const(t, values):  # type: ignore[no-untyped-def]
+        return ir.Constant(t, values if isinstance(values, list) else [values] * t.count)
+
+    def shuffle(a, b, mask):  # type: ignore[no-untyped-def]
+        return builder.shuffle_vector(a, b, ir.Constant(vec(i32, len(mask)), mask))
+
+    def splat(value, t):  # type: ignore[no-untyped-def]
+        one = builder.insert_element(ir.Constant(t, ir.Undefined), value, ir.Constant(i32, 0))
+        return shuffle(one, one, [0] * t.count)
+
+    def fn(name, ret, argtypes):  # type: ignore[no-untyped-def]
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtypes), name)
+
+    return c, vec, load, const, shuffle, splat, fn
+
+
 def _arrays(context, builder, signature, args, which):  # type: ignore[no-untyped-def]
     """An intrinsic's array arguments at positions ``which``, as LLVM array structures."""
     return [context.make_array(signature.args[k])(context, builder, args[k]) for k in which]
