@@ -790,7 +790,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
       ktc run qwen.ktb --prompt-file long.txt -n 64 --device cuda --json
       ktc run qwen.ktb -p "Once upon a time" --device cuda --cache-slots 4 --cache-profile profile.json
       ktc run cpu.ktb -p "Once upon a time" --no-mmap       # weights read into memory first
-      ktc run q4_0.ktb -p "Once upon a time" --no-interleave  # q4_0/q8_0/mxfp4 rows as stored
+      ktc run q4_0.ktb -p "Once upon a time" --no-interleave  # q4_0/q8_0/mxfp4/q4_k rows as stored
     """
     from ktc.formats.bundle import open_bundle
     from ktc.runtime.generate import Sampling, encode_prompt, generate, peak_device_bytes, peak_rss_bytes
