@@ -566,16 +566,6 @@ def k_rows(flat, base, row_bytes, first, last, cols, yk, ybase, dk, bsum, out): 
         _k_one(flat, base + g * GROUP * row_bytes, cols // 256, yk, ybase, 0, dk, 0, bsum, 0, out, g * GROUP, 0)
 
 
-@njit(cache=True, nogil=True)
-def _k_activations(x, n, cols):  # pragma: no cover - compiled
-    # n vectors' activations per 256 in order (yk [n, 2 * cols], from cols), scales and sums per 16
-    yk = np.empty((n, 2 * cols), np.int8)
-    dk = np.empty(n * cols // 256, np.float32)
-    bsum = np.empty(n * cols // 16, np.int16)
-    vnni.quantize_superblocks(x, cols, yk, dk, bsum, False, True)
-    return yk.reshape(-1), dk, bsum
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _k_matmul(packed, x, out):  # pragma: no cover - compiled
     # Work items: GROUPS_PER_ITEM groups by K_TILE_TOKENS tokens; in an item, tiles of
@@ -583,7 +573,8 @@ def _k_matmul(packed, x, out):  # pragma: no cover - compiled
     # one at a time (``_matmul``'s items).
     n_rows, row_bytes = packed.shape
     n, cols = x.shape
-    yk, dk, bsum = _k_activations(x.reshape(-1), n, cols)
+    yk_n, dk_n, bsum_n = vnni.superblock_activations(x.reshape(-1), n, cols, False, True)  # in order, from cols
+    yk, dk, bsum = yk_n.reshape(-1), dk_n.reshape(-1), bsum_n.reshape(-1)
     flat, out_flat = packed.reshape(-1), out.reshape(-1)
     blocks = cols // 256
     groups = n_rows // GROUP
@@ -612,7 +603,8 @@ def _k_matmul(packed, x, out):  # pragma: no cover - compiled
 def _k_matvec(packed, x, out):  # pragma: no cover - compiled
     n_rows, row_bytes = packed.shape
     cols = x.shape[0]
-    yk, dk, bsum = _k_activations(x, 1, cols)
+    yk_n, dk_n, bsum_n = vnni.superblock_activations(x, 1, cols, False, True)  # in order, from cols
+    yk, dk, bsum = yk_n.reshape(-1), dk_n.reshape(-1), bsum_n.reshape(-1)
     flat = packed.reshape(-1)
     threads = vnni.thread_count()
     counters = vnni.work_counters(threads)

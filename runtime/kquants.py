@@ -793,18 +793,8 @@ def _quantized(x, n, cols, per32, layout, natural):  # pragma: no cover - compil
             *superblock_activations(x, n, cols, layout, natural))
 
 
-@njit(cache=True, nogil=True)
-def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - compiled
-    """n vectors of cols values (x flat) quantized per 256 for q4_k and q5_k (``layout``) and q6_k
-    (``natural``): yk [n, 2 * cols], dk [n, cols / 256], bsum [n, cols / 16]
-    (``vnni.quantize_superblocks``); [n, 0] arrays where neither reads them."""
-    per = cols if layout or natural else 0
-    yk = np.empty((n, 2 * per), np.int8)
-    dk = np.empty(n * per // 256, np.float32)
-    bsum = np.empty(n * per // 16, np.int16)  # at most 16 * 127: vpmaddwd reads them
-    if per:
-        vnni.quantize_superblocks(x, cols, yk, dk, bsum, layout, natural)
-    return yk, dk.reshape(n, per // 256), bsum.reshape(n, per // 16)
+# (the one-token rows' and projections' name for it)
+superblock_activations = vnni.superblock_activations
 
 
 def vnni_matvec(name: str):  # type: ignore[no-untyped-def]

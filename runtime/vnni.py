@@ -1710,3 +1710,17 @@ def quantize_superblocks(x, cols, yk, dk, bsum, layout, natural):  # pragma: no 
                 at = within + 32 * (sub + (1 if sub % 4 == 1 else -1 if sub % 4 == 2 else 0))
                 bsum[16 * b + 2 * sub], bsum[16 * b + 2 * sub + 1] = _codes32(x, start + 32 * sub, inverse, row, at,
                                                                               at + 16)
+
+
+@njit(cache=True, nogil=True)
+def superblock_activations(x, n, cols, layout, natural):  # pragma: no cover - compiled
+    """n vectors of cols values (x flat) quantized per 256 for q4_k and q5_k (``layout``) and for
+    q6_k and the interleaved q4_k (``natural``): yk [n, 2 * cols], dk [n, cols / 256], bsum [n,
+    cols / 16] (``quantize_superblocks``); [n, 0] arrays where neither reads them."""
+    per = cols if layout or natural else 0
+    yk = np.empty((n, 2 * per), np.int8)
+    dk = np.empty(n * per // 256, np.float32)
+    bsum = np.empty(n * per // 16, np.int16)  # at most 16 * 127: vpmaddwd reads them
+    if per:
+        quantize_superblocks(x, cols, yk, dk, bsum, layout, natural)
+    return yk, dk.reshape(n, per // 256), bsum.reshape(n, per // 16)
