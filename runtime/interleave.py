@@ -616,6 +616,98 @@ def _k_matvec(packed, x, out):  # pragma: no cover - compiled
             k_rows(flat, 0, row_bytes, first, last, cols, yk, cols, dk, bsum, out)
 
 
+# Tokens below which ``matmul`` multiplies a scheme's rows by its few-token tiles, activations
+# per 32 (q4_k: its tile, per 256): ``groups_product``'s experts have from 2 to fewer than these.
+FEW_TOKENS = {**PER_256_MIN_TOKENS, "q4_k": K_LANES_MIN_TOKENS}
+_K_CODE = SCHEMES.index("q4_k")
+
+
+@njit(cache=True, nogil=True)
+def groups_product(code, flat, offsets, row_bytes, x, groups, out):  # pragma: no cover - compiled
+    """out rows groups[e]..groups[e + 1] = x's rows there [tokens, cols] times the interleaved
+    matrix of scheme SCHEMES[code] (out.shape[1] rows of row_bytes) at byte offsets[e] of flat,
+    for each expert e, in one parallel region: the few-token experts of a prompt chunk
+    (``rows.experts_groups``), each with fewer than ``FEW_TOKENS`` tokens, multiplied as
+    ``matmul`` multiplies as many (the same tiles and activations: the same results), which an
+    expert a call paid Python and two parallel regions' starts for."""
+    if code == _K_CODE:
+        _k_groups(flat, offsets, row_bytes, x, groups, out)
+    else:
+        _block_groups(code, flat, offsets, row_bytes, x, groups, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _group_item(counters, t, threads, groups, n_groups):  # pragma: no cover - compiled
+    # The next work item of the groups' products (``vnni.work_item``): GROUPS_PER_ITEM groups of
+    # an expert's rows by all its tokens (the rows read once), as (the expert, its first group,
+    # the group past its last); the expert -1 when none is left.
+    row_items = (n_groups + GROUPS_PER_ITEM - 1) // GROUPS_PER_ITEM
+    item = vnni.work_item(counters, t, threads, (groups.shape[0] - 1) * row_items)
+    if item < 0:
+        return -1, 0, 0
+    first = item % row_items * GROUPS_PER_ITEM
+    return item // row_items, first, min(n_groups, first + GROUPS_PER_ITEM)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _block_groups(code, flat, offsets, row_bytes, x, groups, out):  # pragma: no cover - compiled
+    n, cols = x.shape
+    n_rows = out.shape[1]
+    xq, _, dx, sums = vnni._quantized_both(x.reshape(-1), n, cols, True, False)
+    xq_flat, dx_flat, sums_flat, out_flat = xq.reshape(-1), dx.reshape(-1), sums.reshape(-1), out.reshape(-1)
+    blocks = cols // 32
+    units = cols // (32 * _UNITS[code])
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for t in prange(threads):
+        while True:
+            e, first_group, last_group = _group_item(counters, t, threads, groups, n_rows // GROUP)
+            if e < 0:
+                break
+            start, end = groups[e], groups[e + 1]
+            for g in range(first_group, last_group, TILE_GROUPS):
+                for first_token in range(start, end, TILE_TOKENS):
+                    if first_token + TILE_TOKENS <= end and g + TILE_GROUPS <= last_group:
+                        _tile(False, True, code, flat, offsets[e] + g * GROUP * row_bytes, units, xq_flat,
+                              first_token * cols, cols, dx_flat, sums_flat, first_token * blocks, blocks, out_flat,
+                              first_token * n_rows + g * GROUP, n_rows)
+                        continue
+                    for h in range(g, min(last_group, g + TILE_GROUPS)):
+                        for token in range(first_token, min(end, first_token + TILE_TOKENS)):
+                            _tile(False, False, code, flat, offsets[e] + h * GROUP * row_bytes, units, xq_flat,
+                                  token * cols, 0, dx_flat, sums_flat, token * blocks, 0, out_flat,
+                                  token * n_rows + h * GROUP, 0)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _k_groups(flat, offsets, row_bytes, x, groups, out):  # pragma: no cover - compiled
+    n, cols = x.shape
+    n_rows = out.shape[1]
+    yk_n, dk_n, bsum_n = vnni.superblock_activations(x.reshape(-1), n, cols, False, True)  # in order, from cols
+    yk, dk, bsum, out_flat = yk_n.reshape(-1), dk_n.reshape(-1), bsum_n.reshape(-1), out.reshape(-1)
+    blocks = cols // 256
+    threads = vnni.thread_count()
+    counters = vnni.work_counters(threads)
+    for t in prange(threads):
+        while True:
+            e, first_group, last_group = _group_item(counters, t, threads, groups, n_rows // GROUP)
+            if e < 0:
+                break
+            start, end = groups[e], groups[e + 1]
+            for g in range(first_group, last_group, K_TILE_GROUPS):
+                for first_token in range(start, end, K_TILE_TOKENS):
+                    if first_token + K_TILE_TOKENS <= end and g + K_TILE_GROUPS <= last_group:
+                        _k_many(flat, offsets[e] + g * GROUP * row_bytes, blocks, yk, first_token * 2 * cols + cols,
+                                2 * cols, dk[first_token * blocks:], blocks, bsum[first_token * 16 * blocks:],
+                                16 * blocks, out_flat, first_token * n_rows + g * GROUP, n_rows)
+                        continue
+                    for h in range(g, min(last_group, g + K_TILE_GROUPS)):
+                        for token in range(first_token, min(end, first_token + K_TILE_TOKENS)):
+                            _k_one(flat, offsets[e] + h * GROUP * row_bytes, blocks, yk, token * 2 * cols + cols, 0,
+                                   dk[token * blocks:], 0, bsum[token * 16 * blocks:], 0, out_flat,
+                                   token * n_rows + h * GROUP, 0)
+
+
 def _checked(packed: np.ndarray, scheme: str, cols: int) -> int:
     # the scheme's code (its place in SCHEMES), the copy's shape checked against the
     # activations' (the kernels read whole groups and units of blocks by the shape alone)

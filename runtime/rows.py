@@ -346,9 +346,12 @@ def _into_tokens(y, experts, tokens, weights, dn_bias, has_dn_bias, n):  # pragm
 @njit(cache=True, nogil=True)
 def _groups_product(file, f16, e8m0, code, offsets, row_bytes, x, groups, out):  # pragma: no cover - compiled
     # out rows groups[g]..groups[g + 1] = x's rows there times the matrix of kind ``code`` (a
-    # block kind, or q4_k, q5_k, q6_k) at byte offsets[g] of file, each group's matrix once
+    # block kind, q4_k, q5_k, q6_k, or an interleaved kind) at byte offsets[g] of file, each
+    # group's matrix once
     cols = x.shape[1]
-    if code < KQUANT:
+    if code >= Q4_0X16:
+        interleave.groups_product(code - Q4_0X16, file, offsets, row_bytes, x, groups, out)
+    elif code < KQUANT:
         xq, dx, sums, lanes, width = vnni.padded_activations(x, code)
         vnni._blocks_batched_groups(file, code, offsets, row_bytes, f16, e8m0, xq, dx, sums, cols, lanes, width,
                                     groups, out)
@@ -365,7 +368,8 @@ def experts_groups(file, f16, e8m0, gu_code, gu_offsets, gu_row_bytes, dn_code, 
     groups[g]..groups[g + 1] of xs [tokens, hidden] (row_experts: each row's expert, the index of
     its biases in the layer's gu_bias and dn_bias where present; weights: their routing weights;
     tokens: their rows of the result), its gate/up of kind gu_code (a block kind other than
-    int8, or q4_k, q5_k, q6_k: their row tiles) at byte gu_offsets[g] of file, its down of
+    int8, or q4_k, q5_k, q6_k: their row tiles; or an interleaved kind, with fewer tokens than
+    ``interleave.FEW_TOKENS``) at byte gu_offsets[g] of file, its down of
     dn_code at dn_offsets[g]. Every expert's gate/up rows in one parallel region (BATCH_ROWS
     rows of an expert a work item), the activation, every down in another; each row weighted
     and added to row tokens[t] of the result [n_tokens, hidden], as ``pairs_token`` adds its

@@ -201,6 +201,33 @@ def test_q4_k_several_tokens_equal_the_definition_and_each_token_alone(shape, to
         np.testing.assert_array_equal(got, lanes.matmul(x, raw, "q4_k"))
 
 
+@needs_vnni
+@pytest.mark.parametrize("scheme", interleave.SCHEMES)
+@pytest.mark.parametrize("shape", [(80, 512), (48, 768)])
+def test_the_groups_product_gives_each_expert_what_matmul_gives_it(shape, scheme):
+    """Three experts' interleaved matrices in one file, at byte offsets out of order, each with
+    its own few tokens (2, 5 and the most ``FEW_TOKENS`` allows: whole tiles, and tokens and
+    groups past them), in one call: each expert's rows exactly what ``matmul`` gives its tokens
+    (the same tiles and activations)."""
+    rows_, cols = shape
+    if scheme in interleave.K_SCHEMES and cols % 256:
+        pytest.skip("q4_k rows are whole super-blocks")
+    counts = [2, 5, interleave.FEW_TOKENS[scheme] - 1]
+    packed = [interleave.repack(_case(rows_, cols, seed, scheme)[0], scheme) for seed in range(3)]
+    size = packed[0].nbytes
+    flat = interleave.aligned_empty(3 * size)
+    offsets = np.array([2 * size, 0, size], dtype=np.int64)
+    for matrix, at in zip(packed, offsets):
+        flat[at:at + size] = matrix.reshape(-1)
+    x = np.random.default_rng(7).standard_normal((sum(counts), cols)).astype(np.float32)
+    groups = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    out = np.full((len(x), rows_), np.nan, dtype=np.float32)
+    interleave.groups_product(interleave.SCHEMES.index(scheme), flat, offsets, packed[0].shape[1], x, groups, out)
+    for e in range(3):
+        tokens = slice(groups[e], groups[e + 1])
+        np.testing.assert_array_equal(out[tokens], interleave.matmul(x[tokens], packed[e], scheme))
+
+
 def _mapped_rss(path: str) -> int:
     """Bytes of this process's resident pages mapped from ``path`` (/proc/self/smaps)."""
     total, inside = 0, False

@@ -405,17 +405,26 @@ def test_a_token_alone_splits_as_among_others(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("scheme", ["q4_0", "q8_0", "mxfp4", "q4_k", "q4_k+q6_k"])
 @pytest.mark.parametrize("tokens", [1, 5, 24, 160])
-def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path):
+def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path, monkeypatch):
     """A layer whose experts are all q4_0 (or all q8_0, mxfp4, q4_k; or q4_k gate/up beside q6_k
     down, as Q4_K_M's), on a VNNI CPU, reads them from one copy with their rows interleaved
     (``runtime.interleave``; q6_k's copied as they are): one token through every path that
-    takes one (``rows.chosen_experts_token``, ``rows.pairs_token``), several through
-    ``interleave.matmul`` (q6_k's through the stored layout's products); each gives what the
-    stored layout's paths give, within the activations' rounding (those quantize per 256 from
-    LANES_MIN_TOKENS tokens an expert, the copy's block schemes' products per 32), and each
-    token alone what it gives in the batch."""
-    from ktc.runtime import vnni
+    takes one (``rows.chosen_experts_token``, ``rows.pairs_token``), a few each through
+    ``rows.experts_groups`` (24 tokens: 48 over 8 experts), more through ``interleave.matmul``
+    (q6_k's through the stored layout's products); each gives what the stored layout's paths
+    give, within the activations' rounding (those quantize per 256 from LANES_MIN_TOKENS tokens
+    an expert, the copy's block schemes' products per 32), and each token alone what it gives
+    in the batch."""
+    from ktc.runtime import rows, vnni
 
+    grouped: list[int] = []  # the gate/up kinds experts_groups was called with
+    groups_call = rows.experts_groups
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        grouped.append(int(args[3]))
+        return groups_call(*args)
+
+    monkeypatch.setattr(rows, "experts_groups", counted)
     if not vnni.HAVE_VNNI:
         pytest.skip("the interleaved copy needs AVX-512 VNNI")
     width = 256 if "q4_k" in scheme else 128  # q4_k: rows of whole super-blocks
@@ -436,6 +445,8 @@ def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path):
         copy.close()
         stored.close()
     assert one_call is not None and one_call[0] is copy.experts._interleaved[0]
+    if tokens == 24:  # the copy's few-token experts and the stored layout's each in one call
+        assert rows.INTERLEAVED[scheme.split("+")[0]] in grouped and rows.kind(scheme.split("+")[0]) in grouped
     if tokens > 24:
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
     else:
