@@ -68,6 +68,17 @@ def _use_numba_cache_dir() -> None:
 
 _use_numba_cache_dir()
 
+
+def kernels_cached() -> bool:
+    """Whether the compiled-kernel cache of these sources holds a one-token decode call's kernels
+    (``rows.experts_token``): False on the first CPU run after installing or updating ktc, which
+    compiles them first (two to three minutes on two Zen 4 cores), True where unknown (Numba's
+    cache not ktc's)."""
+    target = os.environ.get("NUMBA_CACHE_DIR")
+    if not target or not Path(target).name.startswith("ktc-"):
+        return True
+    return any(Path(target).glob("*/rows.experts_token-*.nbi"))
+
 if TYPE_CHECKING:
     from ktc.api import generate_gpu_experts_masks, load_model, plan
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from ktc import __version__
+from ktc import __version__, kernels_cached
 from ktc.errors import KtcError, Terminated, hold_signal, written_outputs
 from ktc.formats.schemes import SCHEMES
 
@@ -821,6 +821,11 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
             raise KtcError(f"{flag} puts experts in device memory; this run has no device",
                            hint="run with --device cuda on a machine where torch sees a GPU")
         prior = _bundle_profile(opened, cache_profile) if cache_profile else None
+    compiling = target is None and not kernels_cached()
+    if compiling:  # minutes without a word otherwise
+        click.echo(f"compiling ktc's CPU kernels for this machine (the first run after installing or updating ktc: "
+                   f"a few minutes; cached in {os.environ['NUMBA_CACHE_DIR']}); this run's speeds include it",
+                   err=True)
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer, cache_slots=cache_slots,
                      cache_prior=prior, prefetch=prefetch, prefill_offload=prefill_offload,
@@ -855,7 +860,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "text": result.text, "stopped": result.stopped,
            "prefill_tokens_per_s": result.prefill_tokens_per_s,
            "decode_tokens_per_s": result.decode_tokens_per_s, "ttft_s": result.ttft_seconds,
-           "load_s": load_seconds, "peak_rss_bytes": peak_rss_bytes(),
+           "load_s": load_seconds, "compiled_kernels": compiling, "peak_rss_bytes": peak_rss_bytes(),
            "threads": used_threads, "device": "cpu" if target is None else target, "device_bytes": device_bytes,
            "peak_device_bytes": peak_device, "plan_device_bytes": plan_bytes, "decode_steps": decode_steps,
            "decode_ms_per_token": 1e3 / result.decode_tokens_per_s if result.decode_tokens_per_s > 0 else None,

@@ -37,3 +37,17 @@ def test_numba_caches_under_a_directory_named_by_the_sources(tmp_path: Path) -> 
     assert Path(parent) == tmp_path / f"ktc-{ktc._source_key(ktc._source_roots())}"
     assert child == parent  # a child process keeps it (no directory inside it)
     assert (Path(parent) / "last-used").is_file()
+
+
+def test_kernels_cached_says_whether_a_decode_call_was_compiled_for_these_sources(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """``ktc run`` says it is compiling (minutes, silent otherwise) where the cache of these
+    sources holds no one-token decode call yet; nothing where the cache is not ktc's."""
+    target = tmp_path / "ktc-0123456789abcdef"
+    (target / "runtime_0a1b").mkdir(parents=True)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(target))
+    assert not ktc.kernels_cached()
+    (target / "runtime_0a1b" / "rows.experts_token-266.py311.nbi").write_bytes(b"")
+    assert ktc.kernels_cached()
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))  # a user's own cache: unknown
+    assert ktc.kernels_cached()
