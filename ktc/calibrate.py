@@ -204,22 +204,25 @@ def device_step(device: Any, bundle_path: str, *, rounds: int = 7, steps: int = 
 
 def calibrate(base: HardwareProfile, *, schemes: tuple[str, ...] | None = None, rounds: int = 5,
               bundles: list[str] | None = None, progress: Callable[[str], None] | None = None,
-              mapped: bool = True, kept: dict[Any, Any] | None = None) -> HardwareProfile:
+              mapped: bool = True, kept: dict[Any, Any] | None = None, interleave: bool = True) -> HardwareProfile:
     """``base`` with the CPU decode cost model's figures measured here (``schemes``: those
     only; ``bundles``: the probe models, made by ``probe_bundles`` already), and on a CUDA
     machine the device's: its bandwidths and its step's fixed cost (``device_step``). The
     kernels' rates are measured on weights read through a file's map beside the probe models, as
     ``ktc run`` reads a bundle; ``mapped=False``: from the process's memory, as ``ktc run
     --no-mmap`` reads it. ``kept``: the kernels' probes, kept from one call to the next
-    (``runtime.calibrate.scheme_bandwidths``): making them takes most of a call."""
+    (``runtime.calibrate.scheme_bandwidths``): making them takes most of a call. ``interleave``:
+    the schemes ``ktc run`` reads from interleaved copies on this CPU measured so (False: the
+    stored layout, as ``ktc run --no-interleave`` reads it)."""
     if bundles is None:
         with tempfile.TemporaryDirectory(prefix="ktc-calibrate-") as tmp:
             return calibrate(base, schemes=schemes, rounds=rounds, bundles=probe_bundles(tmp, progress),
-                             progress=progress, mapped=mapped, kept=kept)
+                             progress=progress, mapped=mapped, kept=kept, interleave=interleave)
     from ktc.runtime.calibrate import prefill_ops, scheme_bandwidths
 
     rates = scheme_bandwidths(schemes, rounds=rounds, progress=progress,
-                              mapped=os.path.dirname(os.path.abspath(bundles[0])) if mapped else None, kept=kept)
+                              mapped=os.path.dirname(os.path.abspath(bundles[0])) if mapped else None, kept=kept,
+                              interleave=interleave)
     if progress:
         progress("the batched products of a prompt's tokens")
     measured = replace(base, cpu_scheme_bandwidth=rates, cpu_prefill_ops=prefill_ops(rounds=rounds))

@@ -24,9 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from ktc.formats.kernel_args import read_only
 from ktc.formats.quantize import quantize
 from ktc.formats.schemes import SCHEMES, get_scheme
 
+from . import interleave as interleaving
 from . import kernels, rows, vnni
 
 # One layer's chosen experts (k, hidden, intermediate): Qwen3-30B-A3B's 8 small ones and
@@ -166,26 +168,49 @@ def scheme_rows(name: str, rows_: int, cols: int, seed: int = 0) -> np.ndarray:
     return np.ascontiguousarray(np.tile(made, (reps, 1))[:rows_])
 
 
+def interleaved(scheme: str, interleave: bool = True) -> bool:
+    """Whether ``ktc run`` (without ``--no-interleave``: ``interleave``) reads matrices of
+    ``scheme`` from copies with their rows interleaved on this CPU (``runtime.interleave``; those
+    whose shape allows it, ``interleave.fits``): what the probes then read too."""
+    return interleave and vnni.HAVE_VNNI and scheme in interleaving.SCHEMES
+
+
 class _ExpertsProbe:
     """Copies of one layer's chosen experts in ``scheme``, laid out as a bundle lays them out
     (gate/up then down, each at its byte offset in one file), enough copies to exceed the
     cache; ``run()`` sends one token through the next copy. ``shared``: another probe's file of
     the scheme, read as this one's experts where it holds enough bytes (whole blocks either way:
-    a scheme's probes then hold one working set, not one each)."""
+    a scheme's probes then hold one working set, not one each). With ``interleave``, the
+    matrices of a scheme that ``ktc run`` interleaves (``interleaved``) are read interleaved, as
+    its copies are (in the process's memory, not mapped), through the same one-token call."""
 
     def __init__(self, scheme: str, shape: tuple[int, int, int], working_set: int = WORKING_SET,
-                 shared: np.ndarray | None = None, mapped: str | None = None):
+                 shared: np.ndarray | None = None, mapped: str | None = None, interleave: bool = False):
         k, hidden, inter = shape
         gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set)
         self.bytes_per_call = k * per_expert
+        # (gate/up, down) read interleaved: a shared file's bytes are whole groups either way
+        which = (interleaved(scheme, interleave) and interleaving.fits(2 * inter, hidden, scheme),
+                 interleaved(scheme, interleave) and interleaving.fits(hidden, inter, scheme))
         if shared is not None and shared.nbytes >= k * copies * per_expert:
             self.file = shared
         else:
             gate_up = scheme_rows(scheme, 2 * inter, hidden)
             down = scheme_rows(scheme, hidden, inter, seed=1)
+            if which[0]:
+                gate_up = interleaving.repack(gate_up, scheme)
+            if which[1]:
+                down = interleaving.repack(down, scheme)
             self.file = np.tile(np.concatenate([gate_up.reshape(-1), down.reshape(-1)]), k * copies)
-            if mapped is not None:
+            if mapped is not None and not any(which):
                 self.file = mapped_copy(self.file, mapped)
+        self.tables = None  # the one-token call's kinds and bytes a row, where a matrix is read interleaved
+        if any(which):
+            row_bytes = get_scheme(scheme).matrix_bytes
+            self.tables = tuple(np.full(k, code, dtype=np.int64) for code in (
+                rows.INTERLEAVED[scheme] if which[0] else rows.kind(scheme), row_bytes(1, hidden),
+                rows.INTERLEAVED[scheme] if which[1] else rows.kind(scheme), row_bytes(1, inter)))
+            self.file = read_only(self.file[: self.file.nbytes // 4 * 4])  # a float32 view of it too
         starts = np.arange(k * copies, dtype=np.int64).reshape(copies, k) * per_expert
         self.offsets = [(s, s + gate_up_bytes) for s in starts]
         self.scheme, self.hidden, self.inter = scheme, hidden, inter
@@ -211,7 +236,14 @@ class _ExpertsProbe:
     def run(self) -> None:
         gu, dn = self.offsets[self.at]
         self.at = (self.at + 1) % len(self.offsets)
-        kernels.experts_token(self.file, self.scheme, gu, dn, self.hidden, self.inter, self.x, self.weights)
+        if self.tables is None:
+            kernels.experts_token(self.file, self.scheme, gu, dn, self.hidden, self.inter, self.x, self.weights)
+            return
+        gu_kinds, gu_rows, dn_kinds, dn_rows = self.tables
+        f16, e8m0 = vnni._tables()
+        rows.experts_token(self.file, self.file.view(np.float32), f16, e8m0, gu_kinds, gu, gu_rows, dn_kinds, dn,
+                           dn_rows, self.x, self.weights, self.inter, False, np.float32(7.0), np.float32(1.702),
+                           rows._NO_BIAS, False, rows._NO_BIAS, False, vnni.stamps())
 
 
 class _MatrixProbe:
@@ -219,19 +251,26 @@ class _MatrixProbe:
     ``rows`` of it (the next ones each call; by default as many as ``CALL_BYTES`` hold) by
     one vector (a projection, or ``lm_head``, in a decode step). ``shared``: the bytes of another
     probe of the scheme (``scheme_rows`` at ``MATRIX_COLS``) to read as this one's rows, instead
-    of its own: a scheme's probes then hold one working set, not one each (twice a 480 MiB L3)."""
+    of its own: a scheme's probes then hold one working set, not one each (twice a 480 MiB L3).
+    With ``interleave``, a scheme that ``ktc run`` interleaves (``interleaved``) is read from an
+    interleaved copy in the process's memory (not mapped), as its matrices are, in whole groups."""
 
     def __init__(self, scheme: str, working_set: int = WORKING_SET, rows: int | None = None,
-                 cols: int = MATRIX_COLS, shared: np.ndarray | None = None, mapped: str | None = None):
+                 cols: int = MATRIX_COLS, shared: np.ndarray | None = None, mapped: str | None = None,
+                 interleave: bool = False):
         row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
+        copied = interleaved(scheme, interleave)
         if shared is not None and shared.nbytes >= max(64, 2 * (rows or 0)) * row_bytes:
             # whole blocks either way: a row of ``cols`` is the next ``row_bytes`` bytes (for
             # int8, whose rows end in a scale, a scale read from codes: one multiply a row)
             flat = shared.reshape(-1)
             raw = flat[: flat.nbytes // row_bytes * row_bytes].reshape(-1, row_bytes)
         else:
-            raw = scheme_rows(scheme, max(64, working_set // row_bytes, 2 * (rows or 0)), cols)
-            if mapped is not None:
+            count = max(64, working_set // row_bytes, 2 * (rows or 0))
+            raw = scheme_rows(scheme, -(-count // 16) * 16 if copied else count, cols)
+            if copied and interleaving.fits(raw.shape[0], cols, scheme):
+                raw = read_only(interleaving.repack(raw, scheme))
+            elif mapped is not None:
                 raw = mapped_copy(raw, mapped).reshape(raw.shape)
         self.raw = raw
         plain = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}.get(scheme)
@@ -239,6 +278,9 @@ class _MatrixProbe:
             raw = raw.view(plain)
         if rows is None:  # lm_head's size: ``CALL_BYTES`` a call (the next ones of the whole)
             rows = max(1, min(raw.shape[0], min(CALL_BYTES, working_set // 4) // row_bytes))
+            if copied and rows > 16:
+                rows -= rows % 16  # whole groups
+        self.interleaved = copied and interleaving.fits(rows, cols, scheme)
         self.parts = [raw[at:at + rows] for at in range(0, raw.shape[0] - rows + 1, rows)]
         self.scales = [kernels.int8_row_scales(part, cols) if scheme == "int8" else None
                        for part in self.parts]
@@ -252,7 +294,10 @@ class _MatrixProbe:
     def run(self) -> None:
         at = self.at
         self.at = (at + 1) % len(self.parts)
-        kernels.matvec(self.parts[at], self.scheme, self.x, self.out, self.scales[at])
+        if self.interleaved:
+            interleaving.matvec(self.parts[at], self.scheme, self.x, self.out)
+        else:
+            kernels.matvec(self.parts[at], self.scheme, self.x, self.out, self.scales[at])
 
 
 def _median_seconds(probes: dict[Any, Any], rounds: int, calls: int) -> dict[Any, float]:
@@ -275,7 +320,8 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
                       working_set: int | None = None, shapes: tuple[tuple[int, int, int], ...] = EXPERT_SHAPES,
                       matrix_calls: tuple[tuple[int | None, int], ...] = MATRIX_CALLS,
                       progress: Callable[[str], None] | None = None,
-                      mapped: str | None = None, kept: dict[Any, Any] | None = None) -> dict[str, dict[str, float]]:
+                      mapped: str | None = None, kept: dict[Any, Any] | None = None,
+                      interleave: bool = True) -> dict[str, dict[str, float]]:
     """``{"experts": {scheme: bytes/s}, "experts_call_seconds": {scheme: s}, "experts_call_bytes":
     {scheme: bytes}, and the same three of "matrix"}``: what the one-token kernels reach on this
     machine (see the module's docstring) through the fused experts call (fitted over calls at
@@ -288,7 +334,10 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
     ``ktc run`` reads a bundle; None: from the process's own memory (``ktc run --no-mmap``).
     ``kept``: probes made by an earlier call with the same arguments, by key, measured again
     instead of made again (making them, hundreds of MiB a scheme written and read afresh, takes
-    most of a call); those made here are added to it (its holder keeps their memory)."""
+    most of a call); those made here are added to it (its holder keeps their memory).
+    ``interleave``: the schemes ``ktc run`` reads from interleaved copies on this CPU
+    (``interleaved``) are measured so, from the process's memory (``mapped`` applies to the
+    others); False measures the stored layout, as ``ktc run --no-interleave`` reads it."""
     names = tuple(cpu_schemes() if schemes is None else schemes)
     working_set = working_set or probe_bytes()
     result: dict[str, dict[str, float]] = {f"{path}{part}": {} for path in ("experts", "matrix")
@@ -304,7 +353,7 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
             shared = None
             for i in sorted(range(len(shapes)), key=lambda i: -_ExpertsProbe.bytes_needed(n, shapes[i], working_set)):
                 probes[n, i] = _kept(kept, ("experts", n, i),
-                                     lambda: _ExpertsProbe(n, shapes[i], working_set, shared, mapped))
+                                     lambda: _ExpertsProbe(n, shapes[i], working_set, shared, mapped, interleave))
                 shared = probes[n, i].file if shared is None else shared
         seconds = _median_seconds(probes, rounds, calls)
         for n in group:
@@ -320,7 +369,7 @@ def scheme_bandwidths(schemes: Iterable[str] | None = None, *, rounds: int = 5, 
             shared = None
             for i, (call_rows, cols) in enumerate(matrix_calls):
                 probes[n, i] = _kept(kept, ("matrix", n, i),
-                                     lambda: _MatrixProbe(n, working_set, call_rows, cols, shared, mapped))
+                                     lambda: _MatrixProbe(n, working_set, call_rows, cols, shared, mapped, interleave))
                 if cols == MATRIX_COLS and shared is None:
                     shared = probes[n, i].raw
         seconds = _median_seconds(probes, rounds, calls)

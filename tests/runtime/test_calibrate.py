@@ -189,3 +189,33 @@ def test_the_device_steps_fixed_cost_on_torchs_cpu_device(tmp_path, monkeypatch)
     assert 0.0 <= seconds < 0.5
     steps = (1 + 2) * 8  # the warm-up round and two timed ones
     assert seen == [(steps, steps, 0)]  # one hit and one miss a step; nothing copied after the load
+
+
+@pytest.mark.skipif(not calibrate.interleaved("q4_0"), reason="ktc run interleaves nothing on this CPU (no VNNI)")
+@pytest.mark.parametrize("scheme", ["q4_0", "q4_k"])
+def test_probes_read_interleaved_copies_where_ktc_run_does(scheme):
+    """With ``interleave`` (``scheme_bandwidths``' default), a scheme that ``ktc run`` reads
+    from interleaved copies is measured so: the experts' file holds the scheme's rows
+    interleaved and the one-token call reads them as the interleaved kinds; a matrix's parts
+    are interleaved copies of valid rows, multiplied by ``interleave.matvec`` (what the stored
+    rows give, within the float order). Without it, or for int8, the stored layout."""
+    from ktc.runtime import interleave, kernels, rows
+
+    shape = (4, 256, 512)
+    probe = calibrate._ExpertsProbe(scheme, shape, 1 << 22, interleave=True)
+    assert probe.tables is not None and probe.tables[0][0] == probe.tables[2][0] == rows.INTERLEAVED[scheme]
+    gate_up_bytes = get_scheme(scheme).matrix_bytes(2 * shape[2], shape[1])
+    first = np.asarray(probe.file[:gate_up_bytes]).reshape(2 * shape[2], -1)
+    np.testing.assert_array_equal(interleave.unpack(first, scheme), calibrate.scheme_rows(scheme, 2 * shape[2],
+                                                                                           shape[1]))
+    probe.run()
+    assert calibrate._ExpertsProbe(scheme, shape, 1 << 22).tables is None
+    assert calibrate._ExpertsProbe("int8", shape, 1 << 22, interleave=True).tables is None
+
+    matrix = calibrate._MatrixProbe(scheme, 1 << 22, None, 1024, interleave=True)
+    assert matrix.interleaved and matrix.rows_per_call % interleave.GROUP == 0
+    matrix.run()
+    stored = interleave.unpack(matrix.parts[0], scheme)
+    want = kernels.matvec(stored, scheme, matrix.x)
+    np.testing.assert_allclose(matrix.out, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert not calibrate._MatrixProbe(scheme, 1 << 22, None, 1024).interleaved
