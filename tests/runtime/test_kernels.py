@@ -1010,6 +1010,7 @@ def test_no_vnni_kernels_for_another_compile_target():
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
 
 
+@pytest.mark.slow  # 80-95 s here, most of it compiling the kernels again in a cache of their own
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 def test_q4_blocks_read_either_way(tmp_path):
     """q4_0's and iq4_nl's four blocks a step are read in two 64-byte loads and permutes or in
