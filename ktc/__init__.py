@@ -79,6 +79,7 @@ def kernels_cached() -> bool:
         return True
     return any(Path(target).glob("*/rows.experts_token-*.nbi"))
 
+
 if TYPE_CHECKING:
     from ktc.api import generate_gpu_experts_masks, load_model, plan
 
