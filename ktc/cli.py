@@ -1312,6 +1312,9 @@ def demo(out: str | None, vram: str, as_json: bool) -> None:
     result, compiled, bundle_path = plan_and_compile(None, "demo")
     from ktc.runtime.bench import bench_bundle
 
+    if not kernels_cached():  # the bench compiles them: minutes without a word otherwise
+        say("\n(compiling ktc's CPU kernels for this machine first: a few minutes, once after installing or "
+            "updating ktc)")
     ran = bench_bundle(bundle_path, tokens=(1, 16), steps=3)
     say(f"\n$ ktc bench {bundle_path} --tokens 1,16")
     for count, figures in ran["tokens"].items():
