@@ -190,8 +190,9 @@ class _ExpertsProbe:
         gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set)
         self.bytes_per_call = k * per_expert
         # (gate/up, down) read interleaved: a shared file's bytes are whole groups either way
-        which = (interleaved(scheme, interleave) and interleaving.fits(2 * inter, hidden, scheme),
-                 interleaved(scheme, interleave) and interleaving.fits(hidden, inter, scheme))
+        copied = interleaved(scheme, interleave)
+        which = (copied and interleaving.fits(2 * inter, hidden, scheme),
+                 copied and interleaving.fits(hidden, inter, scheme))
         if shared is not None and shared.nbytes >= k * copies * per_expert:
             self.file = shared
         else:
@@ -204,13 +205,16 @@ class _ExpertsProbe:
             self.file = np.tile(np.concatenate([gate_up.reshape(-1), down.reshape(-1)]), k * copies)
             if mapped is not None and not any(which):
                 self.file = mapped_copy(self.file, mapped)
-        self.tables = None  # the one-token call's kinds and bytes a row, where a matrix is read interleaved
+        # where a matrix is read interleaved: the one-token call's kinds and bytes a row (tables),
+        # and its file, the file's float32 view and the value tables (made once, not each call)
+        self.tables = None
         if any(which):
             row_bytes = get_scheme(scheme).matrix_bytes
             self.tables = tuple(np.full(k, code, dtype=np.int64) for code in (
                 rows.INTERLEAVED[scheme] if which[0] else rows.kind(scheme), row_bytes(1, hidden),
                 rows.INTERLEAVED[scheme] if which[1] else rows.kind(scheme), row_bytes(1, inter)))
-            self.file = read_only(self.file[: self.file.nbytes // 4 * 4])  # a float32 view of it too
+            self.file = read_only(self.file[: self.file.nbytes // 4 * 4])
+            self._call = (self.file, self.file.view(np.float32), *vnni._tables())
         starts = np.arange(k * copies, dtype=np.int64).reshape(copies, k) * per_expert
         self.offsets = [(s, s + gate_up_bytes) for s in starts]
         self.scheme, self.hidden, self.inter = scheme, hidden, inter
@@ -240,10 +244,9 @@ class _ExpertsProbe:
             kernels.experts_token(self.file, self.scheme, gu, dn, self.hidden, self.inter, self.x, self.weights)
             return
         gu_kinds, gu_rows, dn_kinds, dn_rows = self.tables
-        f16, e8m0 = vnni._tables()
-        rows.experts_token(self.file, self.file.view(np.float32), f16, e8m0, gu_kinds, gu, gu_rows, dn_kinds, dn,
-                           dn_rows, self.x, self.weights, self.inter, False, np.float32(7.0), np.float32(1.702),
-                           rows._NO_BIAS, False, rows._NO_BIAS, False, vnni.stamps())
+        rows.experts_token(*self._call, gu_kinds, gu, gu_rows, dn_kinds, dn, dn_rows, self.x, self.weights,
+                           self.inter, False, np.float32(7.0), np.float32(1.702), rows._NO_BIAS, False, rows._NO_BIAS,
+                           False, vnni.stamps())
 
 
 class _MatrixProbe:
