@@ -121,8 +121,8 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
 
 
 class KernelClock:
-    """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the compiled
-    one-token expert calls, which include the activations' quantization and the activation
+    """Seconds spent in ktc's kernels (the matrix-vector and multi-expert kernels, the products of
+    the interleaved copies, the compiled one-token expert calls, which include the activations' quantization and the activation
     function, the GEMMs and decoders of the batched paths, the embedding row decode, the fast
     decode step's compiled layer calls, or its one call of every layer, with the few lines of
     Python around each, and its MoE call where the layer is not one call) and in torch's
@@ -176,11 +176,15 @@ class KernelClock:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from ktc.runtime import fast_decode, kernels, moe, rows, vnni
+        from ktc.runtime import fast_decode, interleave, kernels, moe, rows, vnni
         from ktc.runtime.linear import BundleEmbedding
 
         for name in ("matvec", "_int8_rows_many", "_int8_gemm", "_bf16_gemm", "matmul_t", "decode"):
             setattr(kernels, name, self.wrap(getattr(kernels, name)))
+        # the interleaved copies' products (q4_0, q8_0, mxfp4 and q4_k matrices on a VNNI CPU: the
+        # output matrix's one-token product of a decode step among them)
+        for name in ("matvec", "matmul"):
+            setattr(interleave, name, self.wrap(getattr(interleave, name)))
         setattr(vnni, "rows_many", self.wrap(vnni.rows_many))
         for name in ("token", "chosen_experts_token"):
             setattr(rows, name, self.wrap(getattr(rows, name)))
