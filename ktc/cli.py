@@ -766,7 +766,7 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
               help=_NO_MMAP_HELP + " Refused for a plan that keeps experts on disk.")
 @click.option("--no-interleave", "no_interleave", is_flag=True,
               help="On the CPU, multiply q4_0, q8_0, mxfp4 and q4_k matrices (attention, output, the experts of "
-                   "layers whose experts share one scheme) in the "
+                   "layers whose experts share one scheme; int8 experts too, whose copies are q8_0's) in the "
                    "bundle's own layout, not from copies made at load with their rows interleaved 16 at a time "
                    "(as llama.cpp's --repack 0): the copies' products are faster; they take the load a copy's "
                    "time, and the map's pages of what they copied are released.")
@@ -790,7 +790,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
       ktc run qwen.ktb --prompt-file long.txt -n 64 --device cuda --json
       ktc run qwen.ktb -p "Once upon a time" --device cuda --cache-slots 4 --cache-profile profile.json
       ktc run cpu.ktb -p "Once upon a time" --no-mmap       # weights read into memory first
-      ktc run q4_0.ktb -p "Once upon a time" --no-interleave  # q4_0/q8_0/mxfp4/q4_k rows as stored
+      ktc run q4_0.ktb -p "Once upon a time" --no-interleave  # q4_0/q8_0/mxfp4/q4_k (int8 experts') rows as stored
     """
     from ktc.formats.bundle import open_bundle
     from ktc.runtime.generate import Sampling, encode_prompt, generate, peak_device_bytes, peak_rss_bytes

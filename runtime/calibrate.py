@@ -181,14 +181,20 @@ class _ExpertsProbe:
     cache; ``run()`` sends one token through the next copy. ``shared``: another probe's file of
     the scheme, read as this one's experts where it holds enough bytes (whole blocks either way:
     a scheme's probes then hold one working set, not one each). With ``interleave``, the
-    matrices of a scheme that ``ktc run`` interleaves (``interleaved``) are read interleaved, as
-    its copies are (in the process's memory, not mapped), through the same one-token call."""
+    matrices of a scheme that ``ktc run`` interleaves (``interleaved``; int8 experts as q8_0's)
+    are read interleaved, as its copies are (in the process's memory, not mapped), through the
+    same one-token call."""
 
     def __init__(self, scheme: str, shape: tuple[int, int, int], working_set: int = WORKING_SET,
                  shared: np.ndarray | None = None, mapped: str | None = None, interleave: bool = False):
         k, hidden, inter = shape
+        # ``ktc run`` reads int8 experts from copies in q8_0's layout (``interleave.COPIES``): the
+        # probe reads such copies, its rate over int8's bytes
+        stored = scheme
+        if scheme in interleaving.COPIES and interleaved(interleaving.copy_scheme(scheme), interleave):
+            scheme = interleaving.copy_scheme(scheme)
         gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set)
-        self.bytes_per_call = k * per_expert
+        self.bytes_per_call = k * self._layout(stored, shape, working_set)[1]
         # (gate/up, down) read interleaved: a shared file's bytes are whole groups either way
         copied = interleaved(scheme, interleave)
         which = (copied and interleaving.fits(2 * inter, hidden, scheme),

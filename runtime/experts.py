@@ -130,7 +130,8 @@ class ExpertSet:
     device's (by default the creating thread's, less one where that leaves three or more).
     ``interleave``: without a device, a layer whose experts share one scheme on a VNNI CPU reads
     them from one copy with the rows of their q4_0, q8_0, mxfp4 and q4_k matrices interleaved
-    (``runtime.interleave``; the others, Q4_K_M's q6_k down rows, copied as they are; made here,
+    (``runtime.interleave``; int8's as q8_0 blocks, each with its row's scale in fp16, where every
+    scale allows it; the others, Q4_K_M's q6_k down rows, copied as they are; made here,
     the experts' size again in memory, the map's pages of them released: ``Bundle.release``),
     unless the plan keeps experts on disk; False reads the bundle's own layout.
     """
@@ -200,10 +201,8 @@ class ExpertSet:
         if interleave and device is None and self._fused is not None and len(schemes) == 1 and vnni.HAVE_VNNI \
                 and not disk_tier(bundle):
             gu_part, dn_part = (part.name for part in expert_schemes(next(iter(schemes))))
-            which = (gu_part in interleaving.SCHEMES and interleaving.fits(2 * self.intermediate_size,
-                                                                           self.hidden_size, gu_part),
-                     dn_part in interleaving.SCHEMES and interleaving.fits(self.hidden_size,
-                                                                           self.intermediate_size, dn_part))
+            which = (self._copies(gu_part, 2 * self.intermediate_size, self.hidden_size, "gate_up"),
+                     self._copies(dn_part, self.hidden_size, self.intermediate_size, "down"))
             if any(which):
                 self._interleaved = self._interleave(which)
                 for e in self.cpu:  # the map's pages of them are no longer read
@@ -254,27 +253,43 @@ class ExpertSet:
                                          initializer=_numba_threads, initargs=(cpu_threads,))
                       if self._on_device else None)
 
+    def _copies(self, scheme: str, rows: int, cols: int, matrix: str) -> bool:
+        """Whether the CPU experts' ``matrix`` ("gate_up", "down") of ``scheme`` are read from an
+        interleaved copy (int8's where every row scale allows it, ``interleave.int8_copies``)."""
+        if interleaving.copy_scheme(scheme) not in interleaving.SCHEMES or not interleaving.fits(rows, cols, scheme):
+            return False
+        return scheme not in interleaving.COPIES or all(interleaving.int8_copies(getattr(ex, matrix))
+                                                        for ex in self.cpu.values())
+
+    def _copy_shape(self, matrix: np.ndarray, scheme: str, interleaved: bool) -> tuple[int, int]:
+        """The shape of ``matrix``'s place in the copy (int8's copy rows are q8_0's)."""
+        rows, row_bytes = matrix.shape
+        if not interleaved:
+            return rows, row_bytes
+        cols = row_bytes - 4 if scheme in interleaving.COPIES else 0
+        return rows, interleaving.copy_row_bytes(cols, scheme, row_bytes)
+
     def _interleave(self, which: tuple[bool, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[bool, bool]]:
         """Every CPU expert's gate/up and down matrices in one read-only copy, each interleaved
         (``interleave.repack``) where ``which`` says so (gate/up, down) and as it is otherwise
         (Q4_K_M's q6_k down rows beside q4_k gate/up), their byte offsets in it (-1 for an expert
         not on the CPU), and ``which``."""
         first = next(iter(self.cpu.values()))
-        gu_bytes, dn_bytes = first.gate_up.nbytes, first.down.nbytes
-        copy = interleaving.aligned_empty(len(self.cpu) * (gu_bytes + dn_bytes))
+        parts = tuple(part.name for part in expert_schemes(first.scheme))
+        shapes = [self._copy_shape(m, part, flag) for m, part, flag in zip((first.gate_up, first.down), parts, which)]
+        copy = interleaving.aligned_empty(len(self.cpu) * sum(rows * row_bytes for rows, row_bytes in shapes))
         gu = np.full(self.num_experts, -1, dtype=np.int64)
         dn = np.full(self.num_experts, -1, dtype=np.int64)
         at = 0
         for e, ex in sorted(self.cpu.items()):
-            for matrix, offsets, part, interleaved in zip((ex.gate_up, ex.down), (gu, dn), expert_schemes(ex.scheme),
-                                                          which):
-                target = copy[at:at + matrix.nbytes].reshape(matrix.shape)
+            for matrix, offsets, part, interleaved, shape in zip((ex.gate_up, ex.down), (gu, dn), parts, which, shapes):
+                target = copy[at:at + shape[0] * shape[1]].reshape(shape)
                 if interleaved:
-                    interleaving.repack(matrix, part.name, out=target)
+                    interleaving.repack(matrix, part, out=target)
                 else:
                     target[...] = matrix
                 offsets[e] = at
-                at += matrix.nbytes
+                at += target.nbytes
         return read_only(copy), gu, dn, which
 
     def _interleaved_forward(self, e: int, x: np.ndarray) -> np.ndarray:
@@ -283,9 +298,12 @@ class ExpertSet:
         as the stored layout's, over the rows put back a chunk at a time)."""
         copy, gu, dn, which = self._interleaved  # type: ignore[misc]
         ex = self.cpu[e]
-        parts = tuple(part.name for part in expert_schemes(ex.scheme))
-        gate_up = copy[gu[e]:gu[e] + ex.gate_up.nbytes].reshape(ex.gate_up.shape)
-        down = copy[dn[e]:dn[e] + ex.down.nbytes].reshape(ex.down.shape)
+        stored = tuple(part.name for part in expert_schemes(ex.scheme))
+        shapes = [self._copy_shape(m, part, flag) for m, part, flag in zip((ex.gate_up, ex.down), stored, which)]
+        gate_up = copy[gu[e]:gu[e] + shapes[0][0] * shapes[0][1]].reshape(shapes[0])
+        down = copy[dn[e]:dn[e] + shapes[1][0] * shapes[1][1]].reshape(shapes[1])
+        # the copy's schemes (int8's interleaved rows are q8_0's)
+        parts = tuple(interleaving.copy_scheme(part) if flag else part for part, flag in zip(stored, which))
         if (len(x) >= interleaving.K_LANES_MIN_TOKENS and self.activation in ("silu", "swiglu_clamped")
                 and all(part in interleaving.K_SCHEMES for part, flag in zip(parts, which) if flag)):
             return expert_forward_batch(gate_up, down, ex.scheme, x, activation=self.activation,
@@ -738,6 +756,10 @@ class ExpertSet:
         gu_names, dn_names = tuple(p[0].name for p in pairs), tuple(p[1].name for p in pairs)
         tables = None
         if all(rows.kind(name) is not None for name in gu_names + dn_names):
+            if self._interleaved is not None:  # the copy's schemes (int8's interleaved rows are q8_0's)
+                which = self._interleaved[3]
+                gu_names = tuple(interleaving.copy_scheme(n) for n in gu_names) if which[0] else gu_names
+                dn_names = tuple(interleaving.copy_scheme(n) for n in dn_names) if which[1] else dn_names
             gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
             dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
             if self._interleaved is not None:  # the copy, its offsets, its kinds (rows of the schemes' sizes)

@@ -480,7 +480,7 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     refused for a plan that keeps experts on disk (they are there because RAM cannot hold them).
     ``interleave``: on the CPU, q4_0, q8_0, mxfp4 and q4_k matrices (attention, the output matrix,
     and the experts of layers whose experts share one scheme where nothing runs on a device and
-    none are on disk) are
+    none are on disk; int8 experts too, as q8_0 blocks) are
     multiplied from copies with their rows interleaved (``runtime.interleave``, as llama.cpp's
     ``--repack``), made at load; False reads them in the bundle's own layout.
     """

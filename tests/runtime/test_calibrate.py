@@ -198,7 +198,9 @@ def test_probes_read_interleaved_copies_where_ktc_run_does(scheme):
     from interleaved copies is measured so: the experts' file holds the scheme's rows
     interleaved and the one-token call reads them as the interleaved kinds; a matrix's parts
     are interleaved copies of valid rows, multiplied by ``interleave.matvec`` (what the stored
-    rows give, within the float order). Without it, or for int8, the stored layout."""
+    rows give, within the float order). Without it, the stored layout. int8 experts are read
+    from copies in q8_0's layout (``interleave.COPIES``), their rate over int8's bytes; an int8
+    matrix (a projection's) from its stored rows."""
     from ktc.runtime import interleave, kernels, rows
 
     shape = (4, 256, 512)
@@ -210,7 +212,12 @@ def test_probes_read_interleaved_copies_where_ktc_run_does(scheme):
                                                                                            shape[1]))
     probe.run()
     assert calibrate._ExpertsProbe(scheme, shape, 1 << 22).tables is None
-    assert calibrate._ExpertsProbe("int8", shape, 1 << 22, interleave=True).tables is None
+    int8 = calibrate._ExpertsProbe("int8", shape, 1 << 22, interleave=True)
+    assert int8.tables is not None and int8.tables[0][0] == int8.tables[2][0] == rows.INTERLEAVED["q8_0"]
+    assert int8.bytes_per_call == shape[0] * sum(get_scheme("int8").matrix_bytes(r, c)
+                                                 for r, c in ((2 * shape[2], shape[1]), (shape[1], shape[2])))
+    int8.run()
+    assert not calibrate._MatrixProbe("int8", 1 << 22, None, 1024, interleave=True).interleaved
 
     matrix = calibrate._MatrixProbe(scheme, 1 << 22, None, 1024, interleave=True)
     assert matrix.interleaved and matrix.rows_per_call % interleave.GROUP == 0

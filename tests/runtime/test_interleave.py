@@ -265,3 +265,33 @@ def test_release_drops_a_copied_tensor_s_pages_from_the_process(tmp_path):
         assert whole >= 64 * 1024 and before - after >= whole
         assert np.array_equal(view, want)
         assert _mapped_rss(path) > after
+
+
+@pytest.mark.parametrize("shape", [(16, 128), (48, 2048)])
+def test_int8_rows_are_copied_as_q8_0_blocks_with_their_row_scale(shape):
+    """int8 rows (codes, then a float32 scale) go into q8_0's interleaved layout: each block of 32
+    codes after the row's scale in fp16, so the copy unpacks to those q8_0 rows; a one-token
+    product from it gives the stored int8 rows' within the scale's fp16 rounding (2^-11 of a
+    row's product). A row scale outside fp16's normal numbers (a row of tiny weights) is not
+    copied (``int8_copies``)."""
+    rows, cols = shape
+    raw, x = _case(rows, cols, 11, "int8")
+    as_q8 = interleave.int8_as_q8_0(raw)
+    assert as_q8.shape == (rows, cols // 32 * 34)
+    scales = raw[:, cols:].copy().view(np.float32)[:, 0]
+    blocks = as_q8.reshape(rows, cols // 32, 34)
+    np.testing.assert_array_equal(blocks[..., :2].copy().view(np.float16)[..., 0],
+                                  np.repeat(scales.astype(np.float16)[:, None], cols // 32, axis=1))
+    np.testing.assert_array_equal(blocks[..., 2:].reshape(rows, cols), raw[:, :cols])
+    copy = interleave.repack(raw, "int8")
+    np.testing.assert_array_equal(interleave.unpack(copy, "q8_0"), as_q8)
+    assert interleave.int8_copies(raw)
+    if vnni.HAVE_VNNI:
+        got = interleave.matvec(copy, "q8_0", x)
+        codes = raw[:, :cols].view(np.int8).astype(np.float64)
+        xq, dx, _ = vnni.quantize_activations(x, 32)
+        want = scales * ((codes * xq).reshape(rows, cols // 32, 32).sum(axis=2) * dx).sum(axis=1)
+        np.testing.assert_allclose(got, want, rtol=0, atol=6e-4 * np.abs(want).max())
+    tiny = raw.copy()
+    tiny[3, cols:] = np.array([1e-6], np.float32).view(np.uint8)
+    assert not interleave.int8_copies(tiny)
