@@ -264,10 +264,7 @@ class ExpertSet:
     def _copy_shape(self, matrix: np.ndarray, scheme: str, interleaved: bool) -> tuple[int, int]:
         """The shape of ``matrix``'s place in the copy (int8's copy rows are q8_0's)."""
         rows, row_bytes = matrix.shape
-        if not interleaved:
-            return rows, row_bytes
-        cols = row_bytes - 4 if scheme in interleaving.COPIES else 0
-        return rows, interleaving.copy_row_bytes(cols, scheme, row_bytes)
+        return rows, interleaving.copy_row_bytes(scheme, row_bytes) if interleaved else row_bytes
 
     def _interleave(self, which: tuple[bool, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[bool, bool]]:
         """Every CPU expert's gate/up and down matrices in one read-only copy, each interleaved

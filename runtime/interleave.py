@@ -138,10 +138,10 @@ def int8_as_q8_0(raw: np.ndarray) -> np.ndarray:
     return out.reshape(rows, cols // 32 * 34)
 
 
-def copy_row_bytes(cols: int, scheme: str, row_bytes: int) -> int:
-    """Bytes a row of the interleaved copy of ``scheme``'s rows of ``cols`` values (``row_bytes``
-    bytes a row as stored)."""
-    return cols // 32 * LAYOUTS["q8_0"].block if scheme in COPIES else row_bytes
+def copy_row_bytes(scheme: str, row_bytes: int) -> int:
+    """Bytes a row of the interleaved copy of ``scheme``'s rows of ``row_bytes`` bytes (int8's:
+    its codes as q8_0's blocks)."""
+    return (row_bytes - 4) // 32 * LAYOUTS["q8_0"].block if scheme in COPIES else row_bytes
 
 
 def _layout(scheme: str) -> Layout:
@@ -177,9 +177,9 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
     row_bytes]) where given. int8 rows go into q8_0's layout (``int8_as_q8_0``: their copy's
     rows are ``copy_row_bytes`` long)."""
     if scheme in COPIES:
-        rows, cols = raw.shape[0], raw.shape[1] - 4
+        rows = raw.shape[0]
         if out is None:
-            out = aligned_empty(rows * copy_row_bytes(cols, scheme, 0)).reshape(rows, -1)
+            out = aligned_empty(rows * copy_row_bytes(scheme, raw.shape[1])).reshape(rows, -1)
         step = max(GROUP, rows_at_once // GROUP * GROUP)
         for first in range(0, rows, step):  # a chunk of rows at a time, as below
             repack(int8_as_q8_0(raw[first:first + step]), COPIES[scheme], rows_at_once, out[first:first + step])
