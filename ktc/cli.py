@@ -1155,7 +1155,8 @@ def doctor(as_json: bool, write_profile: str | None, calibrate: bool, no_mmap: b
 
     With --calibrate, also time ktc's one-token kernels at every CPU scheme (through the fused
     experts call and a matrix-vector product, over more bytes than the caches hold; q4_0, q8_0,
-    mxfp4 and q4_k from interleaved copies on a VNNI CPU, as ktc run reads them), three
+    mxfp4 and q4_k, and int8's experts, from interleaved copies on a VNNI CPU, as ktc run reads
+    them), three
     small probe models (the fixed cost of a decoder layer and of a token beside their bytes,
     and how a token's grows with the vocabulary) and, with CUDA, the GPU's read bandwidth and
     uploads from pinned memory: ktc plan uses the rates, and ktc run --hardware FILE predicts a
