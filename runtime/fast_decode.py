@@ -9,8 +9,10 @@ the step itself, one compiled call a layer where the projections and experts tak
 kernels (``_moe_layer_token``; two where the experts do not, a few more elsewhere): RMSNorm,
 the projections through ktc's kernels (the same ``HostLinear`` weights), query/key norms, the
 rotary embedding (cos and sin from the model's own rotary module, kept by blocks of positions),
-the keys and values into the same preallocated KV cache, attention over the cache, and the MoE
-block through ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``). Prefill
+the keys and values into the same preallocated KV cache, attention over the cache (with gpt-oss's
+sinks: a logit a head that takes part in the softmax and attends to nothing), the projections'
+biases where a model has them (gpt-oss), and the MoE block through ``runtime.moe.MoELayer``'s
+routing and experts (the same ``ExpertSet``). Prefill
 stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
 against transformers' own steps, family by family.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,11 +37,18 @@ from .projections import Projections, stack_token
 # transformers model types whose decoder layer ``FastDecode`` computes: pre-norm RMSNorm,
 # grouped-query attention with rotate-half rotary embeddings (Qwen3: RMSNorm on each head's
 # queries and keys; OLMoE: on all the queries and all the keys at once, then clipped where the
-# config says), softmax top-k routing; dense MLP layers too (Qwen3's mlp_only_layers). Each
-# with where its attention's sliding window comes from: Mixtral's attention passes the
-# config's, Qwen3's keeps its own (None where its layers attend to everything), OLMoE has none.
-FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention"}
+# config says; gpt-oss: none, but biased projections and a sink logit a head), softmax top-k
+# routing (gpt-oss's softmax over the top k logits is the same weights); dense MLP layers too
+# (Qwen3's mlp_only_layers). Each with where its attention's sliding window comes from:
+# Mixtral's attention passes the config's, Qwen3's and gpt-oss's keep their own (None where a
+# layer attends to everything; gpt-oss alternates), OLMoE has none.
+FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention"}
+# Families whose rotary module gives cos and sin for half a head (gpt-oss: each value j < D/2
+# turns with j + D/2 by angle j): their tables are widened to the head by repeating them, the
+# rotate-half form the steps compute.
+HALF_ROTARY = ("gpt_oss",)
 _ROTARY_BLOCK = 256  # positions of rotary cos/sin computed at once
+_NONE = np.zeros(0, np.float32)  # a layer's biases or sinks where it has none
 
 
 class _Unsupported(Exception):
@@ -74,6 +83,11 @@ class _Layer:
     post_norm: _Norm
     moe: MoELayer | None
     mlp: tuple[Any, Any, Any] | None  # gate, up, down of a dense layer
+    # float32 arrays, empty where the model has none: the query, key and value projections'
+    # biases one after another, the output projection's, the attention sinks (one a query head)
+    qkv_bias: np.ndarray = field(default_factory=lambda: _NONE)
+    o_bias: np.ndarray = field(default_factory=lambda: _NONE)
+    sinks: np.ndarray = field(default_factory=lambda: _NONE)
     compiled: tuple | None = None  # type: ignore[type-arg]  # _attention_token's arguments, where it runs
 
 
@@ -97,6 +111,15 @@ def _norm(module: Any, size: int) -> _Norm:
     if weight is None or eps is None or tuple(weight.shape) != (size,) or not type(module).__name__.endswith("RMSNorm"):
         raise _Unsupported(f"norm {type(module).__name__}")
     return _Norm(np.ascontiguousarray(weight.detach().float().numpy()), np.float32(eps))
+
+
+def _biases(*linears: Any) -> np.ndarray:
+    """The biases of ``linears`` (``HostLinear``) one after another, float32; empty where none
+    has one (a zero bias for a matrix without one where another has)."""
+    if all(lin.bias is None for lin in linears):
+        return _NONE
+    return np.concatenate([np.zeros(lin.out_features, np.float32) if lin.bias is None
+                           else lin.bias.detach().float().numpy().reshape(-1) for lin in linears]).astype(np.float32)
 
 
 def _host(module: Any) -> Any:
@@ -131,6 +154,7 @@ class FastDecode:
         # rope types whose cos and sin depend on the position alone (dynamic scaling and
         # longrope also look at the sequence length): those are kept by blocks of positions
         self._rotary_static = getattr(self.rotary, "rope_type", None) in ("default", "linear", "llama3", "yarn")
+        self._half_rotary = config.model_type in HALF_ROTARY
         self._rotary_tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         hidden = int(config.hidden_size)
         self.norm = _norm(inner.norm, hidden)
@@ -164,7 +188,8 @@ class FastDecode:
         buffer = getattr(cache, "key_buffer", None)
         if buffer is None or buffer.dtype != torch.float32 or (buffer.shape[1], buffer.shape[3]) != (kv_heads, head_dim):
             raise _Unsupported("KV cache")
-        if getattr(attn, "sinks", None) is not None or heads % kv_heads:
+        sinks = getattr(attn, "sinks", None)
+        if heads % kv_heads or (sinks is not None and tuple(sinks.shape) != (heads,)):
             raise _Unsupported("attention")
         q_norm = getattr(attn, "q_norm", None)
         whole = q_norm is not None and tuple(q_norm.weight.shape) == (heads * head_dim,) and heads > 1
@@ -190,7 +215,9 @@ class FastDecode:
                       kv_heads, head_dim, float(attn.scaling),
                       int(window) if window else None, cache, cache.key_buffer[0].numpy(),
                       cache.value_buffer[0].numpy(), _norm(layer.post_attention_layernorm, hidden), moe,
-                      dense)  # type: ignore[arg-type]
+                      dense, qkv_bias=_biases(_host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj)),
+                      o_bias=_biases(_host(attn.o_proj)),
+                      sinks=_NONE if sinks is None else np.ascontiguousarray(sinks.detach().float().numpy()))  # type: ignore[arg-type]
         made.compiled = _compiled_attention(made)
         return made
 
@@ -314,7 +341,10 @@ class FastDecode:
             positions = torch.arange(first, first + count).view(1, -1)
             with torch.inference_mode():
                 cos, sin = self.rotary(probe, positions)
-            table = (np.ascontiguousarray(cos[0].float().numpy()), np.ascontiguousarray(sin[0].float().numpy()))
+            cos, sin = cos[0].float(), sin[0].float()
+            if self._half_rotary:
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+            table = (np.ascontiguousarray(cos.numpy()), np.ascontiguousarray(sin.numpy()))
             if not self._rotary_static:
                 return table[0][0], table[1][0]
             self._rotary_tables[block] = table
@@ -358,7 +388,7 @@ class FastDecode:
         _rope_into(q, k, v, cos, sin, layer.keys, layer.values, position)
         cache.advance(1)
         start = _window_start(layer, position)
-        attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling))
+        attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling), layer.sinks)
         x = x + layer.o.matvec(attended)
         return FastDecode._mlp_step(layer, x, _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps))
 
@@ -391,8 +421,8 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
     and the positions), or None where its projections are not one call's (``Projections``)."""
     from .vnni import _tables
 
-    qkv = Projections.of([layer.q, layer.k, layer.v])
-    o = Projections.of([layer.o])
+    qkv = Projections.of([layer.q, layer.k, layer.v], biases_apart=True)  # the step adds them
+    o = Projections.of([layer.o], biases_apart=True)
     if qkv is None or o is None:
         return None
     f16, e8m0 = _tables()
@@ -406,19 +436,23 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
     return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *parts(qkv), *parts(o), f16, e8m0,
             layer.heads, layer.kv_heads, layer.head_dim, norm_mode, q_norm.weight, np.float32(q_norm.eps),
             k_norm.weight, np.float32(k_norm.eps), layer.clip is not None, np.float32(layer.clip or 0.0), layer.keys,
-            layer.values, np.float32(layer.scaling), layer.post_norm.weight, np.float32(layer.post_norm.eps))
+            layer.values, np.float32(layer.scaling), layer.sinks, layer.qkv_bias, layer.o_bias, layer.post_norm.weight,
+            np.float32(layer.post_norm.eps))
 
 
 @njit(cache=True, nogil=True)
 def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, o_mats, o_f32s, o_kinds,
                      o_starts, o_chunks, f16, e8m0, heads, kv_heads, head_dim, norm_mode, q_w, q_eps, k_w, k_eps,
-                     clipped, clip, keys, values, scaling, post_w, post_eps, x, cos, sin, position,
-                     start):  # pragma: no cover - compiled
+                     clipped, clip, keys, values, scaling, sinks, qkv_bias, o_bias, post_w, post_eps, x, cos, sin,
+                     position, start):  # pragma: no cover - compiled
     # The attention half of a decode step in one call (``FastDecode._layer_step``'s steps, the
     # projections each set in one parallel region): returns x plus attention, and it after the
     # post-attention norm. norm_mode: 0 no query/key norms, 1 per head, 2 over all heads.
+    # qkv_bias, o_bias, sinks: empty where the model has none.
     h = _rms_norm(x, in_w, in_eps)
     qkv = stack_token(qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qkv_chunks, f16, e8m0, h)
+    if qkv_bias.shape[0]:
+        qkv += qkv_bias
     nq, nk = heads * head_dim, kv_heads * head_dim
     q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
     if norm_mode == 2:
@@ -432,8 +466,11 @@ def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qk
                 for j in range(part.shape[1]):
                     part[r, j] = min(max(part[r, j], -clip), clip)
     _rope_into(q2, k2, v2, cos, sin, keys, values, position)
-    attended = _attend(q2, keys, values, start, position + 1, scaling)
-    out = x + stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, attended)
+    attended = _attend(q2, keys, values, start, position + 1, scaling, sinks)
+    projected = stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, attended)
+    if o_bias.shape[0]:
+        projected += o_bias
+    out = x + projected
     return out, _rms_norm(out, post_w, post_eps)
 
 
@@ -516,9 +553,11 @@ _ATTEND_SPAN = 256  # cache positions a work item of _attend
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
-def _attend(q, keys, values, start, end, scaling):  # pragma: no cover - compiled
+def _attend(q, keys, values, start, end, scaling, sinks):  # pragma: no cover - compiled
     # softmax(q K^T * scaling) V over cache positions start..end-1, each query head h with key
-    # head h // (heads / kv heads), as transformers' repeat_kv pairs them; [heads * D].
+    # head h // (heads / kv heads), as transformers' repeat_kv pairs them; [heads * D]. With
+    # sinks (one a query head; empty: none), head h's softmax also takes sinks[h] as a logit
+    # whose value is nothing (gpt-oss's attention).
     #
     # A work item is a key head's span of _ATTEND_SPAN positions for all the query heads that
     # share it: each key and value row is read once for the group (a query head at a time read
@@ -579,6 +618,10 @@ def _attend(q, keys, values, start, end, scaling):  # pragma: no cover - compile
             for c in range(1, chunks):
                 top = max(top, tops[g * chunks + c, i])
             total = np.float32(0.0)
+            if sinks.shape[0]:
+                sink = sinks[g * group + i]
+                top = max(top, sink)
+                total = np.exp(sink - top)
             for c in range(chunks):
                 total += sums[g * chunks + c, i] * np.exp(tops[g * chunks + c, i] - top)
             oh = out[g * group + i]

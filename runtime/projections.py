@@ -53,10 +53,11 @@ class Projections:
         self.chunk_starts = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
 
     @classmethod
-    def of(cls, linears: Sequence[Any]) -> Projections | None:
+    def of(cls, linears: Sequence[Any], *, biases_apart: bool = False) -> Projections | None:
         """The set, or None where one call cannot take them: no VNNI, a scheme outside the block
         kinds, the K-quants, fp8_e4m3, int4 and bf16, inputs of different lengths, rows not C-contiguous uint8 (or,
-        bf16's, uint16) arrays, biases, more than ``STACK`` matrices."""
+        bf16's, uint16) arrays, biases (unless ``biases_apart``: the caller adds them to the
+        outputs), more than ``STACK`` matrices."""
         if not vnni.HAVE_VNNI or not linears or len(linears) > STACK:
             return None
         # a matrix with an interleaved copy (``HostLinear.interleaved``) is read from it
@@ -65,7 +66,8 @@ class Projections:
                  for lin, copy in zip(linears, copies)]
         cols = linears[0].in_features
         raws = [copy if copy is not None else _row_bytes(lin.raw) for lin, copy in zip(linears, copies)]
-        if None in kinds or any(lin.in_features != cols or lin.bias is not None for lin in linears):
+        if None in kinds or any(lin.in_features != cols or (lin.bias is not None and not biases_apart)
+                                for lin in linears):
             return None
         if any(not isinstance(r, np.ndarray) or r.dtype != np.uint8 or r.ndim != 2 or not r.flags.c_contiguous
                for r in raws):

@@ -54,7 +54,10 @@ CASES = [("mixtral", "f32", {}), ("mixtral", "q4_0", {}), ("qwen3_moe", "f32", {
          ("qwen3_moe", "int8", {"mlp_only_layers": [1]}),  # a dense MLP layer between MoE layers
          ("olmoe", "f32", {}), ("olmoe", "q4_0", {"clip_qkv": 0.05}),  # norms over all heads; clipped
          ("qwen3_moe", "fp8_e4m3", {"hidden_size": 128, "moe_intermediate_size": 128}),  # rows of 128-value blocks
-         ("qwen3_moe", "int4_g128", {"hidden_size": 128, "moe_intermediate_size": 128}), ("mixtral", "int4_g32", {})]
+         ("qwen3_moe", "int4_g128", {"hidden_size": 128, "moe_intermediate_size": 128}), ("mixtral", "int4_g32", {}),
+         # attention sinks, biased projections, half-width yarn rotary tables, sliding and full
+         # layers in turn, the router's bias, clamped SwiGLU experts with biases
+         ("gpt_oss", "f32", {"sliding_window": 5}), ("gpt_oss", "mxfp4", {"sliding_window": 5})]
 
 
 @pytest.mark.parametrize("family,scheme,overrides", CASES)
@@ -92,7 +95,8 @@ def test_bf16_attention_takes_the_one_call_stack(tmp_path):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-@pytest.mark.parametrize("family,overrides", [("qwen3_moe", {}), ("olmoe", {"clip_qkv": 0.05})])
+@pytest.mark.parametrize("family,overrides", [("qwen3_moe", {}), ("olmoe", {"clip_qkv": 0.05}),
+                                              ("gpt_oss", {"sliding_window": 5})])
 def test_compiled_attention_equals_the_step_by_step_one(family, overrides, tmp_path):
     """The attention half in one compiled call gives what the same steps give one by one."""
     path = _bundle(tmp_path, family, "q8_0", **overrides)
@@ -217,24 +221,28 @@ def test_a_bundle_read_into_memory_runs_as_the_mapped_one(tmp_path):
     assert want[0] == want[1]
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,start,end", [(8, 2, 0, 1), (8, 2, 0, 37), (4, 4, 3, 300), (6, 1, 10, 700)])
-def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end):
+def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, sinks):
     """A decode step's attention (``_attend``: a key head's spans of positions for the query
     heads that share it, their softmaxes combined after) equals softmax(q K^T * scaling) V over
     the cache positions start..end-1, query head h reading key head h // (heads / kv heads):
-    one span and several, a window that starts past 0, grouped, multi-head and one key head."""
+    one span and several, a window that starts past 0, grouped, multi-head and one key head.
+    With sinks, head h's softmax also takes sinks[h] (gpt-oss), some larger than every score."""
     rng = np.random.default_rng(end)
     dim = 16
     q = rng.standard_normal((heads, dim)).astype(np.float32)
     keys = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
     values = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
     scaling = np.float32(dim ** -0.5)
-    got = fast_decode._attend(q, keys, values, start, end, scaling).reshape(heads, dim)
+    sink = (3 * rng.standard_normal(heads)).astype(np.float32) if sinks else np.zeros(0, np.float32)
+    got = fast_decode._attend(q, keys, values, start, end, scaling, sink).reshape(heads, dim)
     for h in range(heads):
         g = h // (heads // kv_heads)
         scores = keys[g, start:end].astype(np.float64) @ q[h] * scaling
-        weights = np.exp(scores - scores.max())
-        weights /= weights.sum()
+        top = max(scores.max(), sink[h]) if sinks else scores.max()
+        weights = np.exp(scores - top)
+        weights /= weights.sum() + (np.exp(sink[h] - top) if sinks else 0.0)
         np.testing.assert_allclose(got[h], weights @ values[g, start:end], rtol=1e-5, atol=1e-5)
 
 

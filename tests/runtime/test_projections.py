@@ -49,7 +49,12 @@ def test_sets_one_call_cannot_take_are_refused():
     q4 = _linear(rng, "q4_0", 8, 256)
     assert Projections.of([q4, _linear(rng, "f32", 8, 256)]) is None  # a float matrix
     assert Projections.of([q4, _linear(rng, "q4_0", 8, 512)]) is None  # inputs of other lengths
-    assert Projections.of([q4, HostLinear(q4.raw, "q4_0", 256, 8, bias=torch.ones(8))]) is None
+    biased = HostLinear(q4.raw, "q4_0", 256, 8, bias=torch.ones(8))
+    assert Projections.of([q4, biased]) is None
+    # unless the caller adds the biases (runtime.fast_decode): the products without them
+    apart = Projections.of([q4, biased], biases_apart=True)
+    x = rng.standard_normal(256).astype(np.float32)
+    assert apart is not None and np.array_equal(apart(x)[8:], apart(x)[:8])
     assert Projections.of([q4, _linear(rng, "q8_0", 8, 256)]) is not None
     assert Projections.of([_linear(rng, "bf16", 8, 80)]) is None  # rows of a length the kernels do not step
 
