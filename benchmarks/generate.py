@@ -44,7 +44,13 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(os.path.dirname(ROOT), "shared", "configs")
-SHAPES = {"mixtral": "mixtral-8x7b.json", "qwen3": "qwen3-30b-a3b.json"}
+# published configs: ../shared/configs' and, gpt-oss-20b's (without its quantization section:
+# the models here are built in bf16), this folder's configs/
+SHAPES = {"mixtral": "mixtral-8x7b.json", "qwen3": "qwen3-30b-a3b.json",
+          "gpt-oss": os.path.join(ROOT, "benchmarks", "configs", "gpt-oss-20b.json")}
+# model types whose llama.cpp converter reads only a BPE tokenizer.json, whose pre-tokenizer it
+# must know: converted by perplexity_vs_llamacpp.py's patched run of it (``llama_gguf``)
+BPE_ONLY = ("gpt_oss",)
 SCHEMES = ("int8", "q8_0", "q4_0", "int4_g128", "mxfp4")
 # llama.cpp's file type for each ktc scheme: the same bytes where one exists, else the nearest.
 LLAMA_TYPES = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0", "int4_g128": "Q4_0", "mxfp4": "MXFP4_MOE"}
@@ -66,6 +72,8 @@ def build_checkpoint(shape: str, folder: str, layers: int = 1) -> str:
 
     raw = json.load(open(os.path.join(CONFIGS, SHAPES[shape])))
     raw["num_hidden_layers"] = layers
+    if "layer_types" in raw:  # gpt-oss: sliding and full attention in turn, the first ``layers`` of them
+        raw["layer_types"] = raw["layer_types"][:layers]
     config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
     print(f"building the {layers}-layer {shape} model (bf16, transformers' initialisation)...", flush=True)
     torch.manual_seed(0)
@@ -94,6 +102,10 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
     if os.path.exists(out):
         return out
     base = os.path.join(workdir, f"{shape}-bf16.gguf")
+    if not os.path.exists(base) and json.load(open(os.path.join(checkpoint, "config.json")))["model_type"] in BPE_ONLY:
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "perplexity_vs_llamacpp.py"),
+                        "--convert-with-gpt2-pre-tokenizer", os.path.join(llama, "src"), checkpoint, base, "gpt-2",
+                        "bf16"], check=True, capture_output=True)
     if not os.path.exists(base):
         folder = checkpoint + "-sp"  # the converter reads a SentencePiece tokenizer.model
         if not os.path.exists(folder):

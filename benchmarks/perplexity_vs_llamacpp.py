@@ -38,8 +38,8 @@ import sys
 CONVERT = "--convert-with-gpt2-pre-tokenizer"  # this file run as llama.cpp's converter, patched
 
 
-def convert_main(src: str, folder: str, out: str, pre: str = "gpt-2") -> None:
-    """llama.cpp's convert_hf_to_gguf.py on ``folder`` (f32), the BPE pre-tokenizer named ``pre``."""
+def convert_main(src: str, folder: str, out: str, pre: str = "gpt-2", outtype: str = "f32") -> None:
+    """llama.cpp's convert_hf_to_gguf.py on ``folder`` (``outtype``), the BPE pre-tokenizer named ``pre``."""
     import runpy
 
     sys.path.insert(0, src)
@@ -47,7 +47,7 @@ def convert_main(src: str, folder: str, out: str, pre: str = "gpt-2") -> None:
     from conversion import base  # llama.cpp's own package, from its source tree
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-    sys.argv = [os.path.join(src, "convert_hf_to_gguf.py"), folder, "--outfile", out, "--outtype", "f32"]
+    sys.argv = [os.path.join(src, "convert_hf_to_gguf.py"), folder, "--outfile", out, "--outtype", outtype]
     runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")
 
 
@@ -83,7 +83,7 @@ def ktc_perplexity(bundle: str, text: str, ctx: int, threads: int, reference: st
 
 
 def main() -> int:
-    if len(sys.argv) == 6 and sys.argv[1] == CONVERT:
+    if len(sys.argv) in (6, 7) and sys.argv[1] == CONVERT:
         convert_main(*sys.argv[2:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,5 +1,8 @@
 """Decode and prefill beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
-shapes, converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
+shapes (and, with ``--shapes gpt-oss --types MXFP4_MOE``, gpt-oss-20b's: its published config in
+``configs/``, its checkpoint converted by the converter run with a known BPE pre-tokenizer, as
+``perplexity_vs_llamacpp.py`` runs it; MXFP4 is the type its experts ship in),
+converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
 MXFP4_MOE, Q4_K_M), then compiled by ktc *from those GGUF files* (their blocks pass through: both
 read the same bytes; a Q4_K_M file keeps its Q4_K/Q6_K mix layer by layer). Q8_0 and Q4_0 are
 quantized with ``--pure`` (every matrix in that type, as they were before ktc read the K-quants:
@@ -31,6 +34,7 @@ Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and, for the con
 
     python benchmarks/vs_llamacpp.py [--rounds 5] [--shapes mixtral,qwen3] [--types Q8_0,Q4_0,MXFP4_MOE]
                                      [--layers 1]
+    python benchmarks/vs_llamacpp.py --shapes gpt-oss --types MXFP4_MOE --layers 2
 """
 
 from __future__ import annotations
