@@ -80,10 +80,13 @@ def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-def test_bf16_attention_takes_the_one_call_stack(tmp_path):
-    """bf16 projections (``ktc compile``'s default for a checkpoint's non-expert weights) take the
-    compiled layer step and the stack's one call, with transformers' logits."""
-    path = _bundle(tmp_path, "qwen3_moe", "int8", dense="bf16")
+@pytest.mark.parametrize("family,scheme,overrides", [("qwen3_moe", "int8", {}),
+                                                     ("gpt_oss", "mxfp4", {"sliding_window": 5})])
+def test_bf16_attention_takes_the_one_call_stack(family, scheme, overrides, tmp_path):
+    """bf16 projections (``ktc compile``'s default for a checkpoint's non-expert weights; with
+    gpt-oss's biases, as its released checkpoints compile) take the compiled layer step and the
+    stack's one call, with transformers' logits."""
+    path = _bundle(tmp_path, family, scheme, dense="bf16", **overrides)
     prompt, tokens = _prompt(12), _prompt(20)[12:]
     with from_bundle(path) as km:
         assert km.fast.layers[0].q.scheme == "bf16"
