@@ -255,8 +255,11 @@ class ExpertSet:
 
     def _copies(self, scheme: str, rows: int, cols: int, matrix: str) -> bool:
         """Whether the CPU experts' ``matrix`` ("gate_up", "down") of ``scheme`` are read from an
-        interleaved copy (int8's where every row scale allows it, ``interleave.int8_copies``)."""
-        if interleaving.copy_scheme(scheme) not in interleaving.SCHEMES or not interleaving.fits(rows, cols, scheme):
+        interleaved copy (int8's where every row scale allows it, ``interleave.int8_copies``; rows
+        of whole blocks that do not fill whole units too, their last unit filled out: gpt-oss's
+        2880 values a row are 22.5 units of mxfp4's 128)."""
+        if interleaving.copy_scheme(scheme) not in interleaving.SCHEMES or not interleaving.fits(rows, cols, scheme,
+                                                                                                 tail=True):
             return False
         return scheme not in interleaving.COPIES or all(interleaving.int8_copies(getattr(ex, matrix))
                                                         for ex in self.cpu.values())
@@ -759,12 +762,16 @@ class ExpertSet:
                 dn_names = tuple(interleaving.copy_scheme(n) for n in dn_names) if which[1] else dn_names
             gu_kinds, gu_rows = rows.layout(gu_names, self.hidden_size)
             dn_kinds, dn_rows = rows.layout(dn_names, self.intermediate_size)
-            if self._interleaved is not None:  # the copy, its offsets, its kinds (rows of the schemes' sizes)
+            if self._interleaved is not None:  # the copy, its offsets, its kinds, its rows' bytes (whole units)
                 file, gate_up, down, which = self._interleaved
                 if which[0]:
                     gu_kinds = np.full(self.num_experts, rows.INTERLEAVED[gu_names[0]], dtype=np.int64)
+                    gu_rows = np.array([interleaving.copy_row_bytes(n, r) for n, r in zip(gu_names, gu_rows)],
+                                       dtype=np.int64)
                 if which[1]:
                     dn_kinds = np.full(self.num_experts, rows.INTERLEAVED[dn_names[0]], dtype=np.int64)
+                    dn_rows = np.array([interleaving.copy_row_bytes(n, r) for n, r in zip(dn_names, dn_rows)],
+                                       dtype=np.int64)
             f16, e8m0 = vnni._tables()
             biases = self._fused_biases
             none = np.zeros((1, 1), dtype=np.float32)

@@ -12,6 +12,7 @@ import model_factory as mf
 from ktc.compile import compile_bundle
 from ktc.errors import KtcError
 from ktc.formats.bundle import open_bundle
+from ktc.formats.schemes import get_scheme
 from ktc.runtime.experts import ExpertSet
 from ktc.runtime.moe import MoELayer
 
@@ -403,9 +404,13 @@ def test_a_token_alone_splits_as_among_others(tiny_models, tmp_path):
         experts.close()
 
 
-@pytest.mark.parametrize("scheme", ["q4_0", "q8_0", "mxfp4", "q4_k", "q4_k+q6_k", "int8"])
+@pytest.mark.parametrize("scheme,width", [("q4_0", 128), ("q8_0", 128), ("mxfp4", 128), ("q4_k", 256),
+                                          ("q4_k+q6_k", 256), ("int8", 128),
+                                          # rows whose last unit of blocks is not full (gpt-oss's
+                                          # 2880 values are 22.5 units of mxfp4's 128): the tail
+                                          ("mxfp4", 96), ("q4_0", 160), ("int8", 96)])
 @pytest.mark.parametrize("tokens", [1, 5, 24, 160])
-def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path, monkeypatch):
+def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, width, tmp_path, monkeypatch):
     """A layer whose experts are all q4_0 (or all q8_0, mxfp4, q4_k, int8; or q4_k gate/up beside
     q6_k down, as Q4_K_M's), on a VNNI CPU, reads them from one copy with their rows interleaved
     (``runtime.interleave``; q6_k's copied as they are; int8's as q8_0 blocks, each with its row's
@@ -415,7 +420,8 @@ def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path, m
     each gives what the stored layout's paths give, within the activations' rounding (those
     quantize per 256 from LANES_MIN_TOKENS tokens an expert, the copy's block schemes' products
     per 32; int8's within its scales' fp16 rounding too, 2^-11 of each row's product), and each
-    token alone what it gives in the batch."""
+    token alone what it gives in the batch. Rows of 96 or 160 values take the copy's tail: their
+    last unit of blocks filled out (``interleave.repack``)."""
     from ktc.runtime import interleave, rows, vnni
 
     grouped: list[int] = []  # the gate/up kinds experts_groups was called with
@@ -428,7 +434,6 @@ def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path, m
     monkeypatch.setattr(rows, "experts_groups", counted)
     if not vnni.HAVE_VNNI:
         pytest.skip("the interleaved copy needs AVX-512 VNNI")
-    width = 256 if "q4_k" in scheme else 128  # q4_k: rows of whole super-blocks
     folder = mf.write_safetensors(mf.build_hf_model("qwen3_moe", hidden_size=width, intermediate_size=width,
                                                     moe_intermediate_size=width, head_dim=32), str(tmp_path / "src"))
     path = tmp_path / "m.ktb"
@@ -446,10 +451,16 @@ def test_interleaved_experts_equal_the_stored_layout(tokens, scheme, tmp_path, m
         copy.close()
         stored.close()
     assert one_call is not None and one_call[0] is copy.experts._interleaved[0]
+    copy_scheme = interleave.copy_scheme(scheme.split("+")[0])
+    if copy_scheme in interleave.LAYOUTS and width % (32 * interleave.LAYOUTS[copy_scheme].unit):
+        # the tail: the copy's rows (the one call's bytes a row) filled out to whole units
+        stored_row = get_scheme(copy_scheme).matrix_bytes(1, width)
+        assert (one_call[6] == interleave.copy_row_bytes(copy_scheme, stored_row)).all() and one_call[6][0] > stored_row
     first = scheme.split("+")[0]
     if tokens == 24:  # the copy's few-token experts and the stored layout's each in one call (not int8's)
         assert rows.INTERLEAVED[interleave.copy_scheme(first)] in grouped
-        assert first == "int8" or rows.kind(first) in grouped
+        # (the stored layout's row tiles take rows of whole units of blocks too)
+        assert first == "int8" or rows.kind(first) in grouped or not rows.groups_fit(first, width)
     # int8's stored experts of 4 tokens or more quantize their activations per 256 (its lanes),
     # the copy's per 32 up to interleave.FEW_TOKENS: at 24 tokens as the others' from 160
     if tokens > 24 or (first == "int8" and tokens == 24):
