@@ -193,12 +193,14 @@ class _ExpertsProbe:
         stored = scheme
         if scheme in interleaving.COPIES and interleaved(interleaving.copy_scheme(scheme), interleave):
             scheme = interleaving.copy_scheme(scheme)
-        gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set)
-        self.bytes_per_call = k * self._layout(stored, shape, working_set)[1]
-        # (gate/up, down) read interleaved: a shared file's bytes are whole groups either way
+        # (gate/up, down) read interleaved, as ``ExpertSet`` reads them (rows that do not fill
+        # whole units too, their copy's last unit filled out): a shared file's bytes are whole
+        # groups either way
         copied = interleaved(scheme, interleave)
-        which = (copied and interleaving.fits(2 * inter, hidden, scheme),
-                 copied and interleaving.fits(hidden, inter, scheme))
+        which = (copied and interleaving.fits(2 * inter, hidden, scheme, tail=True),
+                 copied and interleaving.fits(hidden, inter, scheme, tail=True))
+        gate_up_bytes, per_expert, copies = self._layout(scheme, shape, working_set, which)
+        self.bytes_per_call = k * self._layout(stored, shape, working_set)[1]
         if shared is not None and shared.nbytes >= k * copies * per_expert:
             self.file = shared
         else:
@@ -215,10 +217,10 @@ class _ExpertsProbe:
         # and its file, the file's float32 view and the value tables (made once, not each call)
         self.tables = None
         if any(which):
-            row_bytes = get_scheme(scheme).matrix_bytes
+            row_bytes = self._row_bytes
             self.tables = tuple(np.full(k, code, dtype=np.int64) for code in (
-                rows.INTERLEAVED[scheme] if which[0] else rows.kind(scheme), row_bytes(1, hidden),
-                rows.INTERLEAVED[scheme] if which[1] else rows.kind(scheme), row_bytes(1, inter)))
+                rows.INTERLEAVED[scheme] if which[0] else rows.kind(scheme), row_bytes(scheme, hidden, which[0]),
+                rows.INTERLEAVED[scheme] if which[1] else rows.kind(scheme), row_bytes(scheme, inter, which[1])))
             self.file = read_only(self.file[: self.file.nbytes // 4 * 4])
             self._call = (self.file, self.file.view(np.float32), *vnni._tables())
         starts = np.arange(k * copies, dtype=np.int64).reshape(copies, k) * per_expert
@@ -229,12 +231,19 @@ class _ExpertsProbe:
         self.at = 0
 
     @staticmethod
-    def _layout(scheme: str, shape: tuple[int, int, int], working_set: int) -> tuple[int, int, int]:
-        """(an expert's gate/up bytes, its bytes, the copies of the k experts cycled over)."""
+    def _row_bytes(scheme: str, cols: int, copied: bool) -> int:
+        """Bytes of a row of ``cols`` values, stored or in the interleaved copy (``copied``)."""
+        stored = get_scheme(scheme).matrix_bytes(1, cols)
+        return interleaving.copy_row_bytes(scheme, stored) if copied else stored
+
+    @staticmethod
+    def _layout(scheme: str, shape: tuple[int, int, int], working_set: int,
+                which: tuple[bool, bool] = (False, False)) -> tuple[int, int, int]:
+        """(an expert's gate/up bytes, its bytes, the copies of the k experts cycled over), its
+        matrices stored or interleaved (``which``: gate/up, down)."""
         k, hidden, inter = shape
-        matrix_bytes = get_scheme(scheme).matrix_bytes
-        gate_up = matrix_bytes(2 * inter, hidden)
-        per_expert = gate_up + matrix_bytes(hidden, inter)
+        gate_up = 2 * inter * _ExpertsProbe._row_bytes(scheme, hidden, which[0])
+        per_expert = gate_up + hidden * _ExpertsProbe._row_bytes(scheme, inter, which[1])
         return gate_up, per_expert, max(2, -(-working_set // (k * per_expert)))
 
     @staticmethod

@@ -30,7 +30,7 @@ mxfp4 46-64 against 21-27. The bytes are the same ones, reordered (q8_0's codes 
 is ``16 * row_bytes`` bytes.
 
 Rows of whole blocks that do not fill whole units take a tail (``fits(..., tail=True)``; only
-``ExpertSet`` makes such copies): the copy fills each row's last unit out with blocks of zero
+``ExpertSet`` and the calibration's expert probe make such copies): the copy fills each row's last unit out with blocks of zero
 bytes (``copy_row_bytes``), and the tiles read that unit's blocks up to the row's own, never the
 activations past them. gpt-oss's experts have rows of 2880 values, 22.5 units of mxfp4's 128:
 their copy is 2.2% larger than the stored rows, and one token through a 5760 x 2880 matrix in the
@@ -172,8 +172,8 @@ def fits(rows: int, cols: int, scheme: str, tail: bool = False) -> bool:
     be interleaved: whole groups of rows, whole units of blocks (q4_k: super-blocks) in a row;
     with ``tail``, a block scheme's rows of whole blocks too, their last unit filled out (the
     copy's rows ``copy_row_bytes`` long: gpt-oss's rows of 2880 values are 22.5 units of
-    mxfp4's 128). Only ``ExpertSet`` takes those: the calibration's probes and ``HostLinear``
-    read them as stored."""
+    mxfp4's 128). Only ``ExpertSet`` takes those (and the calibration's expert probe, which reads
+    what it reads): ``HostLinear`` and the matrix probe read such rows as stored."""
     values = 32 if tail and copy_scheme(scheme) in LAYOUTS else _row_values(copy_scheme(scheme))
     return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % values == 0
 

@@ -204,13 +204,19 @@ def test_probes_read_interleaved_copies_where_ktc_run_does(scheme):
     from ktc.runtime import interleave, kernels, rows
 
     shape = (4, 256, 512)
-    probe = calibrate._ExpertsProbe(scheme, shape, 1 << 22, interleave=True)
-    assert probe.tables is not None and probe.tables[0][0] == probe.tables[2][0] == rows.INTERLEAVED[scheme]
-    gate_up_bytes = get_scheme(scheme).matrix_bytes(2 * shape[2], shape[1])
-    first = np.asarray(probe.file[:gate_up_bytes]).reshape(2 * shape[2], -1)
-    np.testing.assert_array_equal(interleave.unpack(first, scheme), calibrate.scheme_rows(scheme, 2 * shape[2],
-                                                                                           shape[1]))
-    probe.run()
+    # and (q4_0) rows that do not fill whole units (3 and 5 blocks, units of 2), read as
+    # ExpertSet reads them, from copies with a tail
+    for probed in (shape, (4, 96, 160)) if scheme in interleave.LAYOUTS else (shape,):
+        probe = calibrate._ExpertsProbe(scheme, probed, 1 << 22, interleave=True)
+        assert probe.tables is not None and probe.tables[0][0] == probe.tables[2][0] == rows.INTERLEAVED[scheme]
+        row_bytes = get_scheme(scheme).matrix_bytes(1, probed[1])
+        assert probe.tables[1][0] == interleave.copy_row_bytes(scheme, row_bytes)
+        first = np.asarray(probe.file[:2 * probed[2] * probe.tables[1][0]]).reshape(2 * probed[2], -1)
+        np.testing.assert_array_equal(interleave.unpack(first, scheme, row_bytes),
+                                      calibrate.scheme_rows(scheme, 2 * probed[2], probed[1]))
+        assert probe.bytes_per_call == probed[0] * sum(get_scheme(scheme).matrix_bytes(r, c) for r, c in (
+            (2 * probed[2], probed[1]), (probed[1], probed[2])))  # the rate over the stored bytes
+        probe.run()
     assert calibrate._ExpertsProbe(scheme, shape, 1 << 22).tables is None
     int8 = calibrate._ExpertsProbe("int8", shape, 1 << 22, interleave=True)
     assert int8.tables is not None and int8.tables[0][0] == int8.tables[2][0] == rows.INTERLEAVED["q8_0"]
