@@ -11,8 +11,9 @@ the projections through ktc's kernels (the same ``HostLinear`` weights), query/k
 rotary embedding (cos and sin from the model's own rotary module, kept by blocks of positions),
 the keys and values into the same preallocated KV cache, attention over the cache (with gpt-oss's
 sinks: a logit a head that takes part in the softmax and attends to nothing), the projections'
-biases where a model has them (gpt-oss), and the MoE block through ``runtime.moe.MoELayer``'s
-routing and experts (the same ``ExpertSet``). Prefill
+biases where a model has them (gpt-oss, Qwen2-MoE), and the MoE block through
+``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``), with Qwen2-MoE's shared
+expert beside them (``_Shared``). Prefill
 stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
 against transformers' own steps, family by family.
 """
@@ -41,8 +42,11 @@ from .projections import Projections, stack_token
 # routing (gpt-oss's softmax over the top k logits is the same weights); dense MLP layers too
 # (Qwen3's mlp_only_layers). Each with where its attention's sliding window comes from:
 # Mixtral's attention passes the config's, Qwen3's and gpt-oss's keep their own (None where a
-# layer attends to everything; gpt-oss alternates), OLMoE has none.
-FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention"}
+# layer attends to everything; gpt-oss alternates), OLMoE has none. Qwen2-MoE: biased query,
+# key and value projections, and a shared expert beside the routed ones, its output times the
+# sigmoid of a gate (``_Shared``).
+FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention",
+            "qwen2_moe": "attention"}
 # Families whose rotary module gives cos and sin for half a head (gpt-oss: each value j < D/2
 # turns with j + D/2 by angle j): their tables are widened to the head by repeating them, the
 # rotate-half form the steps compute.
@@ -59,6 +63,20 @@ class _Unsupported(Exception):
 class _Norm:
     weight: np.ndarray
     eps: np.float32  # float32 wherever the norm is called from: one compiled type of _rms_norm
+
+
+@dataclass
+class _Shared:
+    """A MoE layer's shared expert (``HostLinear``s): SiLU(gate x) * (up x), through down, times
+    sigmoid(shared_gate x) where the model has that gate (Qwen2-MoE: one row, which a compile
+    keeps in float32). ``first``: gate and up in one call (``Projections``), where one call
+    takes them."""
+
+    gate: Any
+    up: Any
+    down: Any
+    shared_gate: Any | None
+    first: Projections | None
 
 
 @dataclass
@@ -83,6 +101,7 @@ class _Layer:
     post_norm: _Norm
     moe: MoELayer | None
     mlp: tuple[Any, Any, Any] | None  # gate, up, down of a dense layer
+    shared: _Shared | None  # a MoE layer's shared expert
     # float32 arrays, empty where the model has none: the query, key and value projections'
     # biases one after another, the output projection's, the attention sinks (one a query head)
     qkv_bias: np.ndarray = field(default_factory=lambda: _NONE)
@@ -111,6 +130,19 @@ def _norm(module: Any, size: int) -> _Norm:
     if weight is None or eps is None or tuple(weight.shape) != (size,) or not type(module).__name__.endswith("RMSNorm"):
         raise _Unsupported(f"norm {type(module).__name__}")
     return _Norm(np.ascontiguousarray(weight.detach().float().numpy()), np.float32(eps))
+
+
+def _shared(expert: Any, gate: Any, hidden: int) -> _Shared:
+    """A shared expert module (gate_proj, up_proj, down_proj, SiLU) and its gate (a [1, hidden]
+    matrix, or None), as ``_Shared``; ``_Unsupported`` for anything else."""
+    parts = tuple(getattr(expert, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    if type(getattr(expert, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:
+        raise _Unsupported("shared expert")
+    g, u, d = (_host(p) for p in parts)
+    sg = None if gate is None else _host(gate)
+    if sg is not None and (sg.out_features != 1 or sg.in_features != hidden):
+        raise _Unsupported("shared expert gate")
+    return _Shared(g, u, d, sg, Projections.of([g, u]))
 
 
 def _biases(*linears: Any) -> np.ndarray:
@@ -199,11 +231,15 @@ class FastDecode:
         clip = getattr(config, "clip_qkv", None)
         mlp = layer.mlp
         moe = dense = None
+        shared = None
         if experts is not None:
-            if getattr(mlp, "experts", None) is None or getattr(mlp.experts, "_ktc_experts", None) is not experts \
-                    or getattr(mlp, "shared_expert", None) is not None:
+            if getattr(mlp, "experts", None) is None or getattr(mlp.experts, "_ktc_experts", None) is not experts:
                 raise _Unsupported("MoE block")
-            moe = MoELayer(km.bundle, index, experts=experts)
+            if getattr(mlp, "shared_experts", None) is not None:  # (DeepSeek's, GLM's: not computed here)
+                raise _Unsupported("MoE block")
+            if getattr(mlp, "shared_expert", None) is not None:
+                shared = _shared(mlp.shared_expert, getattr(mlp, "shared_expert_gate", None), hidden)
+            moe = MoELayer(km.bundle, index, experts=experts, shared=False)
         else:
             parts = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
             if type(getattr(mlp, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:
@@ -215,7 +251,7 @@ class FastDecode:
                       kv_heads, head_dim, float(attn.scaling),
                       int(window) if window else None, cache, cache.key_buffer[0].numpy(),
                       cache.value_buffer[0].numpy(), _norm(layer.post_attention_layernorm, hidden), moe,
-                      dense, qkv_bias=_biases(_host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj)),
+                      dense, shared, qkv_bias=_biases(_host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj)),
                       o_bias=_biases(_host(attn.o_proj)),
                       sinks=_NONE if sinks is None else np.ascontiguousarray(sinks.detach().float().numpy()))  # type: ignore[arg-type]
         made.compiled = _compiled_attention(made)
@@ -394,11 +430,27 @@ class FastDecode:
 
     @staticmethod
     def _mlp_step(layer: _Layer, x: np.ndarray, h: np.ndarray) -> np.ndarray:
-        """x plus the layer's MoE block or MLP of h (x after the post-attention norm)."""
+        """x plus the layer's MoE block (and its shared expert) or MLP of h (x after the
+        post-attention norm)."""
         if layer.moe is not None:
-            return x + layer.moe.forward(h[None, :])[0]
+            y = layer.moe.forward(h[None, :])[0]
+            if layer.shared is not None:
+                y = y + _shared_expert(layer.shared, h)
+            return x + y
         gate, up, down = layer.mlp  # type: ignore[misc]
         return x + down.matvec(_silu_times(gate.matvec(h), up.matvec(h)))
+
+
+def _shared_expert(shared: _Shared, h: np.ndarray) -> np.ndarray:
+    """The shared expert's output for h, times its gate's sigmoid where it has one."""
+    if shared.first is not None:  # gate and up in one call
+        gate, up = shared.first.split(shared.first(h))
+    else:
+        gate, up = shared.gate.matvec(h), shared.up.matvec(h)
+    y = shared.down.matvec(_silu_times(gate, up))
+    if shared.shared_gate is not None:
+        y *= np.float32(1.0) / (np.float32(1.0) + np.exp(-shared.shared_gate.matvec(h)[0]))
+    return y
 
 
 def _window_start(layer: _Layer, position: int) -> int:
@@ -410,7 +462,7 @@ def _moe_one_call(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
     """The layer's MoE block's ``_moe_token`` arguments where its decode step takes that one
     call (no shared experts), else None."""
     moe = layer.moe
-    return moe._one_call() if moe is not None and moe.shared is None else None
+    return moe._one_call() if moe is not None and moe.shared is None and layer.shared is None else None
 
 
 _NO_NORM = np.ones(1, dtype=np.float32)

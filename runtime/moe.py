@@ -27,11 +27,13 @@ class MoELayer:
     ``device`` is a torch device for the experts the plan put on the GPU (``"cuda"``; ``"cpu"``
     runs the same torch code on the CPU, as tests do). With ``device=None`` every expert runs in
     the Numba kernels. ``counts`` records how often each expert is chosen. ``experts``: the
-    layer's ``ExpertSet`` where the caller has one open (``runtime.fast_decode``).
+    layer's ``ExpertSet`` where the caller has one open (``runtime.fast_decode``). ``shared``
+    False: the routed experts only (the caller computes the shared experts from its own weights;
+    here they are decoded to float32).
     """
 
     def __init__(self, bundle: Bundle, layer: int, *, device: str | None = None,
-                 experts: ExpertSet | None = None) -> None:
+                 experts: ExpertSet | None = None, shared: bool = True) -> None:
         model = bundle.manifest["model"]
         info = next((i for i in model["moe_layers"] if i["layer"] == layer), None)
         if info is not None and info["gating"] not in ("softmax", "sigmoid"):
@@ -51,9 +53,10 @@ class MoELayer:
         self.score_bias = (tensor_float32(bundle, prefix + "score_correction_bias")
                            if info["score_correction_bias"] else None)
         self.shared = None
-        if info["shared_experts"]:
+        if info["shared_experts"] and shared:
             self.shared = tuple(tensor_float32(bundle, prefix + f"shared_experts.{p}") for p in ("gate", "up", "down"))
-        self.shared_gate = tensor_float32(bundle, prefix + "shared_expert_gate") if info["shared_expert_gate"] else None
+        self.shared_gate = (tensor_float32(bundle, prefix + "shared_expert_gate")
+                            if info["shared_expert_gate"] and shared else None)
         self._one_call_args: tuple | None = None  # type: ignore[type-arg]  # (tables, router, arguments)
 
     @property
