@@ -8,12 +8,13 @@ families whose decode step it computes (``FAMILIES``) on a CPU-only model, ``Fas
 the step itself, one compiled call a layer where the projections and experts take ktc's VNNI
 kernels (``_moe_layer_token``; two where the experts do not, a few more elsewhere): RMSNorm,
 the projections through ktc's kernels (the same ``HostLinear`` weights), query/key norms, the
-rotary embedding (cos and sin from the model's own rotary module, kept by blocks of positions),
+rotary embedding (cos and sin from the model's own rotary module, kept by blocks of positions;
+on a part of each head where the model turns only that, as GLM-4.5's half),
 the keys and values into the same preallocated KV cache, attention over the cache (with gpt-oss's
 sinks: a logit a head that takes part in the softmax and attends to nothing), the projections'
 biases where a model has them (gpt-oss, Qwen2-MoE), and the MoE block through
 ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``), with Qwen2-MoE's shared
-expert beside them (``_Shared``). Prefill
+expert beside them (``_Shared``; GLM-4.5's shared experts without its gate). Prefill
 stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
 against transformers' own steps, family by family.
 """
@@ -44,9 +45,11 @@ from .projections import Projections, stack_token
 # Mixtral's attention passes the config's, Qwen3's and gpt-oss's keep their own (None where a
 # layer attends to everything; gpt-oss alternates), OLMoE has none. Qwen2-MoE: biased query,
 # key and value projections, and a shared expert beside the routed ones, its output times the
-# sigmoid of a gate (``_Shared``).
+# sigmoid of a gate (``_Shared``). GLM-4.5: biased projections, the rotary embedding on the first
+# half of each head (the rest as it is), sigmoid routing (``MoELayer.route``), shared experts
+# without a gate.
 FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention",
-            "qwen2_moe": "attention"}
+            "qwen2_moe": "attention", "glm4_moe": "attention"}
 # Families whose rotary module gives cos and sin for half a head (gpt-oss: each value j < D/2
 # turns with j + D/2 by angle j): their tables are widened to the head by repeating them, the
 # rotate-half form the steps compute.
@@ -207,7 +210,8 @@ class FastDecode:
         # one call each instead of the whole stack in one.
         self.hooks: list[Callable[[int, np.ndarray], None]] = []
         cos, _ = self._rotary(0)
-        if any(cos.shape[0] != layer.head_dim for layer in self.layers):  # a partial rotary embedding
+        # on each head's first values (all of them, or a part: GLM-4.5's half), in pairs
+        if any(cos.shape[0] > layer.head_dim or cos.shape[0] % 2 for layer in self.layers):
             raise _Unsupported("rotary embedding")
 
     @staticmethod
@@ -235,10 +239,10 @@ class FastDecode:
         if experts is not None:
             if getattr(mlp, "experts", None) is None or getattr(mlp.experts, "_ktc_experts", None) is not experts:
                 raise _Unsupported("MoE block")
-            if getattr(mlp, "shared_experts", None) is not None:  # (DeepSeek's, GLM's: not computed here)
-                raise _Unsupported("MoE block")
-            if getattr(mlp, "shared_expert", None) is not None:
+            if getattr(mlp, "shared_expert", None) is not None:  # Qwen2-MoE's, with its gate
                 shared = _shared(mlp.shared_expert, getattr(mlp, "shared_expert_gate", None), hidden)
+            elif getattr(mlp, "shared_experts", None) is not None:  # GLM-4.5's, summed as they are
+                shared = _shared(mlp.shared_experts, None, hidden)
             moe = MoELayer(km.bundle, index, experts=experts, shared=False)
         else:
             parts = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
@@ -584,9 +588,10 @@ def _rms_norm_rows(x, weight, eps):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _rope_into(q, k, v, cos, sin, keys, values, position):  # pragma: no cover - compiled
-    # The rotary embedding (rotate-half: value j pairs with j + D/2) on q in place and on k,
-    # then k and v into the cache at ``position`` (keys, values: [kv heads, capacity, D]).
-    half = q.shape[1] // 2
+    # The rotary embedding (rotate-half over the first R = len(cos) values of a head: value j
+    # pairs with j + R/2; R is D, or a part of it, the rest left as it is) on q in place and on
+    # k, then k and v into the cache at ``position`` (keys, values: [kv heads, capacity, D]).
+    half = cos.shape[0] // 2
     for r in range(q.shape[0]):
         for j in range(half):
             a, b = q[r, j], q[r, j + half]
@@ -597,6 +602,8 @@ def _rope_into(q, k, v, cos, sin, keys, values, position):  # pragma: no cover -
             a, b = k[r, j], k[r, j + half]
             keys[r, position, j] = a * cos[j] - b * sin[j]
             keys[r, position, j + half] = b * cos[j + half] + a * sin[j + half]
+        for j in range(2 * half, k.shape[1]):
+            keys[r, position, j] = k[r, j]
         for j in range(v.shape[1]):
             values[r, position, j] = v[r, j]
 

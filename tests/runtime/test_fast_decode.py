@@ -59,7 +59,10 @@ CASES = [("mixtral", "f32", {}), ("mixtral", "q4_0", {}), ("qwen3_moe", "f32", {
          # layers in turn, the router's bias, clamped SwiGLU experts with biases
          ("gpt_oss", "f32", {"sliding_window": 5}), ("gpt_oss", "mxfp4", {"sliding_window": 5}),
          # a shared expert beside the routed ones, times its gate's sigmoid; biased q/k/v
-         ("qwen2_moe", "f32", {}), ("qwen2_moe", "q4_0", {}), ("qwen2_moe", "int8", {"mlp_only_layers": [1]})]
+         ("qwen2_moe", "f32", {}), ("qwen2_moe", "q4_0", {}), ("qwen2_moe", "int8", {"mlp_only_layers": [1]}),
+         # rotary on half of each head, sigmoid routing with a score correction, shared experts
+         # without a gate, a dense first layer, biased q/k/v; and with query/key norms
+         ("glm4_moe", "f32", {}), ("glm4_moe", "q8_0", {}), ("glm4_moe", "q4_0", {"use_qk_norm": True})]
 
 
 @pytest.mark.parametrize("family,scheme,overrides", CASES)
@@ -73,7 +76,8 @@ def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path
         fast = _steps(km, prompt, tokens, fast=True)
         # every layer in one compiled call where each takes the one-call layer step (not where a
         # layer has a shared expert: its attention, routed experts and shared expert a call each)
-        one_call = scheme != "f32" and vnni.HAVE_VNNI and not overrides.get("mlp_only_layers") and family != "qwen2_moe"
+        one_call = (scheme != "f32" and vnni.HAVE_VNNI and not overrides.get("mlp_only_layers")
+                    and family not in ("qwen2_moe", "glm4_moe"))
         assert (km.fast._every is not None) == one_call
         assert (km.fast.seconds[:-1] > 0).all()  # each layer's time, in either way
         length = km.cache.get_seq_length()
