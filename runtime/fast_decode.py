@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ktc.errors import KtcError
+from ktc.errors import KtcError, UnsupportedModelError
 
 from . import vnni
 from .moe import MoELayer, _moe_token
@@ -47,9 +47,9 @@ from .projections import Projections, stack_token
 # key and value projections, and a shared expert beside the routed ones, its output times the
 # sigmoid of a gate (``_Shared``). GLM-4.5: biased projections, the rotary embedding on the first
 # half of each head (the rest as it is), sigmoid routing (``MoELayer.route``), shared experts
-# without a gate.
+# without a gate. dots.llm1: Qwen3's attention, DeepSeek-V3's routing, shared experts.
 FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention",
-            "qwen2_moe": "attention", "glm4_moe": "attention"}
+            "qwen2_moe": "attention", "glm4_moe": "attention", "dots1": "attention"}
 # Families whose rotary module gives cos and sin for half a head (gpt-oss: each value j < D/2
 # turns with j + D/2 by angle j): their tables are widened to the head by repeating them, the
 # rotate-half form the steps compute.
@@ -243,7 +243,10 @@ class FastDecode:
                 shared = _shared(mlp.shared_expert, getattr(mlp, "shared_expert_gate", None), hidden)
             elif getattr(mlp, "shared_experts", None) is not None:  # GLM-4.5's, summed as they are
                 shared = _shared(mlp.shared_experts, None, hidden)
-            moe = MoELayer(km.bundle, index, experts=experts, shared=False)
+            try:
+                moe = MoELayer(km.bundle, index, experts=experts, shared=False)
+            except UnsupportedModelError as error:  # a router ktc's MoE layer does not compute
+                raise _Unsupported("router") from error
         else:
             parts = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
             if type(getattr(mlp, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:

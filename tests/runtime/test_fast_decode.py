@@ -62,7 +62,8 @@ CASES = [("mixtral", "f32", {}), ("mixtral", "q4_0", {}), ("qwen3_moe", "f32", {
          ("qwen2_moe", "f32", {}), ("qwen2_moe", "q4_0", {}), ("qwen2_moe", "int8", {"mlp_only_layers": [1]}),
          # rotary on half of each head, sigmoid routing with a score correction, shared experts
          # without a gate, a dense first layer, biased q/k/v; and with query/key norms
-         ("glm4_moe", "f32", {}), ("glm4_moe", "q8_0", {}), ("glm4_moe", "q4_0", {"use_qk_norm": True})]
+         ("glm4_moe", "f32", {}), ("glm4_moe", "q8_0", {}), ("glm4_moe", "q4_0", {"use_qk_norm": True}),
+         ("dots1", "f32", {}), ("dots1", "q8_0", {})]  # Qwen3's attention, grouped sigmoid routing, shared experts
 
 
 @pytest.mark.parametrize("family,scheme,overrides", CASES)
@@ -77,7 +78,7 @@ def test_fast_steps_equal_transformers_steps(family, scheme, overrides, tmp_path
         # every layer in one compiled call where each takes the one-call layer step (not where a
         # layer has a shared expert: its attention, routed experts and shared expert a call each)
         one_call = (scheme != "f32" and vnni.HAVE_VNNI and not overrides.get("mlp_only_layers")
-                    and family not in ("qwen2_moe", "glm4_moe"))
+                    and family not in ("qwen2_moe", "glm4_moe", "dots1"))
         assert (km.fast._every is not None) == one_call
         assert (km.fast.seconds[:-1] > 0).all()  # each layer's time, in either way
         length = km.cache.get_seq_length()
@@ -192,6 +193,10 @@ def test_unsupported_parts_leave_transformers_in_charge(tmp_path, monkeypatch):
     with from_bundle(path) as km:
         km.model.model.layers[0].input_layernorm = torch.nn.LayerNorm(km.model.config.hidden_size)
         assert fast_decode.fast_decoder(km) is None
+    # a router ktc's MoE layer does not compute (ERNIE-4.5's), were its family taken
+    monkeypatch.setitem(fast_decode.FAMILIES, "ernie4_5_moe", "attention")
+    with from_bundle(_bundle(tmp_path, "ernie4_5_moe")) as km:
+        assert km.fast is None
 
 
 def test_the_step_is_loaded_at_load_and_leaves_nothing_behind(tmp_path):
