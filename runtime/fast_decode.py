@@ -71,9 +71,8 @@ class _Norm:
 @dataclass
 class _Shared:
     """A MoE layer's shared expert (``HostLinear``s): SiLU(gate x) * (up x), through down, times
-    sigmoid(shared_gate x) where the model has that gate (Qwen2-MoE: one row, which a compile
-    keeps in float32). ``first``: gate and up in one call (``Projections``), where one call
-    takes them."""
+    sigmoid(shared_gate x) where the model has that gate (Qwen2-MoE's, one row). ``first``:
+    gate and up in one call (``Projections``), where one call takes them."""
 
     gate: Any
     up: Any
