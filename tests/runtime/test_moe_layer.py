@@ -336,6 +336,32 @@ def test_one_token_routing_equals_the_batched_routing():
             np.testing.assert_allclose(weights, want, rtol=1e-6)
 
 
+def test_one_token_sigmoid_routing_equals_the_batched_routing():
+    """A decode step's sigmoid routing (compiled, ``_sigmoid_top_k``: DeepSeek-V3's, GLM-4.5's)
+    picks what ``MoELayer.route``'s numpy steps pick, with and without the score correction and
+    groups, ties to the lower index (experts and groups), with the same weights."""
+    from types import SimpleNamespace
+
+    from ktc.runtime.moe import _sigmoid_top_k
+
+    rng = np.random.default_rng(9)
+    n = 64
+    for groups, topk_groups in ((1, 1), (8, 3), (4, 2)):
+        for logits in (rng.standard_normal(n).astype(np.float32),
+                       np.repeat(rng.standard_normal(n // 4).astype(np.float32), 4)):  # ties
+            for bias in (None, (0.1 * rng.standard_normal(n)).astype(np.float32)):
+                for k, normalize in ((8, True), (2, False), (1, True)):
+                    info = {"gating": "sigmoid", "num_groups": groups, "topk_groups": topk_groups,
+                            "norm_topk_prob": normalize, "routed_scaling_factor": 1.0}
+                    layer = SimpleNamespace(info=info, router=np.eye(n, dtype=np.float32), router_bias=None,
+                                            score_bias=bias, num_experts=n, top_k=k)
+                    want_idx, want = MoELayer.route(layer, logits[None, :])  # type: ignore[arg-type]
+                    idx, weights = _sigmoid_top_k(logits, np.zeros(1, np.float32) if bias is None else bias,
+                                                  bias is not None, k, groups, topk_groups, normalize)
+                    np.testing.assert_array_equal(idx, want_idx[0])
+                    np.testing.assert_allclose(weights, want[0], rtol=1e-6)
+
+
 @pytest.mark.parametrize("family", list(mf.FAMILIES) + list(mf.EXTRA_FAMILIES))
 def test_routing_is_transformers_routing_or_refused(family, tmp_path):
     """ktc's router against the one in transformers' MoE block (the indices and weights its
