@@ -233,22 +233,31 @@ def _softmax_top_k(logits, k, normalize):  # pragma: no cover - compiled
     for e in range(n):
         probs[e] = np.exp(logits[e] - top)
         total += probs[e]
-    idx = np.empty(k, dtype=np.int64)
-    weights = np.empty(k, dtype=np.float32)
-    held = 0
-    for e in range(n):
-        p = probs[e] / total
-        if held == k and not p > weights[k - 1]:
-            continue
-        j = held if held < k else k - 1
-        while j > 0 and weights[j - 1] < p:
-            weights[j], idx[j] = weights[j - 1], idx[j - 1]
-            j -= 1
-        weights[j], idx[j] = p, e
-        held = min(held + 1, k)
+    probs /= total
+    idx, weights = _top_k(probs, k)
     if normalize:
         weights /= weights.sum()
     return idx, weights
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _top_k(values, k):  # pragma: no cover - compiled
+    # The k largest of ``values`` in order and their places, the lowest place first among equals
+    # (as a stable sort of the negated values picks them): one pass, insertion into k slots.
+    idx = np.empty(k, dtype=np.int64)
+    top = np.empty(k, dtype=values.dtype)
+    held = 0
+    for e in range(values.shape[0]):
+        v = values[e]
+        if held == k and not v > top[k - 1]:
+            continue
+        j = held if held < k else k - 1
+        while j > 0 and top[j - 1] < v:
+            top[j], idx[j] = top[j - 1], idx[j - 1]
+            j -= 1
+        top[j], idx[j] = v, e
+        held = min(held + 1, k)
+    return idx, top
 
 
 @njit(cache=True, nogil=True)
@@ -291,19 +300,7 @@ def _sigmoid_top_k(logits, score_bias, has_score_bias, k, groups, topk_groups, n
             if not kept[g]:
                 for e in range(g * per, (g + 1) * per):
                     choice[e] = -np.inf
-    idx = np.empty(k, dtype=np.int64)
-    top = np.empty(k, dtype=np.float32)
-    held = 0
-    for e in range(n):  # the k largest choices in order (insertion into k slots)
-        c = choice[e]
-        if held == k and not c > top[k - 1]:
-            continue
-        j = held if held < k else k - 1
-        while j > 0 and top[j - 1] < c:
-            top[j], idx[j] = top[j - 1], idx[j - 1]
-            j -= 1
-        top[j], idx[j] = c, e
-        held = min(held + 1, k)
+    idx, _ = _top_k(choice, k)
     weights = np.empty(k, dtype=np.float32)
     for j in range(k):
         weights[j] = scores[idx[j]]
