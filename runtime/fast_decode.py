@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -106,9 +106,9 @@ class _Layer:
     shared: _Shared | None  # a MoE layer's shared expert
     # float32 arrays, empty where the model has none: the query, key and value projections'
     # biases one after another, the output projection's, the attention sinks (one a query head)
-    qkv_bias: np.ndarray = field(default_factory=lambda: _NONE)
-    o_bias: np.ndarray = field(default_factory=lambda: _NONE)
-    sinks: np.ndarray = field(default_factory=lambda: _NONE)
+    qkv_bias: np.ndarray
+    o_bias: np.ndarray
+    sinks: np.ndarray
     compiled: tuple | None = None  # type: ignore[type-arg]  # _attention_token's arguments, where it runs
 
 
@@ -134,13 +134,19 @@ def _norm(module: Any, size: int) -> _Norm:
     return _Norm(np.ascontiguousarray(weight.detach().float().numpy()), np.float32(eps))
 
 
+def _silu_mlp(module: Any) -> tuple[Any, Any, Any]:
+    """The gate, up and down ``HostLinear``s of a SiLU MLP module (a dense layer's, a shared
+    expert's); ``_Unsupported`` for anything else."""
+    parts = tuple(getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    if type(getattr(module, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:
+        raise _Unsupported("MLP")
+    return tuple(_host(p) for p in parts)  # type: ignore[return-value]
+
+
 def _shared(expert: Any, gate: Any, hidden: int) -> _Shared:
     """A shared expert module (gate_proj, up_proj, down_proj, SiLU) and its gate (a [1, hidden]
     matrix, or None), as ``_Shared``; ``_Unsupported`` for anything else."""
-    parts = tuple(getattr(expert, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
-    if type(getattr(expert, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:
-        raise _Unsupported("shared expert")
-    g, u, d = (_host(p) for p in parts)
+    g, u, d = _silu_mlp(expert)
     sg = None if gate is None else _host(gate)
     if sg is not None and (sg.out_features != 1 or sg.in_features != hidden):
         raise _Unsupported("shared expert gate")
@@ -247,19 +253,15 @@ class FastDecode:
             except UnsupportedModelError as error:  # a router ktc's MoE layer does not compute
                 raise _Unsupported("router") from error
         else:
-            parts = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
-            if type(getattr(mlp, "act_fn", None)).__name__ != "SiLUActivation" or None in parts:
-                raise _Unsupported("MLP")
-            dense = tuple(_host(p) for p in parts)
+            dense = _silu_mlp(mlp)
         window = getattr(config if FAMILIES[config.model_type] == "config" else attn, "sliding_window", None)
-        made = _Layer(_norm(layer.input_layernorm, hidden), _host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj),
-                      _host(attn.o_proj), q_norm, k_norm, whole, None if clip is None else float(clip), heads,
-                      kv_heads, head_dim, float(attn.scaling),
+        q, k, v, o = (_host(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        made = _Layer(_norm(layer.input_layernorm, hidden), q, k, v, o, q_norm, k_norm, whole,
+                      None if clip is None else float(clip), heads, kv_heads, head_dim, float(attn.scaling),
                       int(window) if window else None, cache, cache.key_buffer[0].numpy(),
                       cache.value_buffer[0].numpy(), _norm(layer.post_attention_layernorm, hidden), moe,
-                      dense, shared, qkv_bias=_biases(_host(attn.q_proj), _host(attn.k_proj), _host(attn.v_proj)),
-                      o_bias=_biases(_host(attn.o_proj)),
-                      sinks=_NONE if sinks is None else np.ascontiguousarray(sinks.detach().float().numpy()))  # type: ignore[arg-type]
+                      dense, shared, _biases(q, k, v), _biases(o),
+                      _NONE if sinks is None else np.ascontiguousarray(sinks.detach().float().numpy()))  # type: ignore[arg-type]
         made.compiled = _compiled_attention(made)
         return made
 
