@@ -45,12 +45,15 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(os.path.dirname(ROOT), "shared", "configs")
 # published configs: ../shared/configs' and, gpt-oss-20b's (without its quantization section:
-# the models here are built in bf16), this folder's configs/
+# the models here are built in bf16) and Moonlight-16B-A3B's (DeepSeek-V3's architecture,
+# multi-head latent attention, at a size this machine builds; without its auto_map: transformers
+# has the architecture), this folder's configs/
 SHAPES = {"mixtral": "mixtral-8x7b.json", "qwen3": "qwen3-30b-a3b.json",
-          "gpt-oss": os.path.join(ROOT, "benchmarks", "configs", "gpt-oss-20b.json")}
+          "gpt-oss": os.path.join(ROOT, "benchmarks", "configs", "gpt-oss-20b.json"),
+          "moonlight": os.path.join(ROOT, "benchmarks", "configs", "moonlight-16b-a3b.json")}
 # model types whose llama.cpp converter reads only a BPE tokenizer.json, whose pre-tokenizer it
 # must know: converted by perplexity_vs_llamacpp.py's patched run of it (``llama_gguf``)
-BPE_ONLY = ("gpt_oss",)
+BPE_ONLY = ("gpt_oss", "deepseek_v3")
 SCHEMES = ("int8", "q8_0", "q4_0", "int4_g128", "mxfp4")
 # llama.cpp's file type for each ktc scheme: the same bytes where one exists, else the nearest.
 LLAMA_TYPES = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0", "int4_g128": "Q4_0", "mxfp4": "MXFP4_MOE"}
@@ -123,9 +126,29 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
         tool = os.path.join(os.path.dirname(ROOT), "shared", "tools", "convert-hf-to-gguf.py")
         subprocess.run([sys.executable, tool, os.path.join(llama, "src"), folder, base, "--outtype", "bf16"],
                        check=True, capture_output=True)
+    _query_rank_key(base)
     quantize = os.path.join(llama, "build", "bin", "llama-quantize")
     subprocess.run([quantize, *(["--pure"] if pure else []), base, out, qtype], check=True, capture_output=True)
     return out
+
+
+def _query_rank_key(path: str) -> None:
+    """A deepseek2 GGUF without query compression (Moonlight's: the converter writes no
+    ``attention.q_lora_rank``) is read by llama.cpp only at the layer counts of the released
+    models without it (26 or 27 layers); a model cut to fewer layers gets the key as 0, which
+    llama.cpp reads as no compression. Rewritten in place (a copy with the key, then renamed)."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields.get("general.architecture")
+    key = "deepseek2.attention.q_lora_rank"
+    if arch is None or bytes(arch.parts[arch.data[0]]).decode() != "deepseek2" or key in reader.fields:
+        return
+    writer = gguf.GGUFWriter(path + ".tmp", "deepseek2", endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, {key: MetadataDetails(gguf.GGUFValueType.UINT32, 0)}, [])
+    del reader
+    os.replace(path + ".tmp", path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ the keys and values into the same preallocated KV cache, attention over the cach
 sinks: a logit a head that takes part in the softmax and attends to nothing), the projections'
 biases where a model has them (gpt-oss, Qwen2-MoE), and the MoE block through
 ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``), with Qwen2-MoE's shared
-expert beside them (``_Shared``; GLM-4.5's shared experts without its gate). Prefill
-stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
+expert beside them (``_Shared``; GLM-4.5's shared experts without its gate). DeepSeek-V3's
+multi-head latent attention (Kimi-K2's, Moonlight's: the ``deepseek_v3`` family) in its absorbed
+form (``_Latent``), whose work a step does not grow with the cache as transformers' does; its
+layers a call or a few each, not one. Prefill stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
 against transformers' own steps, family by family.
 """
 
@@ -32,7 +34,10 @@ from numba import njit, prange
 
 from ktc.errors import KtcError, UnsupportedModelError
 
+from ktc.formats.kernel_args import read_only
+
 from . import vnni
+from .kernels import decode, exact_bf16
 from .moe import MoELayer, _moe_token
 from .projections import Projections, stack_token
 
@@ -48,14 +53,18 @@ from .projections import Projections, stack_token
 # sigmoid of a gate (``_Shared``). GLM-4.5: biased projections, the rotary embedding on the first
 # half of each head (the rest as it is), sigmoid routing (``MoELayer.route``), shared experts
 # without a gate. dots.llm1: Qwen3's attention, DeepSeek-V3's routing, shared experts.
+# DeepSeek-V3: multi-head latent attention (``_Latent``; rotary pairs neighbours or half a head
+# apart, a compressed query or not), DeepSeek-V3's routing, shared experts, dense first layers.
 FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention",
-            "qwen2_moe": "attention", "glm4_moe": "attention", "dots1": "attention"}
+            "qwen2_moe": "attention", "glm4_moe": "attention", "dots1": "attention", "deepseek_v3": "attention"}
 # Families whose rotary module gives cos and sin for half a head (gpt-oss: each value j < D/2
 # turns with j + D/2 by angle j): their tables are widened to the head by repeating them, the
 # rotate-half form the steps compute.
 HALF_ROTARY = ("gpt_oss",)
 _ROTARY_BLOCK = 256  # positions of rotary cos/sin computed at once
 _NONE = np.zeros(0, np.float32)  # a layer's biases or sinks where it has none
+# _attend's second part of the queries and keys where there is none
+_NO_MORE, _NO_MORE_KEYS = np.zeros((1, 0), np.float32), np.zeros((1, 1, 0), np.float32)
 
 
 class _Unsupported(Exception):
@@ -79,6 +88,35 @@ class _Shared:
     down: Any
     shared_gate: Any | None
     first: Projections | None
+
+
+@dataclass
+class _Latent:
+    """DeepSeek-V3's multi-head latent attention (MLA) in its absorbed form. The cache keeps,
+    as transformers' attention does, each position's latent (the normed first ``lora`` values
+    of ``kv_a``'s output) and its rotary key (the last ``rope``, turned), both shared by every
+    head; transformers multiplies every cached latent by ``kv_b`` at every step (its keys and
+    values per head: the step's work grows with the cache), where the absorbed form moves
+    ``kv_b`` to the query and the output instead: a head's query's non-rotary part times its
+    key rows of ``kv_b`` gives a query in the latent's space (``k_up``), attention over the
+    latents and rotary keys gives a latent a head, and the head's value rows of ``kv_b``
+    (``v_up``) turn that into its values. The same products in another order: one query
+    against one key head of ``lora + rope`` values. ``k_up`` and ``v_up`` are float32 copies of
+    ``kv_b``'s values (the bundle's scheme decoded; its own kernels take one input vector for
+    every row, where each head here has its own)."""
+
+    q: Any | None  # q_proj, where the model has no query compression
+    q_a: Any | None  # or q_a_proj, its norm and q_b_proj
+    q_norm: _Norm | None
+    q_b: Any | None
+    kv_a: Any
+    kv_norm: _Norm
+    k_up: np.ndarray  # [heads, lora, nope]: each head's key rows of kv_b, transposed
+    v_up: np.ndarray  # [heads, v, lora]: its value rows
+    nope: int  # a query head's values without the rotary embedding, then ``rope`` with it
+    rope: int
+    interleave: bool  # the rotary pairs are neighbours (DeepSeek-V3's rope_interleave)
+    first: Projections | None  # q_a (or q) and kv_a in one call, where one call takes them
 
 
 @dataclass
@@ -109,6 +147,7 @@ class _Layer:
     qkv_bias: np.ndarray
     o_bias: np.ndarray
     sinks: np.ndarray
+    latent: _Latent | None = None  # a multi-head latent attention's parts (then q, k, v are None)
     compiled: tuple | None = None  # type: ignore[type-arg]  # _attention_token's arguments, where it runs
 
 
@@ -216,7 +255,8 @@ class FastDecode:
         self.hooks: list[Callable[[int, np.ndarray], None]] = []
         cos, _ = self._rotary(0)
         # on each head's first values (all of them, or a part: GLM-4.5's half), in pairs
-        if any(cos.shape[0] > layer.head_dim or cos.shape[0] % 2 for layer in self.layers):
+        if any(cos.shape[0] > layer.head_dim or cos.shape[0] % 2 for layer in self.layers) or \
+                any(layer.latent is not None and cos.shape[0] != layer.latent.rope for layer in self.layers):
             raise _Unsupported("rotary embedding")
 
     @staticmethod
@@ -224,9 +264,12 @@ class FastDecode:
         import torch
 
         attn = layer.self_attn
+        moe, dense, shared = FastDecode._mlp(km, index, layer.mlp, experts, hidden)
+        buffer = getattr(cache, "key_buffer", None)
+        if getattr(attn, "kv_lora_rank", None):
+            return FastDecode._latent_layer(config, layer, cache, moe, dense, shared, hidden)
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         head_dim = int(attn.head_dim)
-        buffer = getattr(cache, "key_buffer", None)
         if buffer is None or buffer.dtype != torch.float32 or (buffer.shape[1], buffer.shape[3]) != (kv_heads, head_dim):
             raise _Unsupported("KV cache")
         sinks = getattr(attn, "sinks", None)
@@ -238,22 +281,6 @@ class FastDecode:
         k_norm = getattr(attn, "k_norm", None)
         k_norm = _norm(k_norm, kv_heads * head_dim if whole else head_dim) if k_norm is not None else None
         clip = getattr(config, "clip_qkv", None)
-        mlp = layer.mlp
-        moe = dense = None
-        shared = None
-        if experts is not None:
-            if getattr(mlp, "experts", None) is None or getattr(mlp.experts, "_ktc_experts", None) is not experts:
-                raise _Unsupported("MoE block")
-            if getattr(mlp, "shared_expert", None) is not None:  # Qwen2-MoE's, with its gate
-                shared = _shared(mlp.shared_expert, getattr(mlp, "shared_expert_gate", None), hidden)
-            elif getattr(mlp, "shared_experts", None) is not None:  # GLM-4.5's, summed as they are
-                shared = _shared(mlp.shared_experts, None, hidden)
-            try:
-                moe = MoELayer(km.bundle, index, experts=experts, shared=False)
-            except UnsupportedModelError as error:  # a router ktc's MoE layer does not compute
-                raise _Unsupported("router") from error
-        else:
-            dense = _silu_mlp(mlp)
         window = getattr(config if FAMILIES[config.model_type] == "config" else attn, "sliding_window", None)
         q, k, v, o = (_host(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
         made = _Layer(_norm(layer.input_layernorm, hidden), q, k, v, o, q_norm, k_norm, whole,
@@ -264,6 +291,58 @@ class FastDecode:
                       _NONE if sinks is None else np.ascontiguousarray(sinks.detach().float().numpy()))  # type: ignore[arg-type]
         made.compiled = _compiled_attention(made)
         return made
+
+    @staticmethod
+    def _mlp(km: Any, index: int, mlp: Any, experts: Any, hidden: int) -> tuple[Any, Any, Any]:
+        """A layer's (MoE block, dense MLP, shared expert), each None where it has none."""
+        if experts is None:
+            return None, _silu_mlp(mlp), None
+        if getattr(mlp, "experts", None) is None or getattr(mlp.experts, "_ktc_experts", None) is not experts:
+            raise _Unsupported("MoE block")
+        shared = None
+        if getattr(mlp, "shared_expert", None) is not None:  # Qwen2-MoE's, with its gate
+            shared = _shared(mlp.shared_expert, getattr(mlp, "shared_expert_gate", None), hidden)
+        elif getattr(mlp, "shared_experts", None) is not None:  # GLM-4.5's, DeepSeek-V3's: summed as they are
+            shared = _shared(mlp.shared_experts, None, hidden)
+        try:
+            moe = MoELayer(km.bundle, index, experts=experts, shared=False)
+        except UnsupportedModelError as error:  # a router ktc's MoE layer does not compute
+            raise _Unsupported("router") from error
+        return moe, None, shared
+
+    @staticmethod
+    def _latent_layer(config: Any, layer: Any, cache: Any, moe: Any, dense: Any, shared: Any, hidden: int) -> _Layer:
+        """A layer of multi-head latent attention (``_Latent``)."""
+        import torch
+
+        attn = layer.self_attn
+        heads, lora = int(config.num_attention_heads), int(attn.kv_lora_rank)
+        nope, rope, v = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.v_head_dim)
+        keys, values = getattr(cache, "key_buffer", None), getattr(cache, "value_buffer", None)
+        if keys is None or keys.dtype != torch.float32 or (keys.shape[1], keys.shape[3]) != (1, lora) or \
+                (values.shape[1], values.shape[3]) != (1, rope):
+            raise _Unsupported("KV cache")
+        if getattr(attn, "q_lora_rank", None):
+            q, q_a, q_b = None, _host(attn.q_a_proj), _host(attn.q_b_proj)
+            q_norm = _norm(attn.q_a_layernorm, q_a.out_features)
+        else:
+            q, q_a, q_b, q_norm = _host(attn.q_proj), None, None, None
+        kv_a, kv_b, o = _host(attn.kv_a_proj_with_mqa), _host(attn.kv_b_proj), _host(attn.o_proj)
+        if (q_b or q).out_features != heads * (nope + rope) or kv_a.out_features != lora + rope or \
+                kv_b.bias is not None or (kv_b.in_features, kv_b.out_features) != (lora, heads * (nope + v)):
+            raise _Unsupported("attention")
+        up = decode(kv_b.raw, kv_b.scheme, lora).reshape(heads, nope + v, lora)
+        # bf16 (half the bytes, the same products) where every value is one: a bf16 bundle's
+        k_up, v_up = (read_only(exact_bf16(part) if _bf16_lanes(part) else part)
+                      for part in (np.ascontiguousarray(up[:, :nope].transpose(0, 2, 1)),
+                                   np.ascontiguousarray(up[:, nope:])))
+        latent = _Latent(q, q_a, q_norm, q_b, kv_a, _norm(attn.kv_a_layernorm, lora), k_up, v_up,
+                         nope, rope, bool(getattr(config, "rope_interleave", False)),
+                         Projections.of([q_a or q, kv_a]))
+        return _Layer(_norm(layer.input_layernorm, hidden), None, None, None, o, None, None, False, None, heads, 1,
+                      nope + rope, float(attn.scaling), None, cache, keys[0].numpy(), values[0].numpy(),
+                      _norm(layer.post_attention_layernorm, hidden), moe, dense, shared, _NONE, _biases(o), _NONE,
+                      latent)
 
     def warm(self, experts: list[Any]) -> None:
         """One step on token 0, undone: a process's first call of the compiled step loads it
@@ -396,6 +475,8 @@ class FastDecode:
 
     @staticmethod
     def _layer_step(layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        if layer.latent is not None:
+            return FastDecode._latent_step(layer, layer.latent, x, cos, sin)
         if layer.compiled is not None:
             cache = layer.cache
             position = cache.length
@@ -432,7 +513,28 @@ class FastDecode:
         _rope_into(q, k, v, cos, sin, layer.keys, layer.values, position)
         cache.advance(1)
         start = _window_start(layer, position)
-        attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling), layer.sinks)
+        attended = _attend(q, layer.keys, layer.values, start, position + 1, np.float32(layer.scaling), layer.sinks,
+                           _NO_MORE, _NO_MORE_KEYS)
+        x = x + layer.o.matvec(attended)
+        return FastDecode._mlp_step(layer, x, _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps))
+
+    @staticmethod
+    def _latent_step(layer: _Layer, latent: _Latent, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """A layer of multi-head latent attention, then its MLP or MoE block."""
+        h = _rms_norm(x, layer.input_norm.weight, layer.input_norm.eps)
+        if latent.first is not None:  # the query's (or its compression's) and kv_a's products in one call
+            q, kv = latent.first.split(latent.first(h))
+        else:
+            q, kv = (latent.q or latent.q_a).matvec(h), latent.kv_a.matvec(h)
+        if latent.q_b is not None:
+            q = latent.q_b.matvec(_rms_norm(q, latent.q_norm.weight, latent.q_norm.eps))  # type: ignore[union-attr]
+        cache = layer.cache
+        position = cache.length
+        cache.check_room(1)
+        attended = _latent_attention(q.reshape(layer.heads, -1), kv, latent.kv_norm.weight, latent.kv_norm.eps,
+                                     latent.k_up, latent.v_up, cos, sin, latent.interleave, layer.keys, layer.values,
+                                     position, _window_start(layer, position), np.float32(layer.scaling))
+        cache.advance(1)
         x = x + layer.o.matvec(attended)
         return FastDecode._mlp_step(layer, x, _rms_norm(x, layer.post_norm.weight, layer.post_norm.eps))
 
@@ -526,7 +628,7 @@ def _attention_token(in_w, in_eps, qkv_mats, qkv_f32s, qkv_kinds, qkv_starts, qk
                 for j in range(part.shape[1]):
                     part[r, j] = min(max(part[r, j], -clip), clip)
     _rope_into(q2, k2, v2, cos, sin, keys, values, position)
-    attended = _attend(q2, keys, values, start, position + 1, scaling, sinks)
+    attended = _attend(q2, keys, values, start, position + 1, scaling, sinks, _NO_MORE, _NO_MORE_KEYS)
     projected = stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, attended)
     if o_bias.shape[0]:
         projected += o_bias
@@ -612,15 +714,76 @@ def _rope_into(q, k, v, cos, sin, keys, values, position):  # pragma: no cover -
             values[r, position, j] = v[r, j]
 
 
+@njit(cache=True, nogil=True)
+def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, cos, sin, interleave, latents, rotated, position, start,
+                      scaling):  # pragma: no cover - compiled
+    # The absorbed multi-head latent attention of one token (_Latent): q [heads, nope + rope]
+    # its query, kv kv_a's output (the latent, then the rotary key); the normed latent into
+    # ``latents`` and the turned rotary key into ``rotated`` ([1, capacity, lora or rope]) at
+    # ``position``; returns each head's values [heads * v].
+    heads, width = q.shape
+    lora, nope = k_up.shape[1], k_up.shape[2]
+    rope = width - nope
+    latents[0, position] = _rms_norm(kv[:lora], kv_w, kv_eps)
+    q_rot = np.empty((heads, rope), np.float32)
+    k_rot = np.empty((1, rope), np.float32)
+    for r in range(heads):
+        _rotary_order(q[r, nope:], q_rot[r], interleave)
+    _rotary_order(kv[lora:], k_rot[0], interleave)
+    _rope_into(q_rot, k_rot, _NO_MORE, cos, sin, rotated, rotated, position)
+    absorbed = _per_head(k_up, q)  # each head's query in the latent's space
+    attended = _attend(absorbed, latents, latents, start, position + 1, scaling, _NONE, q_rot, rotated)
+    return _per_head(v_up, attended.reshape(heads, lora)).reshape(-1)
+
+
+@njit(cache=True, nogil=True)
+def _rotary_order(source, target, interleave):  # pragma: no cover - compiled
+    # source into target in rotate-half order: where the rotary pairs are neighbours
+    # (DeepSeek-V3's rope_interleave), the evens first, then the odds, as transformers turns them
+    half = target.shape[0] // 2
+    for j in range(half):
+        target[j] = source[2 * j] if interleave else source[j]
+        target[half + j] = source[2 * j + 1] if interleave else source[half + j]
+
+
+def _bf16_lanes(w: np.ndarray) -> bool:
+    """Whether ``_per_head`` can take ``w`` [heads, rows, cols] as bf16: its rows in whole steps
+    of ``vnni.bf16_dot``, which runs compiled."""
+    return vnni._COMPILED and w.shape[-1] % 16 == 0
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _per_head(w, x):  # pragma: no cover - compiled
+    # Each head's own matrix-vector product: w [heads, rows, cols] (float32, or bf16 bit
+    # patterns where _bf16_lanes: kernels.exact_bf16), x [heads, >= cols] (its first cols
+    # values): [heads, rows].
+    heads, rows, cols = w.shape
+    out = np.empty((heads, rows), np.float32)
+    for h in prange(heads):
+        xh = np.ascontiguousarray(x[h, :cols])
+        for r in range(rows):
+            if w.itemsize == 2:  # 16 bf16 values a step, widened exactly
+                out[h, r] = vnni.bf16_dot(w[h, r], 0, cols // 16, xh)
+                continue
+            row = w[h, r]
+            d = np.float32(0.0)
+            for j in range(cols):
+                d += row[j] * xh[j]
+            out[h, r] = d
+    return out
+
+
 _ATTEND_SPAN = 256  # cache positions a work item of _attend
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
-def _attend(q, keys, values, start, end, scaling, sinks):  # pragma: no cover - compiled
+def _attend(q, keys, values, start, end, scaling, sinks, q_more, keys_more):  # pragma: no cover - compiled
     # softmax(q K^T * scaling) V over cache positions start..end-1, each query head h with key
     # head h // (heads / kv heads), as transformers' repeat_kv pairs them; [heads * D]. With
     # sinks (one a query head; empty: none), head h's softmax also takes sinks[h] as a logit
-    # whose value is nothing (gpt-oss's attention).
+    # whose value is nothing (gpt-oss's attention). q_more [heads, R] and keys_more [kv heads,
+    # capacity, R]: a second part of each query and key, kept apart (R = 0: none): the absorbed
+    # latent attention's rotary part, whose keys the cache keeps beside the latent (_Latent).
     #
     # A work item is a key head's span of _ATTEND_SPAN positions for all the query heads that
     # share it: each key and value row is read once for the group (a query head at a time read
@@ -635,6 +798,7 @@ def _attend(q, keys, values, start, end, scaling, sinks):  # pragma: no cover - 
     kv = keys.shape[0]
     group = heads // kv
     dv = values.shape[2]
+    more = q_more.shape[1]
     chunks = (end - start + _ATTEND_SPAN - 1) // _ATTEND_SPAN
     items = kv * chunks
     tops = np.empty((items, group), np.float32)
@@ -653,6 +817,10 @@ def _attend(q, keys, values, start, end, scaling, sinks):  # pragma: no cover - 
                 d = np.float32(0.0)
                 for j in range(dim):
                     d += qi[j] * kt[j]
+                if more:
+                    qm, km = q_more[g * group + i], keys_more[g, t]
+                    for j in range(more):
+                        d += qm[j] * km[j]
                 scores[i, t - t0] = d * scaling
         for i in range(group):
             row = scores[i]

@@ -43,6 +43,18 @@ def _matvec_f32(w, x, out):  # pragma: no cover - compiled
         out[r] = acc
 
 
+def exact_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 ``values`` as bf16 bit patterns (uint16) where every value is one exactly, else as
+    they are: half the bytes, the same products. Weights trained and published in bf16 (a MoE
+    router, Qwen3-30B-A3B's or Mixtral's, which a GGUF widens to f32; a bf16 bundle's matrices
+    decoded) read from memory once a token: a router's f32 bytes were 5% of a
+    Qwen3-30B-A3B-shaped Q4_0 layer's."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    if np.any(bits & np.uint32(0xFFFF)):
+        return values
+    return (bits >> np.uint32(16)).astype(np.uint16)
+
+
 @njit(**_OPTS)
 def _matvec_bf16(w, x, out):  # pragma: no cover - compiled
     # w: uint16 bit patterns [rows, cols]; a bf16 is the top half of a float32.

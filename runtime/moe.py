@@ -16,7 +16,7 @@ from . import vnni
 # attribute in Python, which compiled code cannot call.
 from .rows import chosen_experts_token
 from .experts import ExpertSet, tensor_float32
-from .kernels import _matvec_bf16, _matvec_f32, matmul_t
+from .kernels import _matvec_bf16, _matvec_f32, exact_bf16, matmul_t
 
 
 class MoELayer:
@@ -154,7 +154,7 @@ class MoELayer:
             none = np.zeros(1, dtype=np.float32)
             bias = self.router_bias if self.router_bias is not None else none
             score = self.score_bias if self.score_bias is not None else none
-            router = read_only(_compact_router(self.router))
+            router = read_only(exact_bf16(self.router))
             sigmoid = self.info["gating"] == "sigmoid"
             cached = (tables, self.router, (router, read_only(bias), self.router_bias is not None, sigmoid,
                                             read_only(np.ascontiguousarray(score, dtype=np.float32)),
@@ -167,18 +167,6 @@ class MoELayer:
 
     def close(self) -> None:
         self.experts.close()
-
-
-def _compact_router(router: np.ndarray) -> np.ndarray:
-    """The router as bf16 bit patterns (uint16) where every value is one exactly, else as it is.
-    Routers are trained and published in bf16 (Qwen3-30B-A3B's, Mixtral's; a GGUF widens them to
-    f32): half the bytes, the same logits. At decode the router is read from memory once a
-    token, after the experts of the layers between have evicted it: its f32 bytes were 5% of a
-    Qwen3-30B-A3B-shaped Q4_0 layer's."""
-    bits = np.ascontiguousarray(router, dtype=np.float32).view(np.uint32)
-    if np.any(bits & np.uint32(0xFFFF)):
-        return router
-    return (bits >> np.uint32(16)).astype(np.uint16)
 
 
 @njit(cache=True, nogil=True)
@@ -196,7 +184,7 @@ def _moe_token(router, router_bias, has_router_bias, sigmoid, score_bias, has_sc
     if timed:
         stamps[7] = vnni._cycles()
     logits = np.empty(router.shape[0], dtype=np.float32)
-    if router.itemsize == 2:  # bf16 bit patterns (_compact_router)
+    if router.itemsize == 2:  # bf16 bit patterns (kernels.exact_bf16)
         _matvec_bf16(router, x, logits)
     else:
         _matvec_f32(router, x, logits)

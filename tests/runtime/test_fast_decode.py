@@ -173,7 +173,7 @@ def test_the_cache_shows_what_the_steps_filled(tmp_path):
 
 
 def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch):
-    with from_bundle(_bundle(tmp_path, "deepseek_v3")) as km:  # multi-head latent attention
+    with from_bundle(_bundle(tmp_path, "deepseek_v2")) as km:  # DeepSeek-V2's complex rotary embedding
         assert km.fast is None
     path = _bundle(tmp_path, "mixtral")
     monkeypatch.setenv("KTC_FAST_DECODE", "0")
@@ -184,6 +184,45 @@ def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch
         assert km.fast is None
     with from_bundle(path) as km:
         assert km.fast is not None
+
+
+# rows of the latent's and the query's non-rotary part in whole steps of 16 (bf16 lanes)
+_WIDE_LATENT = {"qk_nope_head_dim": 16, "kv_lora_rank": 32}
+
+
+@pytest.mark.parametrize("scheme,overrides", [
+    ("f32", {}), ("bf16", _WIDE_LATENT), ("q8_0", _WIDE_LATENT), ("q4_0", _WIDE_LATENT), ("int8", _WIDE_LATENT),
+    ("q8_0", {**_WIDE_LATENT, "q_lora_rank": None}),  # a query projection without compression
+    ("f32", {"rope_interleave": False}),  # rotary pairs half a head apart
+])
+def test_latent_attention_steps_equal_transformers_steps(scheme, overrides, tmp_path):
+    """DeepSeek-V3's multi-head latent attention in its absorbed form (``_Latent``: kv_b moved to
+    the query and the output) against transformers' steps, which multiply every cached latent
+    by kv_b: the same logits step by step, the same latents and rotary keys in the cache.
+    transformers' kv_b here is a float32 matrix of the bundle's kv_b values (its ``HostLinear``
+    would quantize the latents it multiplies to int8 where the scheme's kernels do; the absorbed
+    form multiplies kv_b's decoded values by float32 queries and latents), in the prompt's forward
+    too. A bf16 bundle's kv_b stays bf16 (half the bytes), exactly."""
+    from ktc.runtime.kernels import decode
+
+    path = _bundle(tmp_path, "deepseek_v3", scheme, **overrides)
+    prompt, tokens = _prompt(12), _prompt(20)[12:]
+    with from_bundle(path) as km:
+        assert km.fast is not None and all(layer.latent is not None for layer in km.fast.layers)
+        wide = vnni.HAVE_VNNI and overrides.get("kv_lora_rank") == 32
+        assert all((layer.latent.v_up.dtype == np.uint16) == (wide and scheme == "bf16") for layer in km.fast.layers)
+        for layer in km.model.model.layers:
+            b = layer.self_attn.kv_b_proj
+            exact = torch.nn.Linear(b.in_features, b.out_features, bias=False)
+            exact.weight.data = torch.from_numpy(decode(b.raw, b.scheme, b.in_features).copy())
+            layer.self_attn.kv_b_proj = exact
+        fast = _steps(km, prompt, tokens, fast=True)
+        cached = [(layer.keys[:, :20].copy(), layer.values[:, :20].copy()) for layer in km.fast.layers]
+        slow = _steps(km, prompt, tokens, fast=False)
+        for (k, v), layer in zip(cached, km.fast.layers):
+            np.testing.assert_allclose(k, layer.keys[:, :20], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(v, layer.values[:, :20], rtol=1e-5, atol=1e-6)
+    assert _relative(fast, slow) < 1e-5
 
 
 def test_unsupported_parts_leave_transformers_in_charge(tmp_path, monkeypatch):
@@ -236,25 +275,29 @@ def test_a_bundle_read_into_memory_runs_as_the_mapped_one(tmp_path):
     assert want[0] == want[1]
 
 
-@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("sinks,more", [(False, 0), (True, 0), (False, 8)])
 @pytest.mark.parametrize("heads,kv_heads,start,end", [(8, 2, 0, 1), (8, 2, 0, 37), (4, 4, 3, 300), (6, 1, 10, 700)])
-def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, sinks):
+def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, sinks, more):
     """A decode step's attention (``_attend``: a key head's spans of positions for the query
     heads that share it, their softmaxes combined after) equals softmax(q K^T * scaling) V over
     the cache positions start..end-1, query head h reading key head h // (heads / kv heads):
     one span and several, a window that starts past 0, grouped, multi-head and one key head.
-    With sinks, head h's softmax also takes sinks[h] (gpt-oss), some larger than every score."""
+    With sinks, head h's softmax also takes sinks[h] (gpt-oss), some larger than every score.
+    With ``more`` values of each query and key kept apart (the latent attention's rotary part),
+    the scores take them too."""
     rng = np.random.default_rng(end)
     dim = 16
     q = rng.standard_normal((heads, dim)).astype(np.float32)
     keys = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
     values = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
+    q_more = rng.standard_normal((heads, more)).astype(np.float32)
+    keys_more = rng.standard_normal((kv_heads, 1024, more)).astype(np.float32)
     scaling = np.float32(dim ** -0.5)
     sink = (3 * rng.standard_normal(heads)).astype(np.float32) if sinks else np.zeros(0, np.float32)
-    got = fast_decode._attend(q, keys, values, start, end, scaling, sink).reshape(heads, dim)
+    got = fast_decode._attend(q, keys, values, start, end, scaling, sink, q_more, keys_more).reshape(heads, dim)
     for h in range(heads):
         g = h // (heads // kv_heads)
-        scores = keys[g, start:end].astype(np.float64) @ q[h] * scaling
+        scores = (keys[g, start:end].astype(np.float64) @ q[h] + keys_more[g, start:end] @ q_more[h]) * scaling
         top = max(scores.max(), sink[h]) if sinks else scores.max()
         weights = np.exp(scores - top)
         weights /= weights.sum() + (np.exp(sink[h] - top) if sinks else 0.0)
