@@ -148,7 +148,9 @@ class _Layer:
     o_bias: np.ndarray
     sinks: np.ndarray
     latent: _Latent | None = None  # a multi-head latent attention's parts (then q, k, v are None)
-    compiled: tuple | None = None  # type: ignore[type-arg]  # _attention_token's arguments, where it runs
+    # _attention_token's (or, for a latent attention, _latent_token's) arguments, where it runs
+    compiled: tuple | None = None  # type: ignore[type-arg]
+    ffn: tuple | None = None  # type: ignore[type-arg]  # _mlp_token's for the dense MLP or shared expert
 
 
 def fast_decoder(km: Any) -> FastDecode | None:
@@ -290,6 +292,7 @@ class FastDecode:
                       dense, shared, _biases(q, k, v), _biases(o),
                       _NONE if sinks is None else np.ascontiguousarray(sinks.detach().float().numpy()))  # type: ignore[arg-type]
         made.compiled = _compiled_attention(made)
+        made.ffn = _compiled_mlp(made)
         return made
 
     @staticmethod
@@ -339,10 +342,13 @@ class FastDecode:
         latent = _Latent(q, q_a, q_norm, q_b, kv_a, _norm(attn.kv_a_layernorm, lora), k_up, v_up,
                          nope, rope, bool(getattr(config, "rope_interleave", False)),
                          Projections.of([q_a or q, kv_a]))
-        return _Layer(_norm(layer.input_layernorm, hidden), None, None, None, o, None, None, False, None, heads, 1,
+        made = _Layer(_norm(layer.input_layernorm, hidden), None, None, None, o, None, None, False, None, heads, 1,
                       nope + rope, float(attn.scaling), None, cache, keys[0].numpy(), values[0].numpy(),
                       _norm(layer.post_attention_layernorm, hidden), moe, dense, shared, _NONE, _biases(o), _NONE,
                       latent)
+        made.compiled = _compiled_latent(made)
+        made.ffn = _compiled_mlp(made)
+        return made
 
     def warm(self, experts: list[Any]) -> None:
         """One step on token 0, undone: a process's first call of the compiled step loads it
@@ -384,9 +390,9 @@ class FastDecode:
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 x = self._layer_step(layer, x, cos, sin)
-                # after a layer whose routing ran inside its compiled call (the others' experts
-                # call their observers, which guess too)
-                if self.hooks and i < last and _moe_one_call(layer) is not None:
+                # after a layer whose routing ran inside a compiled call (_moe_token, the layer's
+                # or MoELayer.forward's; the others' experts call their observers, which guess too)
+                if self.hooks and i < last and layer.moe is not None and layer.moe._one_call() is not None:
                     post = self.layers[i + 1].post_norm
                     guess_input = _rms_norm(x, post.weight, post.eps)[None, :]
                     for hook in self.hooks:
@@ -475,23 +481,25 @@ class FastDecode:
 
     @staticmethod
     def _layer_step(layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        if layer.latent is not None:
-            return FastDecode._latent_step(layer, layer.latent, x, cos, sin)
         if layer.compiled is not None:
             cache = layer.cache
             position = cache.length
             cache.check_room(1)
             start = _window_start(layer, position)
-            one_call = _moe_one_call(layer)
-            if one_call is not None:  # the whole layer in one compiled call
-                out = _moe_layer_token(layer.compiled, one_call, x, cos, sin, position, start, vnni.stamps())
+            out = _one_call_layer(layer, x, cos, sin, position, start)
+            if out is not None:  # the whole layer in one compiled call
                 if out.shape[0] == 0:
                     raise KtcError("hidden states contain NaN or Inf")
                 cache.advance(1)
                 return out
-            x, h = _attention_token(*layer.compiled, x, cos, sin, position, start)
+            if layer.latent is not None:
+                x, h = _latent_token(*layer.compiled, x, cos, sin, position, start)
+            else:
+                x, h = _attention_token(*layer.compiled, x, cos, sin, position, start)
             cache.advance(1)
             return FastDecode._mlp_step(layer, x, h)
+        if layer.latent is not None:
+            return FastDecode._latent_step(layer, layer.latent, x, cos, sin)
         h = _rms_norm(x, layer.input_norm.weight, layer.input_norm.eps)
         q, k, v = layer.q.matvec(h), layer.k.matvec(h), layer.v.matvec(h)
         if layer.whole_norms:
@@ -575,6 +583,75 @@ def _moe_one_call(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
     return moe._one_call() if moe is not None and moe.shared is None and layer.shared is None else None
 
 
+def _one_call_layer(layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, position: int,
+                    start: int) -> np.ndarray | None:
+    """The layer's step in one compiled call, or None where it does not take one (its attention
+    half compiled, ``layer.compiled``, and its MoE block in one call, ``MoELayer._one_call``,
+    its dense MLP or shared expert, ``layer.ffn``, where it has one): the output, empty where a
+    hidden state is not finite."""
+    moe = layer.moe._one_call() if layer.moe is not None else None
+    if layer.moe is not None and moe is None or (layer.moe is None or layer.shared is not None) and layer.ffn is None:
+        return None
+    stamps = vnni.stamps()
+    latent = layer.latent is not None
+    attention = layer.compiled
+    if moe is None:  # a dense layer
+        return (_latent_mlp_token if latent else _attention_mlp_token)(attention, layer.ffn, x, cos, sin, position,
+                                                                       start)
+    if layer.shared is not None:
+        return (_latent_shared_token if latent else _attention_shared_token)(attention, moe, layer.ffn, x, cos, sin,
+                                                                             position, start, stamps)
+    return (_latent_moe_token if latent else _moe_layer_token)(attention, moe, x, cos, sin, position, start, stamps)
+
+
+def _parts(p: Projections) -> tuple:  # type: ignore[type-arg]
+    """A ``Projections``' arrays as ``stack_token`` takes them."""
+    return p.mats, p.f32s, p.kinds, p.starts, p.chunk_starts
+
+
+def _compiled_mlp(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
+    """``_mlp_token``'s arguments (but the input) for the layer's dense MLP or shared expert, or
+    None where it has neither or one call does not take its matrices (``Projections``)."""
+    from .vnni import _tables
+
+    if layer.shared is not None:
+        gate, up, down, shared_gate = layer.shared.gate, layer.shared.up, layer.shared.down, layer.shared.shared_gate
+    elif layer.mlp is not None:
+        (gate, up, down), shared_gate = layer.mlp, None
+    else:
+        return None
+    first, second = Projections.of([gate, up]), Projections.of([down])
+    if first is None or second is None:
+        return None
+    gate_row = _NONE
+    if shared_gate is not None:  # one row (Qwen2-MoE's), kept in a float scheme: its values
+        if shared_gate.scheme not in ("f32", "bf16", "f16") or shared_gate.bias is not None:
+            return None
+        gate_row = read_only(decode(shared_gate.raw, shared_gate.scheme, shared_gate.in_features)[0].copy())
+    return (*_parts(first), *_parts(second), gate_row, *_tables())
+
+
+def _compiled_latent(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
+    """``_latent_token``'s arguments (but the hidden state, the rotary cos/sin and the
+    positions), or None where its projections are not one call's (``Projections``)."""
+    from .vnni import _tables
+
+    latent = layer.latent
+    query = latent.q or latent.q_a  # type: ignore[union-attr]
+    first = Projections.of([query, latent.kv_a], biases_apart=True)  # type: ignore[union-attr]
+    second = Projections.of([latent.q_b], biases_apart=True) if latent.q_b is not None else first  # type: ignore[union-attr]
+    o = Projections.of([layer.o], biases_apart=True)
+    if first is None or second is None or o is None:
+        return None
+    q_norm = latent.q_norm or _Norm(_NO_NORM, np.float32(0.0))  # type: ignore[union-attr]
+    return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *_parts(first),
+            _biases(query, latent.kv_a), latent.q_b is not None, *_parts(second), q_norm.weight,  # type: ignore[union-attr]
+            np.float32(q_norm.eps), _biases(latent.q_b) if latent.q_b is not None else _NONE,  # type: ignore[union-attr]
+            latent.kv_norm.weight, np.float32(latent.kv_norm.eps), latent.k_up, latent.v_up,  # type: ignore[union-attr]
+            latent.interleave, layer.keys, layer.values, np.float32(layer.scaling), *_parts(o), layer.o_bias,  # type: ignore[union-attr]
+            *_tables(), layer.heads, layer.post_norm.weight, np.float32(layer.post_norm.eps))
+
+
 _NO_NORM = np.ones(1, dtype=np.float32)
 
 
@@ -592,10 +669,7 @@ def _compiled_attention(layer: _Layer) -> tuple | None:  # type: ignore[type-arg
     q_norm = layer.q_norm or _Norm(_NO_NORM, np.float32(0.0))
     k_norm = layer.k_norm or _Norm(_NO_NORM, np.float32(0.0))
 
-    def parts(p: Projections) -> tuple:  # type: ignore[type-arg]
-        return p.mats, p.f32s, p.kinds, p.starts, p.chunk_starts
-
-    return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *parts(qkv), *parts(o), f16, e8m0,
+    return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *_parts(qkv), *_parts(o), f16, e8m0,
             layer.heads, layer.kv_heads, layer.head_dim, norm_mode, q_norm.weight, np.float32(q_norm.eps),
             k_norm.weight, np.float32(k_norm.eps), layer.clip is not None, np.float32(layer.clip or 0.0), layer.keys,
             layer.values, np.float32(layer.scaling), layer.sinks, layer.qkv_bias, layer.o_bias, layer.post_norm.weight,
@@ -646,6 +720,106 @@ def _moe_layer_token(attention, moe, x, cos, sin, position, start, stamps):  # p
     if y.shape[0] == 0:
         return y
     return out + y
+
+
+@njit(cache=True, nogil=True)
+def _latent_token(in_w, in_eps, f_mats, f_f32s, f_kinds, f_starts, f_chunks, f_bias, compressed, b_mats, b_f32s, b_kinds,
+                  b_starts, b_chunks, q_w, q_eps, b_bias, kv_w, kv_eps, k_up, v_up, interleave, latents, rotated,
+                  scaling, o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_bias, f16, e8m0, heads, post_w, post_eps, x,
+                  cos, sin, position, start):  # pragma: no cover - compiled
+    # The attention half of a latent attention layer's decode step in one call
+    # (FastDecode._latent_step's steps): the query (or its compression) and kv_a in one parallel
+    # region, the compression's norm and q_b, _latent_attention, the output projection; returns
+    # x plus attention, and it after the post-attention norm. f_bias, b_bias, o_bias: empty where
+    # none.
+    h = _rms_norm(x, in_w, in_eps)
+    first = stack_token(f_mats, f_f32s, f_kinds, f_starts, f_chunks, f16, e8m0, h)
+    if f_bias.shape[0]:
+        first += f_bias
+    q = first[:f_starts[1]]
+    if compressed:
+        q = stack_token(b_mats, b_f32s, b_kinds, b_starts, b_chunks, f16, e8m0, _rms_norm(q, q_w, q_eps))
+        if b_bias.shape[0]:
+            q += b_bias
+    q = np.ascontiguousarray(q)
+    values = _latent_attention(q.reshape(heads, q.shape[0] // heads), first[f_starts[1]:f_starts[2]], kv_w, kv_eps,
+                               k_up, v_up, cos, sin, interleave, latents, rotated, position, start, scaling)
+    projected = stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, values)
+    if o_bias.shape[0]:
+        projected += o_bias
+    out = x + projected
+    return out, _rms_norm(out, post_w, post_eps)
+
+
+@njit(cache=True, nogil=True)
+def _mlp_token(a_mats, a_f32s, a_kinds, a_starts, a_chunks, d_mats, d_f32s, d_kinds, d_starts, d_chunks, gate_row,
+               f16, e8m0, h):  # pragma: no cover - compiled
+    # A SiLU MLP of h (a dense layer's, a shared expert's): gate and up in one parallel region,
+    # SiLU(gate) * up, down; times the sigmoid of gate_row . h where it is not empty (Qwen2-MoE's
+    # shared expert's one-row gate).
+    both = stack_token(a_mats, a_f32s, a_kinds, a_starts, a_chunks, f16, e8m0, h)
+    y = stack_token(d_mats, d_f32s, d_kinds, d_starts, d_chunks, f16, e8m0,
+                    _silu_times(both[:a_starts[1]], both[a_starts[1]:a_starts[2]]))
+    if gate_row.shape[0]:
+        g = np.float32(0.0)
+        for j in range(h.shape[0]):
+            g += gate_row[j] * h[j]
+        y *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+    return y
+
+
+@njit(cache=True, nogil=True)
+def _with_shared(out, h, moe, mlp, stamps):  # pragma: no cover - compiled
+    # out plus the routed experts' and the shared expert's outputs for h; empty where h is not finite
+    y = _moe_token(*moe, h, stamps)
+    if y.shape[0] == 0:
+        return y
+    return out + y + _mlp_token(*mlp, h)
+
+
+@njit(cache=True, nogil=True)
+def _attention_shared_token(attention, moe, mlp, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
+    # A MoE layer with a shared expert in one call: _attention_token, the routed experts, the shared expert
+    out, h = _attention_token(*attention, x, cos, sin, position, start)
+    return _with_shared(out, h, moe, mlp, stamps)
+
+
+@njit(cache=True, nogil=True)
+def _attention_mlp_token(attention, mlp, x, cos, sin, position, start):  # pragma: no cover - compiled
+    # A dense layer in one call: _attention_token, then its MLP
+    out, h = _attention_token(*attention, x, cos, sin, position, start)
+    return _finite(out + _mlp_token(*mlp, h))
+
+
+@njit(cache=True, nogil=True)
+def _latent_moe_token(attention, moe, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
+    # _moe_layer_token with a latent attention
+    out, h = _latent_token(*attention, x, cos, sin, position, start)
+    y = _moe_token(*moe, h, stamps)
+    if y.shape[0] == 0:
+        return y
+    return out + y
+
+
+@njit(cache=True, nogil=True)
+def _latent_shared_token(attention, moe, mlp, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
+    out, h = _latent_token(*attention, x, cos, sin, position, start)
+    return _with_shared(out, h, moe, mlp, stamps)
+
+
+@njit(cache=True, nogil=True)
+def _latent_mlp_token(attention, mlp, x, cos, sin, position, start):  # pragma: no cover - compiled
+    out, h = _latent_token(*attention, x, cos, sin, position, start)
+    return _finite(out + _mlp_token(*mlp, h))
+
+
+@njit(cache=True, nogil=True)
+def _finite(x):  # pragma: no cover - compiled
+    # x, or an empty array where a value of it is not finite (as _moe_token answers)
+    for j in range(x.shape[0]):
+        if not np.isfinite(x[j]):
+            return np.empty(0, dtype=np.float32)
+    return x
 
 
 @njit(cache=True, nogil=True)

@@ -107,12 +107,19 @@ def test_bf16_attention_takes_the_one_call_stack(family, scheme, overrides, tmp_
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("family,overrides", [("qwen3_moe", {}), ("olmoe", {"clip_qkv": 0.05}),
-                                              ("gpt_oss", {"sliding_window": 5})])
+                                              ("gpt_oss", {"sliding_window": 5}),
+                                              ("qwen2_moe", {"mlp_only_layers": [1], "shared_expert_intermediate_size": 64, "intermediate_size": 64}),
+                                              ("glm4_moe", {}),
+                                              ("deepseek_v3", {"qk_nope_head_dim": 16, "kv_lora_rank": 32,
+                                                               "q_lora_rank": 32})])
 def test_compiled_attention_equals_the_step_by_step_one(family, overrides, tmp_path):
-    """The attention half in one compiled call gives what the same steps give one by one."""
+    """The attention half in one compiled call (with a shared expert or a dense MLP, the whole
+    layer; a latent attention's too) gives what the same steps give one by one."""
     path = _bundle(tmp_path, family, "q8_0", **overrides)
     prompt, tokens = _prompt(12), _prompt(20)[12:]
     with from_bundle(path) as km:
+        assert all(layer.compiled is not None for layer in km.fast.layers)
+        assert all(layer.ffn is not None for layer in km.fast.layers if layer.shared or layer.mlp)
         compiled = _steps(km, prompt, tokens, fast=True)
         for layer in km.fast.layers:
             layer.compiled = None
@@ -186,8 +193,9 @@ def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch
         assert km.fast is not None
 
 
-# rows of the latent's and the query's non-rotary part in whole steps of 16 (bf16 lanes)
-_WIDE_LATENT = {"qk_nope_head_dim": 16, "kv_lora_rank": 32}
+# rows of the latent's and the query's non-rotary part in whole steps of 16 (bf16 lanes), and
+# the compressed query's in whole blocks (the compiled attention half)
+_WIDE_LATENT = {"qk_nope_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32}
 
 
 @pytest.mark.parametrize("scheme,overrides", [
@@ -211,6 +219,10 @@ def test_latent_attention_steps_equal_transformers_steps(scheme, overrides, tmp_
         assert km.fast is not None and all(layer.latent is not None for layer in km.fast.layers)
         wide = vnni.HAVE_VNNI and overrides.get("kv_lora_rank") == 32
         assert all((layer.latent.v_up.dtype == np.uint16) == (wide and scheme == "bf16") for layer in km.fast.layers)
+        # quantized or bf16 projections: each layer in one compiled call (its attention half,
+        # routed experts and shared expert, or its dense MLP)
+        one_call = wide and scheme != "f32"
+        assert all((layer.compiled is not None and layer.ffn is not None) == one_call for layer in km.fast.layers)
         for layer in km.model.model.layers:
             b = layer.self_attn.kv_b_proj
             exact = torch.nn.Linear(b.in_features, b.out_features, bias=False)
