@@ -255,10 +255,11 @@ def _deepseek_config(transformers: Any, path: str, model_config: ModelConfig | N
         rope_theta=float(key("rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in tensors,
         architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"])
-    if mc.num_expert_groups > 1:
-        fields.update(n_group=mc.num_expert_groups, topk_group=mc.topk_groups)
-        if not v3:
-            fields["topk_method"] = "group_limited_greedy"
+    # always: without them transformers' classes take their own defaults (DeepseekV3Config's
+    # 8 groups, 4 of them used), which a model with none (Kimi-K2's, Moonlight's) does not route by
+    fields.update(n_group=mc.num_expert_groups, topk_group=mc.topk_groups)
+    if mc.num_expert_groups > 1 and not v3:
+        fields["topk_method"] = "group_limited_greedy"
     fields.update(_token_ids(meta))
     scaling = key("rope.scaling.type")
     if scaling == "yarn":  # the long context of DeepSeek's releases: the rope's yarn as their configs state it

@@ -240,6 +240,25 @@ def test_gguf_with_llamacpp_names_runs_like_its_safetensors_twin(family, split_k
         assert relative(logits[1], twin(ids).logits) < 1e-4
 
 
+def test_a_deepseek_v3_gguf_without_expert_groups_routes_without_them(tmp_path):
+    """A DeepSeek-V3 GGUF whose router has one group (Kimi-K2's, Moonlight's) runs with one group
+    (transformers' class alone would take its defaults, 8 groups of which 4 are used): the logits
+    of its safetensors twin."""
+    base = mf.build_hf_model("deepseek_v3", n_group=1, topk_group=1)
+    twin = type(base)(type(base.config)(**{**base.config.to_dict(), "vocab_size": 300})).eval()
+    folder = str(tmp_path / "st")
+    twin.save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 300)
+    gguf_path = mf.write_gguf(folder, str(tmp_path / "twin.gguf"), family="deepseek_v3", split_kv_b=True)
+    compile_bundle(gguf_path, str(tmp_path / "g.ktb"), cpu_scheme="f32", dense_scheme="f32")
+    ids = torch.randint(3, 290, (1, 32), generator=torch.Generator().manual_seed(0))
+    with from_bundle(str(tmp_path / "g.ktb")) as km:
+        assert (km.model.config.n_group, km.model.config.topk_group) == (1, 1)
+        got = logits_of(km, ids)
+    with torch.no_grad():
+        assert relative(got, twin(ids).logits) < 1e-4
+
+
 def test_a_gguf_split_into_parts_compiles_as_the_whole_file_does(tmp_path):
     """A GGUF split into parts (as llama.cpp's gguf-split writes them: the metadata in the first,
     a few tensors each) compiles from its folder, or from any part, into a bundle whose logits and
