@@ -36,7 +36,7 @@ from ktc.errors import KtcError, UnsupportedModelError
 
 from ktc.formats.kernel_args import read_only
 
-from . import vnni
+from . import rows, vnni
 from .kernels import decode, exact_bf16
 from .moe import MoELayer, _moe_token
 from .projections import Projections, stack_token
@@ -101,9 +101,12 @@ class _Latent:
     key rows of ``kv_b`` gives a query in the latent's space (``k_up``), attention over the
     latents and rotary keys gives a latent a head, and the head's value rows of ``kv_b``
     (``v_up``) turn that into its values. The same products in another order: one query
-    against one key head of ``lora + rope`` values. ``k_up`` and ``v_up`` are float32 copies of
-    ``kv_b``'s values (the bundle's scheme decoded; its own kernels take one input vector for
-    every row, where each head here has its own)."""
+    against one key head of ``lora + rope`` values. ``k_up`` and ``v_up`` (``_per_head``'s
+    specs): where the bundle keeps them apart in a block scheme or a K-quant (a GGUF's
+    ``attn_k_b`` and ``attn_v_b``, as llama.cpp's converter stores MLA), their own rows, each
+    head's activations quantized as the scheme's kernels quantize one vector; else float32
+    copies of ``kv_b``'s values (bf16 where every value is one: a bf16 bundle's), multiplied by
+    float32 queries and latents."""
 
     q: Any | None  # q_proj, where the model has no query compression
     q_a: Any | None  # or q_a_proj, its norm and q_b_proj
@@ -111,8 +114,8 @@ class _Latent:
     q_b: Any | None
     kv_a: Any
     kv_norm: _Norm
-    k_up: np.ndarray  # [heads, lora, nope]: each head's key rows of kv_b, transposed
-    v_up: np.ndarray  # [heads, v, lora]: its value rows
+    k_up: tuple  # type: ignore[type-arg]  # each head's key rows of kv_b, transposed: [lora, nope] a head
+    v_up: tuple  # type: ignore[type-arg]  # its value rows: [v, lora] a head
     nope: int  # a query head's values without the rotary embedding, then ``rope`` with it
     rope: int
     interleave: bool  # the rotary pairs are neighbours (DeepSeek-V3's rope_interleave)
@@ -269,7 +272,7 @@ class FastDecode:
         moe, dense, shared = FastDecode._mlp(km, index, layer.mlp, experts, hidden)
         buffer = getattr(cache, "key_buffer", None)
         if getattr(attn, "kv_lora_rank", None):
-            return FastDecode._latent_layer(config, layer, cache, moe, dense, shared, hidden)
+            return FastDecode._latent_layer(km.bundle, config, index, layer, cache, moe, dense, shared, hidden)
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         head_dim = int(attn.head_dim)
         if buffer is None or buffer.dtype != torch.float32 or (buffer.shape[1], buffer.shape[3]) != (kv_heads, head_dim):
@@ -314,7 +317,8 @@ class FastDecode:
         return moe, None, shared
 
     @staticmethod
-    def _latent_layer(config: Any, layer: Any, cache: Any, moe: Any, dense: Any, shared: Any, hidden: int) -> _Layer:
+    def _latent_layer(bundle: Any, config: Any, index: int, layer: Any, cache: Any, moe: Any, dense: Any, shared: Any,
+                      hidden: int) -> _Layer:
         """A layer of multi-head latent attention (``_Latent``)."""
         import torch
 
@@ -334,11 +338,11 @@ class FastDecode:
         if (q_b or q).out_features != heads * (nope + rope) or kv_a.out_features != lora + rope or \
                 kv_b.bias is not None or (kv_b.in_features, kv_b.out_features) != (lora, heads * (nope + v)):
             raise _Unsupported("attention")
-        up = decode(kv_b.raw, kv_b.scheme, lora).reshape(heads, nope + v, lora)
-        # bf16 (half the bytes, the same products) where every value is one: a bf16 bundle's
-        k_up, v_up = (read_only(exact_bf16(part) if _bf16_lanes(part) else part)
-                      for part in (np.ascontiguousarray(up[:, :nope].transpose(0, 2, 1)),
-                                   np.ascontiguousarray(up[:, nope:])))
+        k_up, v_up = _stored_halves(bundle, index, heads, lora, nope, v)
+        if k_up is None or v_up is None:
+            up = decode(kv_b.raw, kv_b.scheme, lora).reshape(heads, nope + v, lora)
+            k_up, v_up = (k_up or _float_spec(np.ascontiguousarray(up[:, :nope].transpose(0, 2, 1))),
+                          v_up or _float_spec(np.ascontiguousarray(up[:, nope:])))
         latent = _Latent(q, q_a, q_norm, q_b, kv_a, _norm(attn.kv_a_layernorm, lora), k_up, v_up,
                          nope, rope, bool(getattr(config, "rope_interleave", False)),
                          Projections.of([q_a or q, kv_a]))
@@ -540,7 +544,8 @@ class FastDecode:
         position = cache.length
         cache.check_room(1)
         attended = _latent_attention(q.reshape(layer.heads, -1), kv, latent.kv_norm.weight, latent.kv_norm.eps,
-                                     latent.k_up, latent.v_up, cos, sin, latent.interleave, layer.keys, layer.values,
+                                     latent.k_up, latent.v_up, *vnni._tables(), cos, sin, latent.interleave,
+                                     layer.keys, layer.values,
                                      position, _window_start(layer, position), np.float32(layer.scaling))
         cache.advance(1)
         x = x + layer.o.matvec(attended)
@@ -743,7 +748,8 @@ def _latent_token(in_w, in_eps, f_mats, f_f32s, f_kinds, f_starts, f_chunks, f_b
             q += b_bias
     q = np.ascontiguousarray(q)
     values = _latent_attention(q.reshape(heads, q.shape[0] // heads), first[f_starts[1]:f_starts[2]], kv_w, kv_eps,
-                               k_up, v_up, cos, sin, interleave, latents, rotated, position, start, scaling)
+                               k_up, v_up, f16, e8m0, cos, sin, interleave, latents, rotated, position, start,
+                               scaling)
     projected = stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, values)
     if o_bias.shape[0]:
         projected += o_bias
@@ -889,14 +895,14 @@ def _rope_into(q, k, v, cos, sin, keys, values, position):  # pragma: no cover -
 
 
 @njit(cache=True, nogil=True)
-def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, cos, sin, interleave, latents, rotated, position, start,
-                      scaling):  # pragma: no cover - compiled
+def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, f16, e8m0, cos, sin, interleave, latents, rotated, position,
+                      start, scaling):  # pragma: no cover - compiled
     # The absorbed multi-head latent attention of one token (_Latent): q [heads, nope + rope]
     # its query, kv kv_a's output (the latent, then the rotary key); the normed latent into
     # ``latents`` and the turned rotary key into ``rotated`` ([1, capacity, lora or rope]) at
     # ``position``; returns each head's values [heads * v].
     heads, width = q.shape
-    lora, nope = k_up.shape[1], k_up.shape[2]
+    lora, nope = k_up[6], k_up[7]
     rope = width - nope
     latents[0, position] = _rms_norm(kv[:lora], kv_w, kv_eps)
     q_rot = np.empty((heads, rope), np.float32)
@@ -905,9 +911,9 @@ def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, cos, sin, interleave, lat
         _rotary_order(q[r, nope:], q_rot[r], interleave)
     _rotary_order(kv[lora:], k_rot[0], interleave)
     _rope_into(q_rot, k_rot, _NO_MORE, cos, sin, rotated, rotated, position)
-    absorbed = _per_head(k_up, q)  # each head's query in the latent's space
+    absorbed = _per_head(*k_up, f16, e8m0, q)  # each head's query in the latent's space
     attended = _attend(absorbed, latents, latents, start, position + 1, scaling, _NONE, q_rot, rotated)
-    return _per_head(v_up, attended.reshape(heads, lora)).reshape(-1)
+    return _per_head(*v_up, f16, e8m0, attended.reshape(heads, lora)).reshape(-1)
 
 
 @njit(cache=True, nogil=True)
@@ -920,30 +926,77 @@ def _rotary_order(source, target, interleave):  # pragma: no cover - compiled
         target[half + j] = source[2 * j + 1] if interleave else source[half + j]
 
 
-def _bf16_lanes(w: np.ndarray) -> bool:
-    """Whether ``_per_head`` can take ``w`` [heads, rows, cols] as bf16: its rows in whole steps
-    of ``vnni.bf16_dot``, which runs compiled."""
-    return vnni._COMPILED and w.shape[-1] % 16 == 0
+_NO_ROWS = np.zeros((1, 4), np.uint8)  # a float spec's stored rows (none)
+_NO_FLOATS = np.zeros((0, 0, 0), np.float32)  # a stored spec's float values (none)
+
+
+def _float_spec(w: np.ndarray) -> tuple:  # type: ignore[type-arg]
+    """``_per_head``'s spec of float values w [heads, rows, cols]: bf16 bit patterns (half the
+    bytes, the same products) where every value is one and its rows are whole steps of
+    ``vnni.bf16_dot`` (which runs compiled), else float32."""
+    if vnni._COMPILED and w.shape[-1] % 16 == 0:
+        w = exact_bf16(w)
+    return (-1, _NO_ROWS, _NO_ROWS.reshape(-1).view(np.float32), 0, 0, 0, w.shape[1], w.shape[2], read_only(w))
+
+
+def _stored_halves(bundle: Any, layer: int, heads: int, lora: int, nope: int, v: int) -> tuple[Any, Any]:
+    """``_per_head``'s specs of a GGUF's ``blk.N.attn_k_b`` ([heads * lora rows, nope]) and
+    ``attn_v_b`` ([heads * v rows, lora]) where the bundle keeps them in a block scheme or a
+    K-quant (on a VNNI CPU, the scheme's row kernels), each None where not."""
+    from ktc.formats.schemes import get_scheme
+
+    names = {t.source: t.name for t in bundle.tensors.values() if t.source}
+    specs = []
+    for half, per_head, cols in (("k", lora, nope), ("v", v, lora)):
+        name = names.get(f"blk.{layer}.attn_{half}_b.weight")
+        t = bundle.tensors.get(name) if name else None
+        scheme = t.scheme if t is not None else None
+        if t is None or not vnni.HAVE_VNNI or not (scheme in vnni.BLOCK_KINDS and cols % 32 == 0 or
+                                                   scheme in vnni.KQUANTS and cols % 256 == 0) or \
+                int(np.prod(t.shape)) != heads * per_head * cols:
+            specs.append(None)
+            continue
+        row_bytes = get_scheme(scheme).matrix_bytes(1, cols)
+        raw = read_only(np.ascontiguousarray(bundle.tensor(name)).view(np.uint8).reshape(heads * per_head, row_bytes))
+        specs.append((rows.kind(scheme), raw, raw.reshape(-1)[:4].view(np.float32), row_bytes, 0, per_head,
+                      per_head, cols, _NO_FLOATS))
+    return specs[0], specs[1]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _per_head(w, x):  # pragma: no cover - compiled
-    # Each head's own matrix-vector product: w [heads, rows, cols] (float32, or bf16 bit
-    # patterns where _bf16_lanes: kernels.exact_bf16), x [heads, >= cols] (its first cols
-    # values): [heads, rows].
-    heads, rows, cols = w.shape
-    out = np.empty((heads, rows), np.float32)
-    for h in prange(heads):
-        xh = np.ascontiguousarray(x[h, :cols])
-        for r in range(rows):
-            if w.itemsize == 2:  # 16 bf16 values a step, widened exactly
-                out[h, r] = vnni.bf16_dot(w[h, r], 0, cols // 16, xh)
-                continue
-            row = w[h, r]
-            d = np.float32(0.0)
-            for j in range(cols):
-                d += row[j] * xh[j]
-            out[h, r] = d
+def _per_head(code, raw, f32, row_bytes, base, stride, per_head, cols, w, f16, e8m0, x):  # pragma: no cover - compiled
+    # Each head's own matrix-vector product, [heads, per_head]: out[h, r] = row r of head h's
+    # matrix . x[h, :cols]. code < 0: the matrices are w [heads, per_head, cols] (float32, or
+    # bf16 bit patterns: _float_spec); else stored rows of that kind (rows.rows), head h's rows
+    # from row base + h * stride of raw (row_bytes each; f32: its float32 view), x's rows
+    # quantized for the kind first.
+    heads = x.shape[0]
+    out = np.empty((heads, per_head), np.float32)
+    if code < 0:
+        for h in prange(heads):
+            xh = np.ascontiguousarray(x[h, :cols])
+            for r in range(per_head):
+                if w.itemsize == 2:  # 16 bf16 values a step, widened exactly
+                    out[h, r] = vnni.bf16_dot(w[h, r], 0, cols // 16, xh)
+                    continue
+                row = w[h, r]
+                d = np.float32(0.0)
+                for j in range(cols):
+                    d += row[j] * xh[j]
+                out[h, r] = d
+        return out
+    xs = np.empty((heads, cols), np.float32)
+    for h in range(heads):
+        xs[h] = x[h, :cols]
+    act = rows.activations(xs.reshape(-1), heads, cols, np.array([code], dtype=np.int64))
+    chunks = (per_head + rows.ROWS_PER_ITEM - 1) // rows.ROWS_PER_ITEM
+    flat = raw.reshape(-1)
+    for item in prange(heads * chunks):
+        h = item // chunks
+        first = (item - h * chunks) * rows.ROWS_PER_ITEM
+        acc = np.zeros(16, np.float32)
+        rows.rows(code, flat, f32, f16, e8m0, (base + h * stride) * row_bytes, row_bytes, first,
+                  min(per_head, first + rows.ROWS_PER_ITEM), cols, act, h, out[h], acc)
     return out
 
 

@@ -247,7 +247,8 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
     (and its tokenizer as ``tokenizer.ggml.*`` metadata when the folder has a BPE tokenizer.json).
     ``expert_qtype``: the ggml type of the expert stacks, a type per projection
     (``{"gate": ..., "up": ..., "down": ...}``), or a function of (layer, projection).
-    ``dense_qtype``: ggml types of other matrices by name suffix (``{"attn_v.weight": "Q6_K"}``).
+    ``dense_qtype``: ggml types of other matrices (and of MLA's split halves) by name suffix
+    (``{"attn_v.weight": "Q6_K"}``).
     ``tokenizer_pre``: llama.cpp's name of the tokenizer's pre-tokenizer (the factory's byte-level
     BPE splits text as GPT-2 does: "gpt-2"). ``split_kv_b``: DeepSeek's MLA as llama.cpp's converter
     writes it now, the key/value up-projection split into ``attn_k_b`` (transposed) and
@@ -348,7 +349,7 @@ def write_gguf(st_folder: str, path: str, *, family: str, expert_qtype=None,
                      if isinstance(expert_qtype, dict) else expert_qtype(int(name.split(".")[1]), proj))
             data, kind = _quantized_tensor(value, qtype, index)
             writer.add_tensor(name, data, raw_dtype=kind)
-        elif dense and value.ndim == 2:
+        elif dense and value.ndim in (2, 3):  # 3-D: a head's rows a slice (attn_k_b, attn_v_b)
             data, kind = _quantized_tensor(value, dense, index)
             writer.add_tensor(name, data, raw_dtype=kind)
         else:

@@ -218,7 +218,7 @@ def test_latent_attention_steps_equal_transformers_steps(scheme, overrides, tmp_
     with from_bundle(path) as km:
         assert km.fast is not None and all(layer.latent is not None for layer in km.fast.layers)
         wide = vnni.HAVE_VNNI and overrides.get("kv_lora_rank") == 32
-        assert all((layer.latent.v_up.dtype == np.uint16) == (wide and scheme == "bf16") for layer in km.fast.layers)
+        assert all((layer.latent.v_up[-1].dtype == np.uint16) == (wide and scheme == "bf16") for layer in km.fast.layers)
         # quantized or bf16 projections: each layer in one compiled call (its attention half,
         # routed experts and shared expert, or its dense MLP)
         one_call = wide and scheme != "f32"
@@ -235,6 +235,45 @@ def test_latent_attention_steps_equal_transformers_steps(scheme, overrides, tmp_
             np.testing.assert_allclose(k, layer.keys[:, :20], rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(v, layer.values[:, :20], rtol=1e-5, atol=1e-6)
     assert _relative(fast, slow) < 1e-5
+
+
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_latent_attention_reads_a_gguf_s_split_halves_as_stored(qtype, tmp_path):
+    """A GGUF's attn_k_b and attn_v_b (llama.cpp's MLA) in a block scheme are multiplied from
+    their own rows, each head's activations quantized as the scheme's kernels quantize one
+    vector (``_per_head``), not from float32 copies: each head's products equal the scheme's
+    matrix-vector kernel on that head's rows, and the steps' logits stay near transformers'
+    (whose joined kv_b multiplies float32 latents: the activations' quantization apart)."""
+    import gguf
+
+    from ktc.runtime import kernels
+
+    overrides = {"qk_nope_head_dim": 32, "kv_lora_rank": 64, "q_lora_rank": None}
+    base = mf.build_hf_model("deepseek_v3", **overrides, vocab_size=300)  # a byte-level BPE tokenizer's
+    folder = str(tmp_path / "st")
+    base.save_pretrained(folder)
+    mf.write_bpe_tokenizer(folder, 300)
+    types = {"attn_k_b.weight": qtype, "attn_v_b.weight": qtype}
+    path = mf.write_gguf(folder, str(tmp_path / "m.gguf"), family="deepseek_v3", split_kv_b=True, dense_qtype=types)
+    scheme = qtype.lower()
+    compile_bundle(path, str(tmp_path / "m.ktb"), cpu_scheme="f32", dense_scheme=scheme)  # the halves passed through
+    rng = np.random.default_rng(0)
+    with from_bundle(str(tmp_path / "m.ktb")) as km:
+        latent = km.fast.layers[1].latent
+        for spec in (latent.k_up, latent.v_up):
+            code, raw, _, _, _, _, per_head, cols, _ = spec
+            assert code == vnni.BLOCK_KINDS[scheme]
+            x = rng.standard_normal((4, cols)).astype(np.float32)
+            got = fast_decode._per_head(*spec, *vnni._tables(), x)
+            for h in range(4):
+                want = kernels.matvec(raw[h * per_head:(h + 1) * per_head], scheme, x[h])
+                np.testing.assert_allclose(got[h], want, rtol=1e-5, atol=1e-6)
+        prompt, tokens = _prompt(12), _prompt(20)[12:]
+        fast = _steps(km, prompt, tokens, fast=True)
+        slow = _steps(km, prompt, tokens, fast=False)
+    assert _relative(fast, slow) < 3e-2
+    assert [int(a.argmax()) for a in fast] == [int(b.argmax()) for b in slow]
 
 
 def test_unsupported_parts_leave_transformers_in_charge(tmp_path, monkeypatch):
