@@ -1,7 +1,10 @@
 """Decode and prefill beside llama.cpp on the same bytes: one-layer models at Mixtral-8x7B's and Qwen3-30B-A3B's
 shapes (and, with ``--shapes gpt-oss --types MXFP4_MOE``, gpt-oss-20b's: its published config in
 ``configs/``, its checkpoint converted by the converter run with a known BPE pre-tokenizer, as
-``perplexity_vs_llamacpp.py`` runs it; MXFP4 is the type its experts ship in),
+``perplexity_vs_llamacpp.py`` runs it; MXFP4 is the type its experts ship in; with ``--shapes
+moonlight``, Moonlight-16B-A3B's, DeepSeek-V3's architecture with multi-head latent attention,
+converted the same way, its GGUF given ``q_lora_rank`` 0 where it has fewer layers than llama.cpp
+reads without the key),
 converted by llama.cpp's converter and quantized by ``llama-quantize`` (Q8_0, Q4_0,
 MXFP4_MOE, Q4_K_M), then compiled by ktc *from those GGUF files* (their blocks pass through: both
 read the same bytes; a Q4_K_M file keeps its Q4_K/Q6_K mix layer by layer). Q8_0 and Q4_0 are
@@ -35,6 +38,7 @@ Needs llama.cpp's tools (``../shared/tools/build-llamacpp.sh``) and, for the con
     python benchmarks/vs_llamacpp.py [--rounds 5] [--shapes mixtral,qwen3] [--types Q8_0,Q4_0,MXFP4_MOE]
                                      [--layers 1]
     python benchmarks/vs_llamacpp.py --shapes gpt-oss --types MXFP4_MOE --layers 2
+    python benchmarks/vs_llamacpp.py --shapes moonlight --types Q8_0,Q4_0 --layers 4
 """
 
 from __future__ import annotations
