@@ -16,9 +16,11 @@ biases where a model has them (gpt-oss, Qwen2-MoE), and the MoE block through
 ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``), with Qwen2-MoE's shared
 expert beside them (``_Shared``; GLM-4.5's shared experts without its gate). DeepSeek-V3's
 multi-head latent attention (Kimi-K2's, Moonlight's: the ``deepseek_v3`` family) in its absorbed
-form (``_Latent``), whose work a step does not grow with the cache as transformers' does; its
-layers a call or a few each, not one. Prefill stays transformers'. ``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens
-against transformers' own steps, family by family.
+form (``_Latent``), whose work a step does not grow with the cache as transformers' does. A
+layer with a shared expert, a dense layer and a latent attention layer take one compiled call
+each (``_one_call_layer``), not the stack's one call. Prefill stays transformers'.
+``KTC_FAST_DECODE=0`` turns it off. Tests check its logits and greedy tokens against
+transformers' own steps, family by family.
 """
 
 from __future__ import annotations
@@ -56,11 +58,16 @@ from .projections import Projections, stack_token
 # DeepSeek-V3: multi-head latent attention (``_Latent``; rotary pairs neighbours or half a head
 # apart, a compressed query or not), DeepSeek-V3's routing, shared experts, dense first layers.
 FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention",
-            "qwen2_moe": "attention", "glm4_moe": "attention", "dots1": "attention", "deepseek_v3": "attention"}
+            "qwen2_moe": "attention", "glm4_moe": "attention", "dots1": "attention", "deepseek_v3": "attention",
+            "deepseek_v2": "attention"}
 # Families whose rotary module gives cos and sin for half a head (gpt-oss: each value j < D/2
 # turns with j + D/2 by angle j): their tables are widened to the head by repeating them, the
 # rotate-half form the steps compute.
 HALF_ROTARY = ("gpt_oss",)
+# Families whose rotary module gives complex factors a pair of neighbouring values (DeepSeek-V2's
+# freqs_cis: value 2j turns with 2j + 1 by angle j, each pair kept in its place): their tables are
+# its real and imaginary parts, widened as above (``_Latent.pairs`` 2).
+PAIRED_ROTARY = ("deepseek_v2",)
 _ROTARY_BLOCK = 256  # positions of rotary cos/sin computed at once
 _NONE = np.zeros(0, np.float32)  # a layer's biases or sinks where it has none
 # _attend's second part of the queries and keys where there is none
@@ -118,7 +125,9 @@ class _Latent:
     v_up: tuple  # type: ignore[type-arg]  # its value rows: [v, lora] a head
     nope: int  # a query head's values without the rotary embedding, then ``rope`` with it
     rope: int
-    interleave: bool  # the rotary pairs are neighbours (DeepSeek-V3's rope_interleave)
+    # the rotary pairs: 0 half a head apart; neighbours turned as halves, the evens first
+    # (DeepSeek-V3's rope_interleave), 1; neighbours kept in place (DeepSeek-V2's complex rotary), 2
+    pairs: int
     first: Projections | None  # q_a (or q) and kv_a in one call, where one call takes them
 
 
@@ -343,9 +352,9 @@ class FastDecode:
             up = decode(kv_b.raw, kv_b.scheme, lora).reshape(heads, nope + v, lora)
             k_up, v_up = (k_up or _float_spec(np.ascontiguousarray(up[:, :nope].transpose(0, 2, 1))),
                           v_up or _float_spec(np.ascontiguousarray(up[:, nope:])))
+        pairs = 2 if config.model_type in PAIRED_ROTARY else int(bool(getattr(config, "rope_interleave", False)))
         latent = _Latent(q, q_a, q_norm, q_b, kv_a, _norm(attn.kv_a_layernorm, lora), k_up, v_up,
-                         nope, rope, bool(getattr(config, "rope_interleave", False)),
-                         Projections.of([q_a or q, kv_a]))
+                         nope, rope, pairs, Projections.of([q_a or q, kv_a]))
         made = _Layer(_norm(layer.input_layernorm, hidden), None, None, None, o, None, None, False, None, heads, 1,
                       nope + rope, float(attn.scaling), None, cache, keys[0].numpy(), values[0].numpy(),
                       _norm(layer.post_attention_layernorm, hidden), moe, dense, shared, _NONE, _biases(o), _NONE,
@@ -421,7 +430,7 @@ class FastDecode:
         current = []
         for layer in self.layers:
             one_call = _moe_one_call(layer)
-            if layer.compiled is None or one_call is None:
+            if layer.compiled is None or one_call is None or layer.latent is not None:  # the stack is _attention_token's
                 return None
             current.append(one_call)
         kept = self._every
@@ -473,9 +482,12 @@ class FastDecode:
             probe = torch.zeros((1, 1, self.hidden_size), dtype=torch.float32)
             positions = torch.arange(first, first + count).view(1, -1)
             with torch.inference_mode():
-                cos, sin = self.rotary(probe, positions)
-            cos, sin = cos[0].float(), sin[0].float()
-            if self._half_rotary:
+                made = self.rotary(probe, positions)
+            if torch.is_tensor(made) and made.is_complex():  # PAIRED_ROTARY's factors
+                cos, sin = made.real[0].float(), made.imag[0].float()
+            else:
+                cos, sin = made[0][0].float(), made[1][0].float()
+            if self._half_rotary or torch.is_tensor(made):
                 cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             table = (np.ascontiguousarray(cos.numpy()), np.ascontiguousarray(sin.numpy()))
             if not self._rotary_static:
@@ -544,7 +556,7 @@ class FastDecode:
         position = cache.length
         cache.check_room(1)
         attended = _latent_attention(q.reshape(layer.heads, -1), kv, latent.kv_norm.weight, latent.kv_norm.eps,
-                                     latent.k_up, latent.v_up, *vnni._tables(), cos, sin, latent.interleave,
+                                     latent.k_up, latent.v_up, *vnni._tables(), cos, sin, latent.pairs,
                                      layer.keys, layer.values,
                                      position, _window_start(layer, position), np.float32(layer.scaling))
         cache.advance(1)
@@ -653,7 +665,7 @@ def _compiled_latent(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
             _biases(query, latent.kv_a), latent.q_b is not None, *_parts(second), q_norm.weight,  # type: ignore[union-attr]
             np.float32(q_norm.eps), _biases(latent.q_b) if latent.q_b is not None else _NONE,  # type: ignore[union-attr]
             latent.kv_norm.weight, np.float32(latent.kv_norm.eps), latent.k_up, latent.v_up,  # type: ignore[union-attr]
-            latent.interleave, layer.keys, layer.values, np.float32(layer.scaling), *_parts(o), layer.o_bias,  # type: ignore[union-attr]
+            latent.pairs, layer.keys, layer.values, np.float32(layer.scaling), *_parts(o), layer.o_bias,  # type: ignore[union-attr]
             *_tables(), layer.heads, layer.post_norm.weight, np.float32(layer.post_norm.eps))
 
 
@@ -720,16 +732,12 @@ def _moe_layer_token(attention, moe, x, cos, sin, position, start, stamps):  # p
     # A MoE layer's decode step in one call: _attention_token, then moe._moe_token (routing and
     # the chosen experts) on its output; empty when the hidden state is not finite. The Python
     # between two calls ran among streaming weights that had evicted it from the caches.
-    out, h = _attention_token(*attention, x, cos, sin, position, start)
-    y = _moe_token(*moe, h, stamps)
-    if y.shape[0] == 0:
-        return y
-    return out + y
+    return _with_moe(*_attention_token(*attention, x, cos, sin, position, start), moe, stamps)
 
 
 @njit(cache=True, nogil=True)
 def _latent_token(in_w, in_eps, f_mats, f_f32s, f_kinds, f_starts, f_chunks, f_bias, compressed, b_mats, b_f32s, b_kinds,
-                  b_starts, b_chunks, q_w, q_eps, b_bias, kv_w, kv_eps, k_up, v_up, interleave, latents, rotated,
+                  b_starts, b_chunks, q_w, q_eps, b_bias, kv_w, kv_eps, k_up, v_up, pairs, latents, rotated,
                   scaling, o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_bias, f16, e8m0, heads, post_w, post_eps, x,
                   cos, sin, position, start):  # pragma: no cover - compiled
     # The attention half of a latent attention layer's decode step in one call
@@ -748,7 +756,7 @@ def _latent_token(in_w, in_eps, f_mats, f_f32s, f_kinds, f_starts, f_chunks, f_b
             q += b_bias
     q = np.ascontiguousarray(q)
     values = _latent_attention(q.reshape(heads, q.shape[0] // heads), first[f_starts[1]:f_starts[2]], kv_w, kv_eps,
-                               k_up, v_up, f16, e8m0, cos, sin, interleave, latents, rotated, position, start,
+                               k_up, v_up, f16, e8m0, cos, sin, pairs, latents, rotated, position, start,
                                scaling)
     projected = stack_token(o_mats, o_f32s, o_kinds, o_starts, o_chunks, f16, e8m0, values)
     if o_bias.shape[0]:
@@ -774,33 +782,14 @@ def _mlp_token(a_mats, a_f32s, a_kinds, a_starts, a_chunks, d_mats, d_f32s, d_ki
     return y
 
 
-@njit(cache=True, nogil=True)
-def _with_shared(out, h, moe, mlp, stamps):  # pragma: no cover - compiled
-    # out plus the routed experts' and the shared expert's outputs for h; empty where h is not finite
-    y = _moe_token(*moe, h, stamps)
-    if y.shape[0] == 0:
-        return y
-    return out + y + _mlp_token(*mlp, h)
+# A layer's one call is its attention half's function (_attention_token or _latent_token) and
+# then what follows it (_with_moe, _with_shared or _with_mlp): a wrapper for each pair, as the
+# compiled steps do not take functions as arguments (_moe_layer_token is the first pair).
 
 
 @njit(cache=True, nogil=True)
-def _attention_shared_token(attention, moe, mlp, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
-    # A MoE layer with a shared expert in one call: _attention_token, the routed experts, the shared expert
-    out, h = _attention_token(*attention, x, cos, sin, position, start)
-    return _with_shared(out, h, moe, mlp, stamps)
-
-
-@njit(cache=True, nogil=True)
-def _attention_mlp_token(attention, mlp, x, cos, sin, position, start):  # pragma: no cover - compiled
-    # A dense layer in one call: _attention_token, then its MLP
-    out, h = _attention_token(*attention, x, cos, sin, position, start)
-    return _finite(out + _mlp_token(*mlp, h))
-
-
-@njit(cache=True, nogil=True)
-def _latent_moe_token(attention, moe, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
-    # _moe_layer_token with a latent attention
-    out, h = _latent_token(*attention, x, cos, sin, position, start)
+def _with_moe(out, h, moe, stamps):  # pragma: no cover - compiled
+    # out plus the routed experts' output for h; empty where h is not finite
     y = _moe_token(*moe, h, stamps)
     if y.shape[0] == 0:
         return y
@@ -808,15 +797,41 @@ def _latent_moe_token(attention, moe, x, cos, sin, position, start, stamps):  # 
 
 
 @njit(cache=True, nogil=True)
+def _with_shared(out, h, moe, mlp, stamps):  # pragma: no cover - compiled
+    # the same and the shared expert's output
+    y = _with_moe(out, h, moe, stamps)
+    return y if y.shape[0] == 0 else y + _mlp_token(*mlp, h)
+
+
+@njit(cache=True, nogil=True)
+def _with_mlp(out, h, mlp):  # pragma: no cover - compiled
+    # out plus a dense layer's MLP of h; empty where that is not finite
+    return _finite(out + _mlp_token(*mlp, h))
+
+
+@njit(cache=True, nogil=True)
+def _attention_shared_token(attention, moe, mlp, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
+    return _with_shared(*_attention_token(*attention, x, cos, sin, position, start), moe, mlp, stamps)
+
+
+@njit(cache=True, nogil=True)
+def _attention_mlp_token(attention, mlp, x, cos, sin, position, start):  # pragma: no cover - compiled
+    return _with_mlp(*_attention_token(*attention, x, cos, sin, position, start), mlp)
+
+
+@njit(cache=True, nogil=True)
+def _latent_moe_token(attention, moe, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
+    return _with_moe(*_latent_token(*attention, x, cos, sin, position, start), moe, stamps)
+
+
+@njit(cache=True, nogil=True)
 def _latent_shared_token(attention, moe, mlp, x, cos, sin, position, start, stamps):  # pragma: no cover - compiled
-    out, h = _latent_token(*attention, x, cos, sin, position, start)
-    return _with_shared(out, h, moe, mlp, stamps)
+    return _with_shared(*_latent_token(*attention, x, cos, sin, position, start), moe, mlp, stamps)
 
 
 @njit(cache=True, nogil=True)
 def _latent_mlp_token(attention, mlp, x, cos, sin, position, start):  # pragma: no cover - compiled
-    out, h = _latent_token(*attention, x, cos, sin, position, start)
-    return _finite(out + _mlp_token(*mlp, h))
+    return _with_mlp(*_latent_token(*attention, x, cos, sin, position, start), mlp)
 
 
 @njit(cache=True, nogil=True)
@@ -895,12 +910,12 @@ def _rope_into(q, k, v, cos, sin, keys, values, position):  # pragma: no cover -
 
 
 @njit(cache=True, nogil=True)
-def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, f16, e8m0, cos, sin, interleave, latents, rotated, position,
+def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, f16, e8m0, cos, sin, pairs, latents, rotated, position,
                       start, scaling):  # pragma: no cover - compiled
     # The absorbed multi-head latent attention of one token (_Latent): q [heads, nope + rope]
     # its query, kv kv_a's output (the latent, then the rotary key); the normed latent into
     # ``latents`` and the turned rotary key into ``rotated`` ([1, capacity, lora or rope]) at
-    # ``position``; returns each head's values [heads * v].
+    # ``position``; returns each head's values [heads * v]. pairs: _Latent.pairs.
     heads, width = q.shape
     lora, nope = k_up[6], k_up[7]
     rope = width - nope
@@ -908,35 +923,57 @@ def _latent_attention(q, kv, kv_w, kv_eps, k_up, v_up, f16, e8m0, cos, sin, inte
     q_rot = np.empty((heads, rope), np.float32)
     k_rot = np.empty((1, rope), np.float32)
     for r in range(heads):
-        _rotary_order(q[r, nope:], q_rot[r], interleave)
-    _rotary_order(kv[lora:], k_rot[0], interleave)
-    _rope_into(q_rot, k_rot, _NO_MORE, cos, sin, rotated, rotated, position)
+        _rotary_order(q[r, nope:], q_rot[r], pairs != 0)
+    _rotary_order(kv[lora:], k_rot[0], pairs != 0)
+    if pairs == 2:  # turned as halves, then each pair back in its place, where the cache keeps it
+        turned = np.empty((1, 1, rope), np.float32)
+        _rope_into(q_rot, k_rot, _NO_MORE, cos, sin, turned, turned, 0)
+        for r in range(heads):
+            _in_pairs(q_rot[r].copy(), q_rot[r])
+        _in_pairs(turned[0, 0], rotated[0, position])
+    else:
+        _rope_into(q_rot, k_rot, _NO_MORE, cos, sin, rotated, rotated, position)
     absorbed = _per_head(*k_up, f16, e8m0, q)  # each head's query in the latent's space
     attended = _attend(absorbed, latents, latents, start, position + 1, scaling, _NONE, q_rot, rotated)
     return _per_head(*v_up, f16, e8m0, attended.reshape(heads, lora)).reshape(-1)
 
 
 @njit(cache=True, nogil=True)
+def _in_pairs(source, target):  # pragma: no cover - compiled
+    # _rotary_order's inverse: the first half's values to the even places, the second's to the odd
+    half = source.shape[0] // 2
+    for j in range(half):
+        target[2 * j] = source[j]
+        target[2 * j + 1] = source[half + j]
+
+
+@njit(cache=True, nogil=True)
 def _rotary_order(source, target, interleave):  # pragma: no cover - compiled
     # source into target in rotate-half order: where the rotary pairs are neighbours
-    # (DeepSeek-V3's rope_interleave), the evens first, then the odds, as transformers turns them
+    # (DeepSeek-V3's rope_interleave, DeepSeek-V2's), the evens first, then the odds
     half = target.shape[0] // 2
     for j in range(half):
         target[j] = source[2 * j] if interleave else source[j]
         target[half + j] = source[2 * j + 1] if interleave else source[half + j]
 
 
-_NO_ROWS = np.zeros((1, 4), np.uint8)  # a float spec's stored rows (none)
-_NO_FLOATS = np.zeros((0, 0, 0), np.float32)  # a stored spec's float values (none)
+_NO_ROWS = read_only(np.zeros((1, 4), np.uint8))  # a float spec's stored rows (none)
+_NO_FLOATS = read_only(np.zeros((0, 0, 0), np.uint8))  # a stored spec's float values (none)
+_F32, _BF16 = -1, -2  # _per_head's codes of float values
 
 
 def _float_spec(w: np.ndarray) -> tuple:  # type: ignore[type-arg]
     """``_per_head``'s spec of float values w [heads, rows, cols]: bf16 bit patterns (half the
     bytes, the same products) where every value is one and its rows are whole steps of
-    ``vnni.bf16_dot`` (which runs compiled), else float32."""
+    ``vnni.bf16_dot`` (which runs compiled), else float32; as bytes, so that every spec is one
+    Numba type (each type compiles the latent attention's step again: about 30 s)."""
+    code = _F32
     if vnni._COMPILED and w.shape[-1] % 16 == 0:
         w = exact_bf16(w)
-    return (-1, _NO_ROWS, _NO_ROWS.reshape(-1).view(np.float32), 0, 0, 0, w.shape[1], w.shape[2], read_only(w))
+        code = _BF16 if w.dtype == np.uint16 else _F32
+    heads, rows_, cols = w.shape
+    return (code, _NO_ROWS, _NO_ROWS.reshape(-1).view(np.float32), 0, 0, 0, rows_, cols,
+            read_only(np.ascontiguousarray(w).view(np.uint8).reshape(heads, rows_, -1)))
 
 
 def _stored_halves(bundle: Any, layer: int, heads: int, lora: int, nope: int, v: int) -> tuple[Any, Any]:
@@ -966,20 +1003,20 @@ def _stored_halves(bundle: Any, layer: int, heads: int, lora: int, nope: int, v:
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _per_head(code, raw, f32, row_bytes, base, stride, per_head, cols, w, f16, e8m0, x):  # pragma: no cover - compiled
     # Each head's own matrix-vector product, [heads, per_head]: out[h, r] = row r of head h's
-    # matrix . x[h, :cols]. code < 0: the matrices are w [heads, per_head, cols] (float32, or
-    # bf16 bit patterns: _float_spec); else stored rows of that kind (rows.rows), head h's rows
-    # from row base + h * stride of raw (row_bytes each; f32: its float32 view), x's rows
-    # quantized for the kind first.
+    # matrix . x[h, :cols]. code _F32 or _BF16: the matrices are w [heads, per_head, bytes of
+    # cols values] (_float_spec); else stored rows of that kind (rows.rows), head h's rows from
+    # row base + h * stride of raw (row_bytes each; f32: its float32 view), x's rows quantized
+    # for the kind first.
     heads = x.shape[0]
     out = np.empty((heads, per_head), np.float32)
     if code < 0:
         for h in prange(heads):
             xh = np.ascontiguousarray(x[h, :cols])
             for r in range(per_head):
-                if w.itemsize == 2:  # 16 bf16 values a step, widened exactly
-                    out[h, r] = vnni.bf16_dot(w[h, r], 0, cols // 16, xh)
+                if code == _BF16:  # 16 bf16 values a step, widened exactly
+                    out[h, r] = vnni.bf16_dot(w[h, r].view(np.uint16), 0, cols // 16, xh)
                     continue
-                row = w[h, r]
+                row = w[h, r].view(np.float32)
                 d = np.float32(0.0)
                 for j in range(cols):
                     d += row[j] * xh[j]

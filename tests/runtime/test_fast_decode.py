@@ -180,7 +180,7 @@ def test_the_cache_shows_what_the_steps_filled(tmp_path):
 
 
 def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch):
-    with from_bundle(_bundle(tmp_path, "deepseek_v2")) as km:  # DeepSeek-V2's complex rotary embedding
+    with from_bundle(_bundle(tmp_path, "phimoe")) as km:  # a family it does not compute (its norms)
         assert km.fast is None
     path = _bundle(tmp_path, "mixtral")
     monkeypatch.setenv("KTC_FAST_DECODE", "0")
@@ -198,13 +198,16 @@ def test_models_it_does_not_compute_run_transformers_steps(tmp_path, monkeypatch
 _WIDE_LATENT = {"qk_nope_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32}
 
 
-@pytest.mark.parametrize("scheme,overrides", [
-    ("f32", {}), ("bf16", _WIDE_LATENT), ("q8_0", _WIDE_LATENT), ("q4_0", _WIDE_LATENT), ("int8", _WIDE_LATENT),
-    ("q8_0", {**_WIDE_LATENT, "q_lora_rank": None}),  # a query projection without compression
-    ("f32", {"rope_interleave": False}),  # rotary pairs half a head apart
+@pytest.mark.parametrize("family,scheme,overrides", [
+    ("deepseek_v3", "f32", {}), ("deepseek_v3", "bf16", _WIDE_LATENT), ("deepseek_v3", "q8_0", _WIDE_LATENT),
+    ("deepseek_v3", "q4_0", _WIDE_LATENT), ("deepseek_v3", "int8", _WIDE_LATENT),
+    ("deepseek_v3", "q8_0", {**_WIDE_LATENT, "q_lora_rank": None}),  # a query projection without compression
+    ("deepseek_v3", "f32", {"rope_interleave": False}),  # rotary pairs half a head apart
+    # complex rotary factors, each pair of neighbours kept in its place; softmax routing
+    ("deepseek_v2", "f32", {}), ("deepseek_v2", "q8_0", _WIDE_LATENT),
 ])
-def test_latent_attention_steps_equal_transformers_steps(scheme, overrides, tmp_path):
-    """DeepSeek-V3's multi-head latent attention in its absorbed form (``_Latent``: kv_b moved to
+def test_latent_attention_steps_equal_transformers_steps(family, scheme, overrides, tmp_path):
+    """DeepSeek-V3's (and V2's) multi-head latent attention in its absorbed form (``_Latent``: kv_b moved to
     the query and the output) against transformers' steps, which multiply every cached latent
     by kv_b: the same logits step by step, the same latents and rotary keys in the cache.
     transformers' kv_b here is a float32 matrix of the bundle's kv_b values (its ``HostLinear``
@@ -213,12 +216,13 @@ def test_latent_attention_steps_equal_transformers_steps(scheme, overrides, tmp_
     too. A bf16 bundle's kv_b stays bf16 (half the bytes), exactly."""
     from ktc.runtime.kernels import decode
 
-    path = _bundle(tmp_path, "deepseek_v3", scheme, **overrides)
+    path = _bundle(tmp_path, family, scheme, **overrides)
     prompt, tokens = _prompt(12), _prompt(20)[12:]
     with from_bundle(path) as km:
         assert km.fast is not None and all(layer.latent is not None for layer in km.fast.layers)
         wide = vnni.HAVE_VNNI and overrides.get("kv_lora_rank") == 32
-        assert all((layer.latent.v_up[-1].dtype == np.uint16) == (wide and scheme == "bf16") for layer in km.fast.layers)
+        bf16 = fast_decode._BF16 if wide and scheme == "bf16" else fast_decode._F32
+        assert all(layer.latent.v_up[0] == bf16 for layer in km.fast.layers)
         # quantized or bf16 projections: each layer in one compiled call (its attention half,
         # routed experts and shared expert, or its dense MLP)
         one_call = wide and scheme != "f32"
