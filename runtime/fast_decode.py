@@ -14,8 +14,8 @@ the keys and values into the same preallocated KV cache, attention over the cach
 sinks: a logit a head that takes part in the softmax and attends to nothing), the projections'
 biases where a model has them (gpt-oss, Qwen2-MoE), and the MoE block through
 ``runtime.moe.MoELayer``'s routing and experts (the same ``ExpertSet``), with Qwen2-MoE's shared
-expert beside them (``_Shared``; GLM-4.5's shared experts without its gate). DeepSeek-V3's
-multi-head latent attention (Kimi-K2's, Moonlight's: the ``deepseek_v3`` family) in its absorbed
+expert beside them (``_Shared``; GLM-4.5's shared experts without its gate). DeepSeek-V2's and
+V3's multi-head latent attention (Kimi-K2's, Moonlight's: the ``deepseek_v3`` family) in its absorbed
 form (``_Latent``), whose work a step does not grow with the cache as transformers' does. A
 layer with a shared expert, a dense layer and a latent attention layer take one compiled call
 each (``_one_call_layer``), not the stack's one call. Prefill stays transformers'.
@@ -56,7 +56,8 @@ from .projections import Projections, stack_token
 # half of each head (the rest as it is), sigmoid routing (``MoELayer.route``), shared experts
 # without a gate. dots.llm1: Qwen3's attention, DeepSeek-V3's routing, shared experts.
 # DeepSeek-V3: multi-head latent attention (``_Latent``; rotary pairs neighbours or half a head
-# apart, a compressed query or not), DeepSeek-V3's routing, shared experts, dense first layers.
+# apart, a compressed query or not), DeepSeek-V3's routing, shared experts, dense first layers;
+# DeepSeek-V2: the same with complex rotary factors (``PAIRED_ROTARY``) and softmax routing.
 FAMILIES = {"mixtral": "config", "qwen3_moe": "attention", "olmoe": "attention", "gpt_oss": "attention",
             "qwen2_moe": "attention", "glm4_moe": "attention", "dots1": "attention", "deepseek_v3": "attention",
             "deepseek_v2": "attention"}
