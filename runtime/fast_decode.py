@@ -431,7 +431,8 @@ class FastDecode:
         current = []
         for layer in self.layers:
             one_call = _moe_one_call(layer)
-            if layer.compiled is None or one_call is None or layer.latent is not None:  # the stack is _attention_token's
+            # the stack's layers are _attention_token's
+            if layer.compiled is None or one_call is None or layer.latent is not None:
                 return None
             current.append(one_call)
         kept = self._every
@@ -655,18 +656,19 @@ def _compiled_latent(layer: _Layer) -> tuple | None:  # type: ignore[type-arg]
     from .vnni import _tables
 
     latent = layer.latent
-    query = latent.q or latent.q_a  # type: ignore[union-attr]
-    first = Projections.of([query, latent.kv_a], biases_apart=True)  # type: ignore[union-attr]
-    second = Projections.of([latent.q_b], biases_apart=True) if latent.q_b is not None else first  # type: ignore[union-attr]
+    assert latent is not None
+    query = latent.q or latent.q_a
+    first = Projections.of([query, latent.kv_a], biases_apart=True)
+    second = Projections.of([latent.q_b], biases_apart=True) if latent.q_b is not None else first
     o = Projections.of([layer.o], biases_apart=True)
     if first is None or second is None or o is None:
         return None
-    q_norm = latent.q_norm or _Norm(_NO_NORM, np.float32(0.0))  # type: ignore[union-attr]
+    q_norm = latent.q_norm or _Norm(_NO_NORM, np.float32(0.0))
+    q_b_bias = _biases(latent.q_b) if latent.q_b is not None else _NONE
     return (layer.input_norm.weight, np.float32(layer.input_norm.eps), *_parts(first),
-            _biases(query, latent.kv_a), latent.q_b is not None, *_parts(second), q_norm.weight,  # type: ignore[union-attr]
-            np.float32(q_norm.eps), _biases(latent.q_b) if latent.q_b is not None else _NONE,  # type: ignore[union-attr]
-            latent.kv_norm.weight, np.float32(latent.kv_norm.eps), latent.k_up, latent.v_up,  # type: ignore[union-attr]
-            latent.pairs, layer.keys, layer.values, np.float32(layer.scaling), *_parts(o), layer.o_bias,  # type: ignore[union-attr]
+            _biases(query, latent.kv_a), latent.q_b is not None, *_parts(second), q_norm.weight,
+            np.float32(q_norm.eps), q_b_bias, latent.kv_norm.weight, np.float32(latent.kv_norm.eps), latent.k_up,
+            latent.v_up, latent.pairs, layer.keys, layer.values, np.float32(layer.scaling), *_parts(o), layer.o_bias,
             *_tables(), layer.heads, layer.post_norm.weight, np.float32(layer.post_norm.eps))
 
 
@@ -737,8 +739,8 @@ def _moe_layer_token(attention, moe, x, cos, sin, position, start, stamps):  # p
 
 
 @njit(cache=True, nogil=True)
-def _latent_token(in_w, in_eps, f_mats, f_f32s, f_kinds, f_starts, f_chunks, f_bias, compressed, b_mats, b_f32s, b_kinds,
-                  b_starts, b_chunks, q_w, q_eps, b_bias, kv_w, kv_eps, k_up, v_up, pairs, latents, rotated,
+def _latent_token(in_w, in_eps, f_mats, f_f32s, f_kinds, f_starts, f_chunks, f_bias, compressed, b_mats, b_f32s,
+                  b_kinds, b_starts, b_chunks, q_w, q_eps, b_bias, kv_w, kv_eps, k_up, v_up, pairs, latents, rotated,
                   scaling, o_mats, o_f32s, o_kinds, o_starts, o_chunks, o_bias, f16, e8m0, heads, post_w, post_eps, x,
                   cos, sin, position, start):  # pragma: no cover - compiled
     # The attention half of a latent attention layer's decode step in one call

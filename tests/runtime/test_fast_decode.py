@@ -108,7 +108,8 @@ def test_bf16_attention_takes_the_one_call_stack(family, scheme, overrides, tmp_
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("family,overrides", [("qwen3_moe", {}), ("olmoe", {"clip_qkv": 0.05}),
                                               ("gpt_oss", {"sliding_window": 5}),
-                                              ("qwen2_moe", {"mlp_only_layers": [1], "shared_expert_intermediate_size": 64, "intermediate_size": 64}),
+                                              ("qwen2_moe", {"mlp_only_layers": [1], "intermediate_size": 64,
+                                                             "shared_expert_intermediate_size": 64}),
                                               ("glm4_moe", {}),
                                               ("deepseek_v3", {"qk_nope_head_dim": 16, "kv_lora_rank": 32,
                                                                "q_lora_rank": 32})])
@@ -207,9 +208,9 @@ _WIDE_LATENT = {"qk_nope_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32}
     ("deepseek_v2", "f32", {}), ("deepseek_v2", "q8_0", _WIDE_LATENT),
 ])
 def test_latent_attention_steps_equal_transformers_steps(family, scheme, overrides, tmp_path):
-    """DeepSeek-V3's (and V2's) multi-head latent attention in its absorbed form (``_Latent``: kv_b moved to
-    the query and the output) against transformers' steps, which multiply every cached latent
-    by kv_b: the same logits step by step, the same latents and rotary keys in the cache.
+    """DeepSeek-V3's (and V2's) multi-head latent attention in its absorbed form (``_Latent``: kv_b
+    moved to the query and the output) against transformers' steps, which multiply every cached
+    latent by kv_b: the same logits step by step, the same latents and rotary keys in the cache.
     transformers' kv_b here is a float32 matrix of the bundle's kv_b values (its ``HostLinear``
     would quantize the latents it multiplies to int8 where the scheme's kernels do; the absorbed
     form multiplies kv_b's decoded values by float32 queries and latents), in the prompt's forward
@@ -249,8 +250,6 @@ def test_latent_attention_reads_a_gguf_s_split_halves_as_stored(qtype, tmp_path)
     vector (``_per_head``), not from float32 copies: each head's products equal the scheme's
     matrix-vector kernel on that head's rows, and the steps' logits stay near transformers'
     (whose joined kv_b multiplies float32 latents: the activations' quantization apart)."""
-    import gguf
-
     from ktc.runtime import kernels
 
     overrides = {"qk_nope_head_dim": 32, "kv_lora_rank": 64, "q_lora_rank": None}
@@ -259,9 +258,10 @@ def test_latent_attention_reads_a_gguf_s_split_halves_as_stored(qtype, tmp_path)
     base.save_pretrained(folder)
     mf.write_bpe_tokenizer(folder, 300)
     types = {"attn_k_b.weight": qtype, "attn_v_b.weight": qtype}
-    path = mf.write_gguf(folder, str(tmp_path / "m.gguf"), family="deepseek_v3", split_kv_b=True, dense_qtype=types)
-    scheme = qtype.lower()
-    compile_bundle(path, str(tmp_path / "m.ktb"), cpu_scheme="f32", dense_scheme=scheme)  # the halves passed through
+    path = mf.write_gguf(folder, str(tmp_path / "m.gguf"), family="deepseek_v3", split_kv_b=True,
+                         dense_qtype=types)
+    scheme = qtype.lower()  # the halves passed through
+    compile_bundle(path, str(tmp_path / "m.ktb"), cpu_scheme="f32", dense_scheme=scheme)
     rng = np.random.default_rng(0)
     with from_bundle(str(tmp_path / "m.ktb")) as km:
         latent = km.fast.layers[1].latent
