@@ -7,6 +7,7 @@ without overlap) before anything is mapped, and maps tensors zero-copy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -156,6 +157,12 @@ class Bundle:
     _views: list[Any] = field(default_factory=list)
     # read into memory instead of mapped (``open_bundle(mapped=False)``)
     in_memory: bool = False
+
+    @functools.cached_property
+    def by_source(self) -> dict[str, str]:
+        """Each tensor's name by the checkpoint's name of it (its ``source``; else its own name),
+        made once."""
+        return {t.source or t.name: t.name for t in self.tensors.values()}
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Bundle:

@@ -609,7 +609,9 @@ def _one_call_layer(layer: _Layer, x: np.ndarray, cos: np.ndarray, sin: np.ndarr
     its dense MLP or shared expert, ``layer.ffn``, where it has one): the output, empty where a
     hidden state is not finite."""
     moe = layer.moe._one_call() if layer.moe is not None else None
-    if layer.moe is not None and moe is None or (layer.moe is None or layer.shared is not None) and layer.ffn is None:
+    if layer.moe is not None and moe is None:  # its experts outside the one call
+        return None
+    if (layer.moe is None or layer.shared is not None) and layer.ffn is None:  # its MLP outside it
         return None
     stamps = vnni.stamps()
     latent = layer.latent is not None
@@ -985,10 +987,9 @@ def _stored_halves(bundle: Any, layer: int, heads: int, lora: int, nope: int, v:
     K-quant (on a VNNI CPU, the scheme's row kernels), each None where not."""
     from ktc.formats.schemes import get_scheme
 
-    names = {t.source: t.name for t in bundle.tensors.values() if t.source}
     specs = []
     for half, per_head, cols in (("k", lora, nope), ("v", v, lora)):
-        name = names.get(f"blk.{layer}.attn_{half}_b.weight")
+        name = bundle.by_source.get(f"blk.{layer}.attn_{half}_b.weight")
         t = bundle.tensors.get(name) if name else None
         scheme = t.scheme if t is not None else None
         if t is None or not vnni.HAVE_VNNI or not (scheme in vnni.BLOCK_KINDS and cols % 32 == 0 or

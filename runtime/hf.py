@@ -801,8 +801,7 @@ class _Loader:
         if not name.endswith("self_attn.kv_b_proj") or "layers" not in parts:
             return None
         layer = parts[parts.index("layers") + 1]
-        by_source = {t.source or t.name: t.name for t in self.bundle.tensors.values()}
-        k_name, v_name = (by_source.get(f"blk.{layer}.attn_{half}_b.weight") for half in ("k", "v"))
+        k_name, v_name = (self.bundle.by_source.get(f"blk.{layer}.attn_{half}_b.weight") for half in ("k", "v"))
         if k_name is None or v_name is None:
             return None
         config = self.model.config
