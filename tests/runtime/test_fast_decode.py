@@ -331,12 +331,15 @@ def test_a_bundle_read_into_memory_runs_as_the_mapped_one(tmp_path):
 
 
 @pytest.mark.parametrize("sinks,more", [(False, 0), (True, 0), (False, 8)])
-@pytest.mark.parametrize("heads,kv_heads,start,end", [(8, 2, 0, 1), (8, 2, 0, 37), (4, 4, 3, 300), (6, 1, 10, 700)])
+@pytest.mark.parametrize("heads,kv_heads,start,end", [(8, 2, 0, 1), (8, 2, 0, 37), (4, 4, 3, 300), (6, 1, 10, 700),
+                                                     (5, 1, 0, 38)])
 def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, sinks, more):
     """A decode step's attention (``_attend``: a key head's spans of positions for the query
     heads that share it, their softmaxes combined after) equals softmax(q K^T * scaling) V over
     the cache positions start..end-1, query head h reading key head h // (heads / kv heads):
-    one span and several, a window that starts past 0, grouped, multi-head and one key head.
+    one span and several, a window that starts past 0, grouped, multi-head and one key head
+    (its five query heads parted among two work items, the second one short of a tile of heads;
+    37 and 38 positions: an odd one left of the pairs of positions, and of the eights).
     With sinks, head h's softmax also takes sinks[h] (gpt-oss), some larger than every score.
     With ``more`` values of each query and key kept apart (the latent attention's rotary part),
     the scores take them too."""
@@ -357,6 +360,28 @@ def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, si
         weights = np.exp(scores - top)
         weights /= weights.sum() + (np.exp(sink[h] - top) if sinks else 0.0)
         np.testing.assert_allclose(got[h], weights @ values[g, start:end], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_step_is_the_same_on_any_number_of_threads():
+    """``_attend``'s work items are fixed by the positions and the heads, not the threads: the
+    same bits on one thread as on two, for spans of several key heads parted by query heads."""
+    import numba
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((16, 32)).astype(np.float32)
+    keys, values = (rng.standard_normal((2, 700, 32)).astype(np.float32) for _ in range(2))
+    none, more = np.zeros(0, np.float32), np.zeros((16, 0), np.float32)
+    threads = numba.get_num_threads()
+    got = []
+    try:
+        for n in (1, threads):
+            numba.set_num_threads(n)
+            got.append([fast_decode._attend(q, keys, values, 0, end, np.float32(0.2), none, more,
+                                            np.zeros((2, 700, 0), np.float32)) for end in (9, 600)])
+    finally:
+        numba.set_num_threads(threads)
+    for one, many in zip(*got):
+        assert np.array_equal(one, many)
 
 
 def test_fast_steps_past_one_span_of_positions_equal_transformers_steps(tmp_path):
