@@ -75,6 +75,19 @@ def _have_bf16() -> bool:
     return vnni.HAVE_VNNI and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 
 
+@njit
+def _decoded_rows(raw, kind, e8m0, cols, halves, out):  # pragma: no cover - compiled
+    # raw's rows decoded to bf16 as amx._matmul decodes a chunk's rows: one function for every
+    # kind (one defined inside the test, its sizes constants, compiled again for each, 27 s).
+    blocks = cols // 32
+    w = np.zeros(cols, np.uint8)
+    sc = np.zeros(blocks * halves, np.float32)
+    mn = np.zeros(blocks * halves, np.float32)
+    for r in range(raw.shape[0]):
+        amx._decode_row(kind, raw, r, raw.reshape(-1), w, sc, mn, e8m0, blocks, np.float32(lanes._OFFSET[kind]), out,
+                        r * cols)
+
+
 @pytest.mark.skipif(not _have_bf16(), reason="this CPU has no AVX-512 VNNI and BF16 (or the JIT is off)")
 @pytest.mark.parametrize("scheme", ["q4_k", "q5_k", "q6_k", "iq4_xs", "int4_g32", "int4_g64", "int4_g128"])
 def test_rows_unpacked_by_the_lanes_decode_to_their_values_in_bf16(scheme, monkeypatch):
@@ -85,20 +98,9 @@ def test_rows_unpacked_by_the_lanes_decode_to_their_values_in_bf16(scheme, monke
     monkeypatch.setattr(amx, "HAVE_AMX", True)
     cols = 512
     raw, _ = _case(scheme, 5, cols, 1)
-    kind, blocks = amx.KINDS[scheme], cols // 32
-    halves = 2 if kind == lanes._HALVES else 1
-
-    @njit
-    def decoded(raw, kind, e8m0, out):  # as amx._matmul decodes a chunk's rows
-        w = np.zeros(cols, np.uint8)
-        sc = np.zeros(blocks * halves, np.float32)
-        mn = np.zeros(blocks * halves, np.float32)
-        for r in range(raw.shape[0]):
-            amx._decode_row(kind, raw, r, raw.reshape(-1), w, sc, mn, e8m0, blocks, np.float32(lanes._OFFSET[kind]),
-                            out, r * cols)
-
+    kind = amx.KINDS[scheme]
     out = np.zeros(raw.shape[0] * cols, np.uint16)
-    decoded(raw, kind, vnni._tables()[1], out)
+    _decoded_rows(raw, kind, vnni._tables()[1], cols, 2 if kind == lanes._HALVES else 1, out)
     got = (out.astype(np.uint32) << 16).view(np.float32).reshape(raw.shape[0], cols)
     want = dequantize(raw, scheme, cols)
     np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
