@@ -834,6 +834,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
                           stop_at_eos=not ignore_eos)
+        load_seconds += result.load_seconds  # the compiled decode step's, before the timers
         peak_device = peak_device_bytes(model)
         device_bytes, plan_bytes = model.device_total, model.plan_device_total
         used_threads = model.threads

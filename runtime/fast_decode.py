@@ -261,6 +261,7 @@ class FastDecode:
         # each layer's first attended position and the cycle counter's marks (_layers_token)
         self._marks = (np.zeros(len(self.layers), dtype=np.int64), np.zeros(len(self.layers) + 1, dtype=np.int64))
         self.steps = 0
+        self.warmed = False  # warm ran (generate's first generation)
         self._every: tuple[list[Any], Any] | None = None  # (the MoE arguments it was built from, the list)
         self._mixed_types = False  # the layers' arguments did not go into one typed list
         # Called after a layer whose routing ran inside its compiled call, with (the next layer's
@@ -367,22 +368,29 @@ class FastDecode:
     def warm(self, experts: list[Any]) -> None:
         """One step on token 0, undone: a process's first call of the compiled step loads it
         from Numba's cache (a one-layer Qwen3-30B-A3B-shaped Q4_0 model: 930 ms, against 9-19 for
-        the next steps), which ``ktc run`` would otherwise count as decode time (34 tokens/s
-        reported for 48 tokens decoded at 136). The caches are emptied again, the timers and
+        the next steps), or compiles it on a first run (minutes), which ``ktc run`` would otherwise
+        count as decode time (34 tokens/s reported for 48 tokens decoded at 136). ``generate``
+        calls it before its first generation's timers; not at load, where a program that runs
+        forwards only (``ktc perplexity``, ``ktc profile``, transformers' ``generate``) paid it
+        for nothing: a DeepSeek-V3-shaped fp8 test model's forward, its kernels compiled afresh,
+        took 144 s with it and 7.5 without. The caches are emptied again, the timers, the hooks and
         ``experts``' (the layers' ``ExpertSet``s) routing counts put back. A step the model
         refuses on token 0 (non-finite hidden states) is left to the first real one."""
         counts = [e.counts.copy() for e in experts]
+        hooks, self.hooks = self.hooks, []  # the prefetcher's guesses are the real steps' alone
         try:
             self.step(0)
         except KtcError:
             pass
         finally:
+            self.hooks = hooks
             for layer in self.layers:
                 layer.cache.reset()
             for e, saved in zip(experts, counts):
                 e.counts[:] = saved
             self.seconds[:] = 0
             self.steps = 0
+            self.warmed = True
 
     def step(self, token: int) -> np.ndarray:
         """The logits (float32 [vocab]) after ``token``, whose keys and values go into the cache

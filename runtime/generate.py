@@ -52,6 +52,7 @@ class Generation:
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0
     decode_seconds: float = 0.0  # the decode steps' forwards and samples (not printing)
+    load_seconds: float = 0.0  # the first generation's load of ktc's compiled decode step (FastDecode.warm)
     stopped: str = "length"  # "eos" or "length"
 
     @property
@@ -176,6 +177,10 @@ def generate(km: KtcModel, prompt_ids: list[int], *, max_new_tokens: int, sampli
     detok = Detokenizer(km.tokenizer)
     result = Generation(prompt_tokens=len(prompt_ids))
     device = km.input_device
+    if km.fast is not None and not km.fast.warmed:  # outside the timings, which it would swell
+        began = time.perf_counter()
+        km.fast.warm(km.experts)
+        result.load_seconds = time.perf_counter() - began
     cache = km.new_cache()
     with torch.inference_mode():
         started = time.perf_counter()

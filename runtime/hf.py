@@ -504,8 +504,6 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
         bundle.close()
         raise
     try:
-        if km.fast is not None:  # its compiled step loaded now, not in the first decode step
-            km.fast.warm(km.experts)
         _stream(km, prefetch)
     except BaseException:
         km.close()

@@ -293,20 +293,30 @@ def test_unsupported_parts_leave_transformers_in_charge(tmp_path, monkeypatch):
         assert km.fast is None
 
 
-def test_the_step_is_loaded_at_load_and_leaves_nothing_behind(tmp_path):
-    """from_bundle runs one step and undoes it (the compiled step's first call loads it, which the
-    first decode step would otherwise pay): the caches empty, no time, no routing counted; and
-    the first generation gives what a second one does."""
+def test_the_step_is_loaded_before_the_first_generation_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The first generation runs one step and undoes it before its timers (the compiled step's
+    first call loads or compiles it, which the first decode step would otherwise pay), and only
+    the first; loading runs none (a program that runs forwards only does not pay for it): the
+    caches empty, no time, no routing counted; the first generation gives what a second one
+    does."""
     path = _bundle(tmp_path, "qwen3_moe", "q4_0")
+    warmed = []
+    real = fast_decode.FastDecode.warm
+    monkeypatch.setattr(fast_decode.FastDecode, "warm", lambda self, experts: warmed.append(1) or real(self, experts))
     with from_bundle(path) as km:
-        assert km.fast is not None and km.fast.steps == 0 and not km.fast.seconds.any()
-        assert all(layer.length == 0 for layer in km.cache.layers)
-        assert all(not e.counts.any() for e in km.experts)
+        assert km.fast is not None and not warmed and not km.fast.warmed
+        with torch.inference_mode():
+            km.model(torch.tensor([_prompt(5)]), **{km.cache_argument: km.new_cache()})
+        assert not warmed  # a forward loads no decode step
+        counted = [e.counts.copy() for e in km.experts]
         first = generate(km, _prompt(10), max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
+        assert warmed == [1] and first.load_seconds > 0
         routed = [e.counts.copy() for e in km.experts]
         again = generate(km, _prompt(10), max_new_tokens=6, sampling=Sampling(temperature=0), stop_at_eos=False)
-        # the second generation routed what the first did: the first counted nothing more
-        assert all(np.array_equal(e.counts, 2 * r) and r.any() for e, r in zip(km.experts, routed))
+        assert warmed == [1] and again.load_seconds == 0
+        # the second generation routed what the first did: the warm step counted nothing
+        assert all(np.array_equal(e.counts - r, r - before) and (r - before).any()
+                   for e, r, before in zip(km.experts, routed, counted))
     assert first.generated_tokens == again.generated_tokens
 
 
