@@ -1051,7 +1051,7 @@ def _per_head(code, raw, f32, row_bytes, base, stride, per_head, cols, w, f16, e
 
 _ATTEND_SPAN = 256  # cache positions a work item of _attend
 _ATTEND_ITEMS = 16  # work items _attend makes at least, where its query heads allow
-_TILE_HEADS = 4  # query heads _dots multiplies at a time
+_TILE_HEADS = 4  # query heads _dots multiplies at a time (its four accumulators a position)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True, error_model="numpy")
@@ -1148,7 +1148,7 @@ def _dots(qs, keys, t0, t1, out):  # pragma: no cover - compiled
     for t in range(t0, t1, 2):
         ka, kb = keys[t], keys[min(t + 1, t1 - 1)]
         u = t - t0
-        for i in range(0, heads, 4):
+        for i in range(0, heads, _TILE_HEADS):
             q0, q1, q2, q3 = qs[i], qs[min(i + 1, last)], qs[min(i + 2, last)], qs[min(i + 3, last)]
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
             for j in range(dim):
