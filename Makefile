@@ -20,11 +20,13 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/ktc demo
 
+# The tests in worker processes, a file at a time each, as many as cores (tests/conftest.py caps it):
+# on two cores 6 min 52 s against 10 min 42 s in one process, most of it compiling kernels.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 test-all: setup
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not gpu"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

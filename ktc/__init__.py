@@ -69,6 +69,38 @@ def _use_numba_cache_dir() -> None:
 _use_numba_cache_dir()
 
 
+def numba_extension() -> None:
+    """Numba's hook for its extensions (the ``numba_extensions`` entry point, which Numba calls
+    before it first compiles anything): makes the on-disk cache's saves take turns between
+    processes. Numba saves a function's compiled code by reading the function's index file,
+    picking the first free data file name, and writing the index, then the data; two processes
+    that save two signatures of one function at once pick the same name, and one of them then
+    loads the other's machine code for its own types. That happens where processes compile the
+    same kernels into an empty cache at once: ``ktc compile --jobs``'s workers, the test run's
+    workers, two runs started together. The lock (a file beside the index, ``flock``) makes each
+    save read the index the last one wrote. Loads take no lock: the index and data files are
+    each replaced whole, and a name in the index whose data is not written yet reads as a miss,
+    which compiles."""
+    try:
+        import fcntl
+
+        from numba.core import caching
+    except ImportError:  # no flock (Windows): saves as Numba makes them
+        return
+    save = caching.IndexDataCacheFile.save
+    if getattr(save, "takes_turns", False):
+        return
+
+    def save_in_turn(self, key, data):  # type: ignore[no-untyped-def]
+        os.makedirs(self._cache_path, exist_ok=True)
+        with open(os.path.join(self._cache_path, "ktc-save.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            save(self, key, data)
+
+    save_in_turn.takes_turns = True  # type: ignore[attr-defined]
+    caching.IndexDataCacheFile.save = save_in_turn
+
+
 def kernels_cached() -> bool:
     """Whether the compiled-kernel cache of these sources holds a one-token decode call's kernels
     (``rows.experts_token``): False on the first CPU run after installing or updating ktc, which

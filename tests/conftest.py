@@ -16,6 +16,13 @@ if os.environ.get("TRITON_INTERPRET") is None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_xdist_auto_num_workers(config):  # type: ignore[no-untyped-def]
+    """``-n auto`` (``make test``): a worker a core, at most four. Each worker compiles the
+    kernels its tests need that the cache (shared, ``ktc.numba_extension``) does not hold yet,
+    and builds its own session fixtures; measured with two only."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Every family as safetensors, .bin (same tensors), fused .bin and GGUF; built once."""

@@ -51,3 +51,34 @@ def test_kernels_cached_says_whether_a_decode_call_was_compiled_for_these_source
     assert ktc.kernels_cached()
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))  # a user's own cache: unknown
     assert ktc.kernels_cached()
+
+
+def test_numba_calls_the_extension_before_it_compiles() -> None:
+    from importlib.metadata import entry_points
+
+    assert [e.value for e in entry_points(group="numba_extensions", name="init")] == ["ktc:numba_extension"]
+    code = ("from numba import njit; from numba.core import caching; njit(lambda x: x + 1)(1); "
+            "print(getattr(caching.IndexDataCacheFile.save, 'takes_turns', False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_cache_saves_take_turns_between_processes(tmp_path: Path) -> None:
+    import fcntl
+    import threading
+
+    from numba.core import caching
+
+    ktc.numba_extension()
+    cache = caching.IndexDataCacheFile(str(tmp_path), "kernel", ("stamp", 1))
+    index = tmp_path / "kernel.nbi"
+    with open(tmp_path / "ktc-save.lock", "a") as held:  # another process's save, in progress
+        fcntl.flock(held, fcntl.LOCK_EX)
+        saving = threading.Thread(target=cache.save, args=(("key", 1), b"code"))
+        saving.start()
+        saving.join(0.5)
+        assert saving.is_alive() and not index.exists()  # waits for it
+    saving.join(10)
+    assert not saving.is_alive()
+    cache.save(("key", 2), b"other code")
+    assert cache.load(("key", 1)) == b"code" and cache.load(("key", 2)) == b"other code"
