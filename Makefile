@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/ktc demo
 
 # The tests in worker processes, a file at a time each, as many as cores (tests/conftest.py caps it):
-# on two cores 6 min 52 s against 10 min 42 s in one process, most of it compiling kernels.
+# on two cores 6.9-7.3 min against 10.7-11.7 in one process, most of it compiling kernels.
 test: setup
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
