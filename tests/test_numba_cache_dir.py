@@ -56,7 +56,7 @@ def test_kernels_cached_says_whether_a_decode_call_was_compiled_for_these_source
 def test_numba_calls_the_extension_before_it_compiles() -> None:
     from importlib.metadata import entry_points
 
-    assert [e.value for e in entry_points(group="numba_extensions", name="init")] == ["ktc:numba_extension"]
+    assert "ktc:numba_extension" in [e.value for e in entry_points(group="numba_extensions", name="init")]
     code = ("from numba import njit; from numba.core import caching; njit(lambda x: x + 1)(1); "
             "print(getattr(caching.IndexDataCacheFile.save, 'takes_turns', False))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
