@@ -69,18 +69,19 @@ def _use_numba_cache_dir() -> None:
 _use_numba_cache_dir()
 
 
-def numba_extension() -> None:
-    """Numba's hook for its extensions (the ``numba_extensions`` entry point, which Numba calls
-    before it first compiles anything): makes the on-disk cache's saves take turns between
-    processes. Numba saves a function's compiled code by reading the function's index file,
-    picking the first free data file name, and writing the index, then the data; two processes
-    that save two signatures of one function at once pick the same name, and one of them then
-    loads the other's machine code for its own types. That happens where processes compile the
-    same kernels into an empty cache at once: ``ktc compile --jobs``'s workers, the test run's
-    workers, two runs started together. The lock (a file beside the index, ``flock``) makes each
-    save read the index the last one wrote. Loads take no lock: the index and data files are
-    each replaced whole, and a name in the index whose data is not written yet reads as a miss,
-    which compiles."""
+def _cache_saves_take_turns() -> None:
+    """Makes Numba's on-disk cache's saves take turns between processes. Numba saves a
+    function's compiled code by reading the function's index file, picking the first free data
+    file name, and writing the index, then the data; two processes that save two signatures of
+    one function at once pick the same name, and one of them then loads the other's machine code
+    for its own types. That happens where processes compile the same kernels into an empty cache
+    at once: ``ktc compile --jobs``'s workers, the test run's workers, two runs started together.
+    The lock (a file beside the index, ``flock``) makes each save read the index the last one
+    wrote. Loads take none: the index and data files are each replaced whole, and a name in the
+    index whose data is not written yet reads as a miss, which compiles. Installed at ``import
+    ktc``, which imports Numba for it (0.3-0.5 s here; ``ktc.cli`` and the runtime import it
+    anyway), not through Numba's extension entry point: that would import ktc, and with it point
+    the cache of every Numba program in the environment at ktc's directory."""
     try:
         import fcntl
 
@@ -99,6 +100,9 @@ def numba_extension() -> None:
 
     save_in_turn.takes_turns = True  # type: ignore[attr-defined]
     caching.IndexDataCacheFile.save = save_in_turn
+
+
+_cache_saves_take_turns()
 
 
 def kernels_cached() -> bool:

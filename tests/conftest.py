@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") is None:
 
 def pytest_xdist_auto_num_workers(config):  # type: ignore[no-untyped-def]
     """``-n auto`` (``make test``): a worker a core, at most four. Each worker compiles the
-    kernels its tests need that the cache (shared, ``ktc.numba_extension``) does not hold yet,
+    kernels its tests need that the cache (shared: ``ktc._cache_saves_take_turns``) does not hold yet,
     and builds its own session fixtures; measured with two only."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
