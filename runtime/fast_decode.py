@@ -1079,10 +1079,9 @@ def _attend(q, keys, values, start, end, scaling, sinks, q_more, keys_more):  # 
     # threads: get_num_threads inside a function keeps Numba from caching it.) The softmax's
     # exponentials are vnni's polynomial (relative error about 2e-7; 2^-126 for a score more than
     # 87 below its span's largest, whose own term is 1), in a loop LLVM vectorizes (np.exp was a
-    # library call a score). Two threads, 15 interleaved rounds
-    # from the caches: Qwen3-30B-A3B's shape (32 heads, 4 key heads, 128 values) 1.11x as fast at
-    # 64 positions, 1.21-1.22x at 512-4096; 64 heads 1.13-1.22x; the latent attention (one key
-    # head, 576 values) 1.02-1.05x.
+    # library call a score). Two threads, 15 interleaved rounds from the caches: Qwen3-30B-A3B's
+    # shape (32 heads, 4 key heads, 128 values) 1.11x as fast at 64 positions, 1.21-1.22x at
+    # 512-4096; 64 heads 1.13-1.22x; the latent attention (one key head, 576 values) 1.02-1.05x.
     heads, dim = q.shape
     kv = keys.shape[0]
     group = heads // kv
