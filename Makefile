@@ -22,11 +22,13 @@ demo: setup
 
 # The tests in worker processes, a file at a time each, as many as cores (tests/conftest.py caps it):
 # on two cores 6.9-7.3 min against 10.7-11.7 in one process, most of it compiling kernels.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile
+
 test: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(PYTEST)
 
 test-all: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not gpu"
+	$(PYTEST) -m "not gpu"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -93,7 +93,7 @@ def _cache_saves_take_turns() -> None:
         return
 
     def save_in_turn(self, key, data):  # type: ignore[no-untyped-def]
-        os.makedirs(self._cache_path, exist_ok=True)
+        # the directory is there: Numba's Cache.save_overload makes it before it calls this
         with open(os.path.join(self._cache_path, "ktc-save.lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             save(self, key, data)

@@ -1113,7 +1113,7 @@ def _attend(q, keys, values, start, end, scaling, sinks, q_more, keys_more):  # 
                 row[u] *= scaling
                 top = max(top, row[u])
             total = np.float32(0.0)
-            for u in range(t1 - t0):  # exp by vnni's polynomial, which vectorizes (np.exp: a call a score)
+            for u in range(t1 - t0):
                 e = vnni._exp2_neg((row[u] - top) * _LOG2E)
                 row[u] = e
                 total += e
