@@ -327,3 +327,29 @@ def test_int8_rows_are_copied_as_q8_0_blocks_with_their_row_scale(shape):
     tiny = raw.copy()
     tiny[3, cols:] = np.array([1e-6], np.float32).view(np.uint8)
     assert not interleave.int8_copies(tiny)
+
+
+def test_repack_without_the_jit_gives_the_same_bytes(tmp_path):
+    """``repack``'s compiled copies (a word a load) and their Python semantics (NUMBA_DISABLE_JIT:
+    a byte at a time) give the same bytes, the tail and q8_0's plus 128 included."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "repack.py"
+    script.write_text(
+        "import sys, numpy as np\n"
+        "from ktc.formats.quantize import quantize\n"
+        "from ktc.runtime import interleave\n"
+        "rng = np.random.default_rng(3)\n"
+        "for scheme, cols in [('q4_0', 96), ('q8_0', 2880), ('mxfp4', 160), ('q4_k', 512)]:\n"
+        "    raw = np.ascontiguousarray(quantize(rng.standard_normal((32, cols)).astype(np.float32), scheme))\n"
+        "    np.save(f'{sys.argv[1]}/{scheme}.npy', interleave.repack(raw, scheme, rows_at_once=16))\n")
+    for jit in ("0", "1"):
+        (tmp_path / jit).mkdir()
+        env = dict(os.environ, NUMBA_DISABLE_JIT=jit)
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / jit)], capture_output=True, text=True,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    for scheme in ("q4_0", "q8_0", "mxfp4", "q4_k"):
+        np.testing.assert_array_equal(np.load(tmp_path / "0" / f"{scheme}.npy"), np.load(tmp_path / "1" / f"{scheme}.npy"))
