@@ -144,6 +144,24 @@ def test_every_layer_in_one_call_equals_a_call_a_layer(tmp_path):
     assert _relative(together, apart) == 0.0
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
+def test_layers_of_different_argument_types_take_a_call_each(tmp_path):
+    """Where the layers' arguments are not all of one type (here one layer's router all bf16
+    values, read as bf16, the other's f32), the stack's one call (a typed list built by
+    ``_typed_list``) is refused and each layer takes its own call, with the same logits."""
+    path = _bundle(tmp_path, "qwen3_moe", "q8_0")
+    prompt, tokens = _prompt(12), _prompt(16)[12:]
+    with from_bundle(path) as km:
+        moe = km.fast.layers[0].moe
+        moe.router = (moe.router.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        mixed = _steps(km, prompt, tokens, fast=True)
+        assert km.fast._mixed_types and km.fast._every is None
+        km.fast._mixed_types = False
+        km.fast._every_layer = lambda: None
+        apart = _steps(km, prompt, tokens, fast=True)
+    assert _relative(mixed, apart) == 0.0
+
+
 def test_generate_takes_the_fast_steps_and_gives_transformers_tokens(tmp_path):
     path = _bundle(tmp_path, "qwen3_moe", "q4_0")
     with from_bundle(path) as km:
