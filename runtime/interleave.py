@@ -190,10 +190,10 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarray | None = None) -> np.ndarray:
     """The interleaved copy (uint8 [rows, ``copy_row_bytes``], on a cache line) of ``scheme``'s
     rows ``raw`` (uint8 [rows, row_bytes]; ``fits``, with its ``tail``), made ``rows_at_once``
-    rows at a time (a whole-matrix transpose would need another copy's memory); into ``out``
-    where given. int8 rows go into q8_0's layout (``int8_as_q8_0``). A row of blocks that do
-    not fill whole units has its last unit filled out with blocks of zero bytes, which the
-    kernels never read (their activations do not exist): the tail."""
+    rows a call (``_repack_units``, ``_repack_words``: straight into the copy, no scratch); into
+    ``out`` (C-contiguous) where given. int8 rows go into q8_0's layout (``int8_as_q8_0``). A
+    row of blocks that do not fill whole units has its last unit filled out with blocks of zero
+    bytes, which the kernels never read (their activations do not exist): the tail."""
     if scheme in COPIES:
         rows = raw.shape[0]
         if out is None:
@@ -213,7 +213,6 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
     elif out.shape != (rows, width) or out.dtype != np.uint8 or not out.flags.c_contiguous:
         raise ValueError(f"an interleaved copy of {raw.shape} rows goes into uint8 {(rows, width)}, "
                          f"not {out.dtype} {out.shape}")
-    # the rows a piece at a time all the same (a mapped bundle's pages read once, in order)
     step = max(GROUP, rows_at_once // GROUP * GROUP)
     for first in range(0, rows, step):
         part, target = np.asarray(raw[first:first + step]), out[first:first + step]
@@ -236,8 +235,8 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
 @njit(cache=True, nogil=True, inline="always")
 def _word(src, at, flip):  # pragma: no cover - compiled
     # the four bytes of src (uint8) at ``at`` as one uint32, each plus 128 where ``flip`` (q8_0's
-    # codes): one load (_load_word) where compiled, where a loop over the bytes stored each
-    # alone (the copies 2-4x as fast)
+    # codes): one load where compiled (_load_word), the same from its four bytes without the JIT.
+    # Compiled from the four bytes too, LLVM did not make them one load: the copies 1.5-3x slower.
     if vnni._COMPILED:
         word = _load_word(src, at)
     else:
