@@ -447,7 +447,9 @@ class FastDecode:
         if kept is not None and all(a is b for a, b in zip(kept[0], current)):
             return kept[1]
         try:
-            stack = _typed_list(tuple((layer.compiled, one_call) for layer, one_call in zip(self.layers, current)))
+            stack = _new_list((self.layers[0].compiled, current[0]))
+            for layer, one_call in zip(self.layers[1:], current[1:]):
+                _append(stack, (layer.compiled, one_call))
         except Exception:  # noqa: BLE001  - layers whose arguments differ in type: one call each
             self._mixed_types = True
             return None
@@ -868,14 +870,20 @@ def _layers_token(stack, x, cos, sin, position, starts, marks, stamps):  # pragm
 
 
 @njit(cache=True, nogil=True)
-def _typed_list(layers):  # pragma: no cover - compiled
-    # The layers' arguments (a tuple of one type each: a homogeneous tuple) in a typed list,
-    # compiled and cached: a typed list filled from Python compiles its methods for the item type
-    # in every process (1.9 s of each ``ktc run``'s start).
+def _new_list(first):  # pragma: no cover - compiled
+    # A typed list of ``first`` (a layer's arguments), compiled and cached: a typed list filled
+    # from Python compiles its methods for the item type in every process (1.9 s of each
+    # ``ktc run``'s start). An item at a time (_append): a function taking every layer's
+    # arguments as one tuple compiled for over 14 minutes for 48 layers.
     stack = typed.List()
-    for layer in layers:
-        stack.append(layer)
+    stack.append(first)
     return stack
+
+
+@njit(cache=True, nogil=True)
+def _append(stack, item):  # pragma: no cover - compiled
+    # stack.append(item), compiled and cached (_new_list); an item of another type is refused
+    stack.append(item)
 
 
 @njit(cache=True, nogil=True)

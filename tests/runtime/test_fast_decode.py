@@ -148,7 +148,7 @@ def test_every_layer_in_one_call_equals_a_call_a_layer(tmp_path):
 def test_layers_of_different_argument_types_take_a_call_each(tmp_path):
     """Where the layers' arguments are not all of one type (here one layer's router all bf16
     values, read as bf16, the other's f32), the stack's one call (a typed list built by
-    ``_typed_list``) is refused and each layer takes its own call, with the same logits."""
+    ``_new_list``, ``_append``) is refused and each layer takes its own call, with the same logits."""
     path = _bundle(tmp_path, "qwen3_moe", "q8_0")
     prompt, tokens = _prompt(12), _prompt(16)[12:]
     with from_bundle(path) as km:
