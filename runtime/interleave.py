@@ -214,12 +214,12 @@ def repack(raw: np.ndarray, scheme: str, rows_at_once: int = 4096, out: np.ndarr
         raise ValueError(f"an interleaved copy of {raw.shape} rows goes into uint8 {(rows, width)}, "
                          f"not {out.dtype} {out.shape}")
     step = max(GROUP, rows_at_once // GROUP * GROUP)
+    lay = LAYOUTS.get(scheme)
     for first in range(0, rows, step):
         part, target = np.asarray(raw[first:first + step]), out[first:first + step]
-        if scheme in K_SCHEMES:
+        if lay is None:  # q4_k
             _repack_words(part, target, K_BLOCK, K_WORDS)
         else:
-            lay = LAYOUTS[scheme]
             _repack_units(part, target, lay.block, lay.scale_bytes, lay.unit, scheme == "q8_0")
     return out
 
@@ -251,8 +251,8 @@ def _load_word(typingctx, src, at):  # type: ignore[no-untyped-def]
     from llvmlite import ir
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        src_a = context.make_array(signature.args[0])(context, builder, args[0])
-        at_v = context.cast(builder, args[1], signature.args[1], types.intp)
+        (src_a,) = vnni._arrays(context, builder, signature, args, (0,))
+        (at_v,) = vnni._indices(context, builder, signature, args, (1,))
         return builder.load(builder.bitcast(builder.gep(src_a.data, [at_v]), ir.IntType(32).as_pointer()), align=1)
 
     return types.uint32(src, at), codegen
