@@ -345,18 +345,25 @@ def moe_parts_line(rows: list[dict[str, float]]) -> str:
     if not rows:
         return "MoE block's parts: not stamped (its experts do not run as one compiled call)"
     got = {name: median([r[name] for r in rows]) for name in rows[0]}
-    beside = median([1 - r["kernels"] / r["block"] for r in rows])
+    shares = [1 - r["kernels"] / r["block"] for r in rows]
     # the router's product reads the router's weights as the kernels read the experts': the share
     # with it counted among them too, beside the target's figure, which counts it beside
-    no_router = median([1 - (r["kernels"] + r["router"]) / r["block"] for r in rows])
+    no_router = [1 - (r["kernels"] + r["router"]) / r["block"] for r in rows]
     # long down rows are summed inside their region (rows.SPAN_BYTES), short ones after it
     inside = " (inside the down rows' region)" if got["combine"] == 0 else ""
     return (f"MoE block {1e6 * got['block']:.0f} us: kernels {1e6 * got['kernels']:.0f}; beside them routing "
             f"{1e6 * got['routing']:.0f} (of it the router's product {1e6 * got['router']:.0f}), activations' "
             f"quantization {1e6 * got['quantize']:.0f}, activation {1e6 * got['activation']:.0f}, combination "
-            f"{1e6 * got['combine']:.0f} us{inside}: {100 * beside:.1f}% of the block (target under 5%; no "
-            f"worker-thread hand-off: every expert on the CPU); {100 * no_router:.1f}% with the router's product "
-            "counted among the kernels")
+            f"{1e6 * got['combine']:.0f} us{inside}: {100 * median(shares):.1f}% of the block (target under 5%; "
+            f"no worker-thread hand-off: every expert on the CPU; rounds {_percents(shares)}); "
+            f"{100 * median(no_router):.1f}% with the router's product counted among the kernels (rounds "
+            f"{_percents(no_router)})")
+
+
+def _percents(shares: list[float]) -> str:
+    """Each round's share, in percent: the share moves with the machine's bandwidth phase (in a
+    fast one the kernels' time falls and the steps beside them, from memory's latency, do not)."""
+    return " ".join(f"{100 * share:.1f}" for share in shares)
 
 
 def cpu_flags() -> str:
