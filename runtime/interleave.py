@@ -57,7 +57,6 @@ region).
 
 from __future__ import annotations
 
-import mmap
 from typing import NamedTuple
 
 import numpy as np
@@ -179,24 +178,12 @@ def fits(rows: int, cols: int, scheme: str, tail: bool = False) -> bool:
     return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % values == 0
 
 
-# From this size numpy asks for transparent huge pages (``MADV_HUGEPAGE``) for an array's memory;
-# ``aligned_empty`` maps such copies itself instead.
-_NUMPY_HUGE_PAGES_FROM = 4 << 20
-
-
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting on a cache line; from 4 MB in a private anonymous map of its own,
-    in the pages the system's transparent huge page policy gives (as llama.cpp's repacked copies
-    are), not the huge pages numpy asks for. On the Zen 4 machine (a virtual machine, the policy
-    "madvise") the first touch of huge pages was slow and erratic: 1.5 GB touched a page at a
-    time in 0.15-3.7 s against 0.6-0.8 in 4 KB pages, and the four-layer Qwen3-shaped models'
-    loads (`from_bundle`, six alternating pairs of processes) took a median 9.2 s with the copies
-    in huge pages and 6.4 s in 4 KB pages (Q4_0, 1.7 GB of copies), 11.0 and 8.0 s (Q8_0, 3.3 GB),
-    while their decodes' tokens/s came to a median 1.02x and 0.98x, within the machine's phases.
-    Read from memory, the copies were as fast either way before too (q4_0, q8_0 and q4_k copies of
-    Mixtral-8x7B-shaped matrices, two threads: 30-34 GB/s, medians of 31 alternating calls)."""
-    if nbytes >= _NUMPY_HUGE_PAGES_FROM and hasattr(mmap, "MAP_PRIVATE"):  # a map starts on a page
-        return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    """uint8 [nbytes] starting on a cache line; from 4 MB in the huge pages numpy asks for
+    (``MADV_HUGEPAGE``), which the products read faster: Qwen3-30B-A3B's q4_0 output matrix
+    (151936 x 2048, 166 MB copied) took 5.5-5.6 ms a product from them, 5.9-6.3 from 4 KB pages
+    (a private map), 1.06-1.10x the time (medians of 40 alternating calls, two runs). A huge
+    page's first touch can cost more here (`docs/runtime.md`)."""
     buffer = np.empty(nbytes + 64, dtype=np.uint8)
     start = -buffer.ctypes.data % 64
     return buffer[start:start + nbytes]

@@ -260,46 +260,6 @@ def test_the_groups_product_gives_each_expert_what_matmul_gives_it(shape, scheme
         np.testing.assert_array_equal(out[tokens], interleave.matmul(x[tokens], packed[e], scheme))
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The flags of this process's mapping that holds ``address`` (/proc/self/smaps' VmFlags)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()
-            if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
-                low, high = (int(bound, 16) for bound in head[0].split("-"))
-                inside = low <= address < high
-            elif inside and head and head[0] == "VmFlags:":
-                return head[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def _numpy_asks_for_huge_pages() -> bool:
-    """Whether numpy advises its large arrays' memory for huge pages (its default on Linux; a
-    private switch, read where it is there)."""
-    for module in ("_core", "core"):
-        query = getattr(getattr(getattr(np, module, None), "multiarray", None), "_get_madvise_hugepage", None)
-        if query is not None:
-            return bool(query())
-    return False
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
-def test_large_copies_take_the_systems_pages_not_numpys_huge_pages():
-    """A copy of 4 MB or more is a map of its own, not advised for huge pages (numpy's arrays of
-    that size are: ``hg`` in their mapping's flags), writable and on a page; a small one on a
-    cache line."""
-    large = interleave.aligned_empty(8 << 20)
-    large[:] = 1
-    assert large.flags.writeable and large.ctypes.data % 4096 == 0 and large.nbytes == 8 << 20
-    assert "hg" not in _vm_flags(large.ctypes.data + (4 << 20))
-    numpys = np.ones(8 << 20, dtype=np.uint8)
-    if _numpy_asks_for_huge_pages():  # what the copies leave
-        assert "hg" in _vm_flags(numpys.ctypes.data + (4 << 20))
-    small = interleave.aligned_empty(1000)
-    assert small.ctypes.data % 64 == 0 and small.nbytes == 1000
-
-
 def _mapped_rss(path: str) -> int:
     """Bytes of this process's resident pages mapped from ``path`` (/proc/self/smaps)."""
     total, inside = 0, False
