@@ -178,14 +178,28 @@ def fits(rows: int, cols: int, scheme: str, tail: bool = False) -> bool:
     return rows > 0 and rows % GROUP == 0 and cols > 0 and cols % values == 0
 
 
+# Copies of this many bytes or more start on a huge page's boundary (``aligned_empty``).
+_HUGE_PAGE = 2 << 20
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting on a cache line; from 4 MB in the huge pages numpy asks for
-    (``MADV_HUGEPAGE``), which the products read faster: Qwen3-30B-A3B's q4_0 output matrix
-    (151936 x 2048, 166 MB copied) took 5.5-5.6 ms a product from them, 5.9-6.3 from 4 KB pages
-    (a private map), 1.06-1.10x the time (medians of 40 alternating calls, two runs). A huge
-    page's first touch can cost more here (`docs/runtime.md`)."""
-    buffer = np.empty(nbytes + 64, dtype=np.uint8)
-    start = -buffer.ctypes.data % 64
+    """uint8 [nbytes] starting on a cache line, and from 2 MB on a huge page's boundary of an array
+    numpy asks huge pages for (``MADV_HUGEPAGE``, which it does for arrays of 4 MB or more where
+    the system allows), so that all of the copy lies in them: the products read faster from huge
+    pages. Qwen3-30B-A3B's q4_0 output matrix (151936 x 2048, 166 MB copied) took 5.5-5.6 ms a
+    product from them, 5.9-6.3 from 4 KB pages (a private map; medians of 40 alternating calls,
+    two runs); its query projection (4096 x 2048, 4.7 MB copied, 48 copies read in turn so that
+    each comes from memory) 150-159 us from huge pages only, 157-178 as numpy places it (on a
+    page past a 16-byte header, so that only its whole 2 MB spans inside were huge pages) and
+    157-174 from 4 KB pages (medians of 12 alternating rounds, two runs). The cost: up to a huge
+    page less a byte of memory touched beyond the copy's end. A huge page's first touch can cost
+    more here (`docs/runtime.md`)."""
+    if nbytes >= _HUGE_PAGE:
+        buffer = np.empty((nbytes + 2 * _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, dtype=np.uint8)
+        start = -buffer.ctypes.data % _HUGE_PAGE
+    else:
+        buffer = np.empty(nbytes + 64, dtype=np.uint8)
+        start = -buffer.ctypes.data % 64
     return buffer[start:start + nbytes]
 
 

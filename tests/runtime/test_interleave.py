@@ -260,17 +260,54 @@ def test_the_groups_product_gives_each_expert_what_matmul_gives_it(shape, scheme
         np.testing.assert_array_equal(out[tokens], interleave.matmul(x[tokens], packed[e], scheme))
 
 
-def _mapped_rss(path: str) -> int:
-    """Bytes of this process's resident pages mapped from ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
+def _mappings():
+    """This process's mappings (/proc/self/smaps): (first address, end, path or "", the fields
+    below the mapping's line by name, each its values)."""
+    mapping = None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split()
             if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
-                inside = len(head) >= 6 and head[5] == path
-            elif inside and head and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
+                if mapping:
+                    yield mapping
+                low, high = (int(bound, 16) for bound in head[0].split("-"))
+                mapping = (low, high, head[5] if len(head) >= 6 else "", {})
+            elif mapping and head:
+                mapping[3][head[0].rstrip(":")] = head[1:]
+    if mapping:
+        yield mapping
+
+
+def _mapped_rss(path: str) -> int:
+    """Bytes of this process's resident pages mapped from ``path`` (/proc/self/smaps)."""
+    return sum(int(fields["Rss"][0]) * 1024 for _, _, mapped, fields in _mappings() if mapped == path)
+
+
+def _numpy_asks_for_huge_pages() -> bool:
+    """Whether numpy advises its large arrays' memory for huge pages (its default on Linux; a
+    private switch, read where it is there)."""
+    for module in ("_core", "core"):
+        query = getattr(getattr(getattr(np, module, None), "multiarray", None), "_get_madvise_hugepage", None)
+        if query is not None:
+            return bool(query())
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_copies_of_two_megabytes_or_more_lie_in_huge_page_spans():
+    """A copy of 2 MB or more starts on a huge page's boundary, its whole length inside memory
+    advised for huge pages (where numpy advises its large arrays: ``hg`` in the mapping's
+    flags); a smaller one starts on a cache line."""
+    for nbytes in (2 << 20, 4_700_000):
+        copy = interleave.aligned_empty(nbytes)
+        copy[:] = 1
+        assert copy.nbytes == nbytes and copy.flags.writeable and copy.ctypes.data % (2 << 20) == 0
+        if _numpy_asks_for_huge_pages():
+            first, last = copy.ctypes.data, copy.ctypes.data + nbytes - 1
+            held = [fields for low, high, _, fields in _mappings() if low <= first and last < high]
+            assert held and "hg" in held[0]["VmFlags"]
+    small = interleave.aligned_empty(1000)
+    assert small.nbytes == 1000 and small.ctypes.data % 64 == 0
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
