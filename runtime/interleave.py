@@ -194,12 +194,10 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     157-174 from 4 KB pages (medians of 12 alternating rounds, two runs). The cost: up to a huge
     page less a byte of memory touched beyond the copy's end. A huge page's first touch can cost
     more here (`docs/runtime.md`)."""
-    if nbytes >= _HUGE_PAGE:
-        buffer = np.empty((nbytes + 2 * _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE, dtype=np.uint8)
-        start = -buffer.ctypes.data % _HUGE_PAGE
-    else:
-        buffer = np.empty(nbytes + 64, dtype=np.uint8)
-        start = -buffer.ctypes.data % 64
+    boundary = _HUGE_PAGE if nbytes >= _HUGE_PAGE else 64
+    # room for the copy from any start, and for the whole of the last huge page it reaches into
+    buffer = np.empty((nbytes + 2 * boundary - 1) // boundary * boundary, dtype=np.uint8)
+    start = -buffer.ctypes.data % boundary
     return buffer[start:start + nbytes]
 
 
