@@ -337,6 +337,21 @@ def _read_only(view: np.ndarray) -> np.ndarray:
     return view
 
 
+def anonymous_memory(size: int) -> mmap.mmap:
+    """``size`` bytes of this process's own memory (a private anonymous map: zeros, each page
+    given at its first touch), advised for huge pages before any is touched (``MADV_HUGEPAGE``,
+    where Linux has transparent huge pages; without them the advice is refused and the map kept).
+    Asked for here rather than left to numpy, which advises its arrays of 4 MB or more only by
+    default (``NUMPY_MADVISE_HUGEPAGE=0`` turns that off) and from a 16-byte header's offset."""
+    buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages
+            pass
+    return buffer
+
+
 def _read_into_memory(path: str, size: int) -> mmap.mmap:
     """The whole file at ``path`` in anonymous memory, in huge pages where Linux gives them
     (``MADV_HUGEPAGE``, asked before the pages are touched). A file's cached pages can read slower
@@ -344,10 +359,8 @@ def _read_into_memory(path: str, size: int) -> mmap.mmap:
     ``lm_head`` read at 25.7 GB/s through the map and 30.1 from a copy, and its decode ran 1.24x
     as fast read into memory, other one-layer models 0.99-1.06x in the same rounds (1.11-1.16x
     in an earlier pair of runs: it depends on where the file's pages lie; docs/runtime.md)."""
-    buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = anonymous_memory(size)
     try:
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
         with open(path, "rb", buffering=0) as f, memoryview(buffer) as view:
             at = 0
             while at < size:

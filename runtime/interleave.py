@@ -64,6 +64,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ktc.formats.bundle import anonymous_memory
 from ktc.formats.kernel_args import read_only, writable
 
 from . import vnni
@@ -183,20 +184,21 @@ _HUGE_PAGE = 2 << 20
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting on a cache line, and from 2 MB on a huge page's boundary of an array
-    numpy asks huge pages for (``MADV_HUGEPAGE``, which it does for arrays of 4 MB or more where
-    the system allows), so that all of the copy lies in them: the products read faster from huge
-    pages. Qwen3-30B-A3B's q4_0 output matrix (151936 x 2048, 166 MB copied) took 5.5-5.6 ms a
-    product from them, 5.9-6.3 from 4 KB pages (a private map; medians of 40 alternating calls,
-    two runs); its query projection (4096 x 2048, 4.7 MB copied, 48 copies read in turn so that
-    each comes from memory) 150-159 us from huge pages only, 157-178 as numpy places it (on a
-    page past a 16-byte header, so that only its whole 2 MB spans inside were huge pages) and
-    157-174 from 4 KB pages (medians of 12 alternating rounds, two runs). The cost: up to a huge
-    page less a byte of memory touched beyond the copy's end. A huge page's first touch can cost
-    more here (`docs/runtime.md`)."""
+    """uint8 [nbytes] starting on a cache line, and from 2 MB on a huge page's boundary of memory
+    advised for huge pages (``bundle.anonymous_memory``), so that all of the copy lies in them
+    where Linux gives them: the products read faster from huge pages. Qwen3-30B-A3B's q4_0 output
+    matrix (151936 x 2048, 166 MB copied) took 5.5-5.6 ms a product from them, 5.9-6.3 from 4 KB
+    pages (a private map; medians of 40 alternating calls, two runs); its query projection (4096
+    x 2048, 4.7 MB copied, 48 copies read in turn so that each comes from memory) 150-159 us from
+    huge pages only, 157-178 as numpy places an array (on a page past a 16-byte header, so that
+    only its whole 2 MB spans inside were huge pages) and 157-174 from 4 KB pages (medians of 12
+    alternating rounds, two runs). The cost: up to a huge page less a byte of memory touched
+    beyond the copy's end. A huge page's first touch can cost more here (`docs/runtime.md`)."""
     boundary = _HUGE_PAGE if nbytes >= _HUGE_PAGE else 64
     # room for the copy from any start, and for the whole of the last huge page it reaches into
-    buffer = np.empty((nbytes + 2 * boundary - 1) // boundary * boundary, dtype=np.uint8)
+    size = (nbytes + 2 * boundary - 1) // boundary * boundary
+    buffer = (np.frombuffer(anonymous_memory(size), dtype=np.uint8) if boundary == _HUGE_PAGE
+              else np.empty(size, dtype=np.uint8))
     start = -buffer.ctypes.data % boundary
     return buffer[start:start + nbytes]
 

@@ -6,6 +6,7 @@ several."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -283,29 +284,35 @@ def _mapped_rss(path: str) -> int:
     return sum(int(fields["Rss"][0]) * 1024 for _, _, mapped, fields in _mappings() if mapped == path)
 
 
-def _numpy_asks_for_huge_pages() -> bool:
-    """Whether numpy advises its large arrays' memory for huge pages (its default on Linux; a
-    private switch, read where it is there)."""
-    for module in ("_core", "core"):
-        query = getattr(getattr(getattr(np, module, None), "multiarray", None), "_get_madvise_hugepage", None)
-        if query is not None:
-            return bool(query())
-    return False
+@contextlib.contextmanager
+def _numpy_not_asking_for_huge_pages():
+    """numpy's advice of huge pages for its large arrays (its default on Linux) turned off for a
+    while, where its private switch is there, as ``NUMPY_MADVISE_HUGEPAGE=0`` turns it off."""
+    module = next((m for m in (getattr(np, "_core", None), getattr(np, "core", None))
+                   if m is not None and hasattr(m.multiarray, "_set_madvise_hugepage")), None)
+    was = module.multiarray._set_madvise_hugepage(False) if module is not None else None
+    try:
+        yield
+    finally:
+        if module is not None:
+            module.multiarray._set_madvise_hugepage(was)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
 def test_copies_of_two_megabytes_or_more_lie_in_huge_page_spans():
     """A copy of 2 MB or more starts on a huge page's boundary, its whole length inside memory
-    advised for huge pages (where numpy advises its large arrays: ``hg`` in the mapping's
-    flags); a smaller one starts on a cache line."""
-    for nbytes in (2 << 20, 4_700_000):
-        copy = interleave.aligned_empty(nbytes)
-        copy[:] = 1
-        assert copy.nbytes == nbytes and copy.flags.writeable and copy.ctypes.data % (2 << 20) == 0
-        if _numpy_asks_for_huge_pages():
-            first, last = copy.ctypes.data, copy.ctypes.data + nbytes - 1
-            held = [fields for low, high, _, fields in _mappings() if low <= first and last < high]
-            assert held and "hg" in held[0]["VmFlags"]
+    advised for huge pages (``hg`` in the mapping's flags, where Linux has transparent huge
+    pages), whether or not numpy advises its own large arrays; a smaller one starts on a cache
+    line."""
+    with _numpy_not_asking_for_huge_pages():
+        for nbytes in (2 << 20, 4_700_000):
+            copy = interleave.aligned_empty(nbytes)
+            copy[:] = 1
+            assert copy.nbytes == nbytes and copy.flags.writeable and copy.ctypes.data % (2 << 20) == 0
+            if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+                first, last = copy.ctypes.data, copy.ctypes.data + nbytes - 1
+                held = [fields for low, high, _, fields in _mappings() if low <= first and last < high]
+                assert held and "hg" in held[0]["VmFlags"]
     small = interleave.aligned_empty(1000)
     assert small.nbytes == 1000 and small.ctypes.data % 64 == 0
 
