@@ -524,6 +524,21 @@ def _q45_k_intrinsic(five: bool, tokens: int = 0, rows: int = 1):  # type: ignor
 _q4_k_whole_row, _q5_k_whole_row = _q45_k_intrinsic(False), _q45_k_intrinsic(True)
 
 
+# One token's q6_k rows of this many super-blocks or more (8192 values) ask for their weights
+# Q6_LONG_ROW_AHEAD bytes ahead, not vnni._ONCE_PREFETCH_BYTES: the row's activations (a byte a
+# value, and the sums) share L1 with the lines asked for, and 8 KB ahead of a long row some of
+# those are gone before the row reaches them. Two threads, from memory, the distances compiled
+# side by side in one process (medians of 31-41 alternating calls, a 64 MB read before each):
+# Mixtral-8x7B's down projection (4096 x 14336, its Q4_K_M files' q6_k experts) 1.06x as fast
+# 2 KB ahead as 8 KB in the memory's slow phase, 1.12-1.14x in its fast one; 4096 x 11008 1.04x
+# and 4096 x 8192 1.005x (slow); rows of 4096 values (Mixtral's output matrix) 0.92-0.96x in the
+# fast phase, so shorter rows keep 8 KB. Inside whole decodes of the two-layer Mixtral-shaped
+# Q4_K_M model (its down projections q6_k; 18 alternating pairs of processes) the MoE block took
+# a median 0-2% less, within the decodes' noise.
+Q6_LONG_ROW_BLOCKS = 32
+Q6_LONG_ROW_AHEAD = 2048
+
+
 def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
     """``row(flat, at, blocks, yk, ybase, dk, bsum16) -> float32``: ``_q4_k_whole_row`` for q6_k, the
     activations in their natural order from yk[ybase]: the codes assembled from their bit planes
@@ -543,10 +558,14 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
         v64, v32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i32, 16), vec(f32, 16)
 
+        # one token's long rows ask nearer (Q6_LONG_ROW_BLOCKS)
+        near = None if tokens else builder.select(builder.icmp_signed(">=", nblocks, c(Q6_LONG_ROW_BLOCKS)),
+                                                  c(Q6_LONG_ROW_AHEAD), c(vnni._ahead(vnni._ONCE)))
+
         def unpack(at):  # type: ignore[no-untyped-def]
             # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
             # offset, the scales of their lanes)
-            vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN if tokens else vnni._ONCE)
+            vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN if tokens else vnni._ONCE, near)
             d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32)
             sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
             codes = []

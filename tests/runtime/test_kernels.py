@@ -709,7 +709,7 @@ def _per_256(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 @pytest.mark.parametrize("scheme", ["q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("shape", [(9, 256), (64, 2048), (3, 768)])
+@pytest.mark.parametrize("shape", [(9, 256), (64, 2048), (3, 768), (3, 8192)])
 def test_q4_k_q5_k_and_q6_k_vnni_match_their_definition(scheme, shape):
     """q4_k, q5_k and q6_k through VNNI: the dequantized weights times the activations quantized
     per 256 values (llama.cpp's q4_K, q5_K and q6_K x q8_K products), exactly but for float
@@ -1067,6 +1067,27 @@ def test_one_token_rows_prefetch_non_temporally(zen5, monkeypatch):
         # each line of a step asked for ``ahead`` bytes past the step (plus the line's place in it)
         distances = [int(d) for d in re.findall(hint + r"\s+(\d+)\(", asm)]
         assert distances and min(distances) == ahead, distances
+
+
+def test_one_token_q6_k_rows_ask_nearer_where_long():
+    """A one-token q6_k row asks for its weights non-temporally, 8 KB ahead, or ``Q6_LONG_ROW_AHEAD``
+    bytes ahead where it has ``Q6_LONG_ROW_BLOCKS`` super-blocks or more (its activations crowd
+    L1): the distance chosen at run time from the row's length, both in the compiled code."""
+    import re
+
+    from numba import njit
+
+    from ktc.runtime import kquants
+
+    @njit
+    def k6_row(flat, blocks, yk, dk, bsum):  # pragma: no cover - compiled
+        return kquants._q6_k_whole_row(flat, 0, blocks, yk, blocks * 256, dk, bsum)
+
+    k6_row(np.zeros(4096, np.uint8), 1, np.zeros(1024, np.int8), np.zeros(4, np.float32), np.zeros(64, np.int16))
+    asm = next(iter(k6_row.inspect_asm().values()))
+    assert "prefetchnta" in asm and "prefetcht2" not in asm
+    immediates = {int(v) for v in re.findall(r"\$(\d+)", asm)}
+    assert {kquants.Q6_LONG_ROW_AHEAD, vnni._ONCE_PREFETCH_BYTES, kquants.Q6_LONG_ROW_BLOCKS} <= immediates
 
 
 @pytest.mark.parametrize("row_bytes,rows,threads", [(1152, 151936, 2), (2304, 32000, 2), (1152, 512, 2),
