@@ -59,15 +59,21 @@ TYPES = {"Q8_0": ("q8_0", "q8_0", True), "Q4_0": ("q4_0", "q4_0", True), "MXFP4_
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--shapes", default="mixtral,qwen3")
-    parser.add_argument("--types", default=",".join(TYPES))
+    parser = argparse.ArgumentParser(
+        description="Decode and prefill beside llama.cpp on the same GGUF bytes, in interleaved rounds (the "
+                    "module's docstring says how).",
+        epilog="example: python benchmarks/vs_llamacpp.py --shapes qwen3 --types Q4_0,Q8_0 --layers 4 --rounds 5")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
+    parser.add_argument("--shapes", default="mixtral,qwen3",
+                        help="comma-separated: mixtral, qwen3, gpt-oss, moonlight (published configs' shapes)")
+    parser.add_argument("--types", default=",".join(TYPES), help=f"llama-quantize types among {', '.join(TYPES)}")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--new", type=int, default=32, help="generated tokens")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"))
-    parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both tools")
+    parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "ktc", "bench-generate"),
+                        help="where the models, GGUF files and bundles are made and kept")
+    parser.add_argument("--llamacpp", default=os.path.join(os.path.expanduser("~"), ".cache", "llama.cpp"),
+                        help="llama.cpp's source and build (../shared/tools/build-llamacpp.sh)")
     parser.add_argument("--busy", action="store_true",
                         help="in every round, also each case beside a competing busy process")
     parser.add_argument("--layers", type=int, default=1,
