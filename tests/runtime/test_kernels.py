@@ -1069,6 +1069,7 @@ def test_one_token_rows_prefetch_non_temporally(zen5, monkeypatch):
         assert distances and min(distances) == ahead, distances
 
 
+@pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
 def test_one_token_q6_k_rows_ask_nearer_where_long():
     """A one-token q6_k row asks for its weights non-temporally, 8 KB ahead, or ``Q6_LONG_ROW_AHEAD``
     bytes ahead where it has ``Q6_LONG_ROW_BLOCKS`` super-blocks or more (its activations crowd
