@@ -525,18 +525,22 @@ _q4_k_whole_row, _q5_k_whole_row = _q45_k_intrinsic(False), _q45_k_intrinsic(Tru
 
 
 # One token's q6_k rows of this many super-blocks or more (8192 values) ask for their weights
-# Q6_LONG_ROW_AHEAD bytes ahead, not vnni._ONCE_PREFETCH_BYTES: the row's activations (a byte a
-# value, and the sums) share L1 with the lines asked for, and 8 KB ahead of a long row some of
-# those are gone before the row reaches them. Two threads, from memory, the distances compiled
-# side by side in one process (medians of 31-41 alternating calls, a 64 MB read before each):
-# Mixtral-8x7B's down projection (4096 x 14336, its Q4_K_M files' q6_k experts) 1.06x as fast
-# 2 KB ahead as 8 KB in the memory's slow phase, 1.12-1.14x in its fast one; 4096 x 11008 1.04x
-# and 4096 x 8192 1.005x (slow); rows of 4096 values (Mixtral's output matrix) 0.92-0.96x in the
-# fast phase, so shorter rows keep 8 KB. Inside whole decodes of the two-layer Mixtral-shaped
-# Q4_K_M model (its down projections q6_k; 18 alternating pairs of processes) the MoE block took
-# a median 0-2% less, within the decodes' noise.
+# into L2 (prefetcht2) Q6_LONG_ROW_AHEAD bytes ahead, not non-temporally vnni._ONCE_PREFETCH_BYTES
+# ahead as shorter rows do: the row's activations (a byte a value, and the sums) share L1 with
+# the lines a non-temporal hint brings there, and 8 KB ahead of a long row some of those are
+# gone before the row reaches them, while nearer (2 KB) too few lines are in flight to keep the
+# memory busy. Two threads, from memory, the hints compiled side by side in one process (medians
+# of 11-21 alternating calls, a 64 MB read before each, the memory in its slow and its fast
+# phase): Mixtral-8x7B's down projection (4096 x 14336, its Q4_K_M files' q6_k experts) into L2
+# 6 KB ahead 1.05-1.14x as fast as non-temporally 2 KB ahead in the slow phase (8 KB ahead
+# 0.96-1.07x), 1.32-1.33x in the fast one (8 KB 1.34-1.43x), where the non-temporal rows had read
+# 28-38 GB/s against a plain read's 33-56; 4096 x 8192 1.00-1.03x and 1.12x. Rows of 4096 values
+# (Mixtral's output matrix) and 2048 (Qwen3-30B-A3B's) read as fast as a plain read
+# non-temporally 8 KB ahead and no faster into L2 (0.91-1.07x), so they keep it. Whole decodes
+# of the two-layer Mixtral-shaped Q4_K_M model: as fast in the slow phase (53.0 against 52.9
+# tok/s), 1.06x in the fast one (docs/runtime.md).
 Q6_LONG_ROW_BLOCKS = 32
-Q6_LONG_ROW_AHEAD = 2048
+Q6_LONG_ROW_AHEAD = 6144
 
 
 def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
@@ -558,14 +562,10 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
         v64, v32, d16, f16v = vec(i8, 64), vec(i8, 32), vec(i32, 16), vec(f32, 16)
 
-        # one token's long rows ask nearer (Q6_LONG_ROW_BLOCKS)
-        near = None if tokens else builder.select(builder.icmp_signed(">=", nblocks, c(Q6_LONG_ROW_BLOCKS)),
-                                                  c(Q6_LONG_ROW_AHEAD), c(vnni._ahead(vnni._ONCE)))
-
-        def unpack(at):  # type: ignore[no-untyped-def]
+        def unpack(at, ask):  # type: ignore[no-untyped-def]
             # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
-            # offset, the scales of their lanes)
-            vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN if tokens else vnni._ONCE, near)
+            # offset, the scales of their lanes); ``ask(at)`` asks for the lines ahead
+            ask(at)
             d = builder.fpext(builder.bitcast(load(flat_a, at, i16, 208), ir.HalfType()), f32)
             sc = builder.sext(load(flat_a, at, vec(i8, 16), 192), vec(i16, 16))
             codes = []
@@ -585,23 +585,35 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
             return d, sc, codes
 
         totals = [[cgutils.alloca_once_value(builder, const(f16v, 0.0)) for _ in y_bases] for _ in at_list]
-        with cgutils.for_range(builder, nblocks) as loop:
-            i = loop.index
-            blocks = [unpack(builder.add(at, builder.mul(i, c(210)))) for at in at_list]
-            for (d, sc, codes), row_totals in zip(blocks, totals):
-                for total_p, y_base, d_base, b_base in zip(row_totals, y_bases, d_bases, b_bases):
-                    scale = builder.fmul(d, load(dk_a, builder.add(d_base, i), f32, 0, 4))
-                    # -32 * sum_j sc_j * bsum16_j, in the integer accumulator (vpmaddwd: pairs of them)
-                    sums = load(bsum_a, builder.add(b_base, builder.mul(i, c(16))), vec(i16, 16), 0, 2)
-                    offs = builder.call(maddwd, [sc, sums])
-                    acc_i = shuffle(builder.sub(const(vec(i32, 8), 0), builder.shl(offs, const(vec(i32, 8), 5))),
-                                    const(vec(i32, 8), 0), list(range(16)))
-                    ybase = builder.add(y_base, builder.mul(i, c(256)))
-                    for six, offset, lanes in codes:
-                        p = builder.call(maddubs, [six, load(yk_a, ybase, v64, offset)])
-                        acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), lanes])
-                    builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(scale, f16v),
-                                                       builder.load(total_p)]), total_p)
+
+        def loop(ask):  # type: ignore[no-untyped-def]
+            # the loop over the super-blocks, ``ask(at)`` asking for their lines ahead
+            with cgutils.for_range(builder, nblocks) as step:
+                i = step.index
+                blocks = [unpack(builder.add(at, builder.mul(i, c(210))), ask) for at in at_list]
+                for (d, sc, codes), row_totals in zip(blocks, totals):
+                    for total_p, y_base, d_base, b_base in zip(row_totals, y_bases, d_bases, b_bases):
+                        scale = builder.fmul(d, load(dk_a, builder.add(d_base, i), f32, 0, 4))
+                        # -32 * sum_j sc_j * bsum16_j, in the integer accumulator (vpmaddwd: pairs of them)
+                        sums = load(bsum_a, builder.add(b_base, builder.mul(i, c(16))), vec(i16, 16), 0, 2)
+                        offs = builder.call(maddwd, [sc, sums])
+                        acc_i = shuffle(builder.sub(const(vec(i32, 8), 0), builder.shl(offs, const(vec(i32, 8), 5))),
+                                        const(vec(i32, 8), 0), list(range(16)))
+                        ybase = builder.add(y_base, builder.mul(i, c(256)))
+                        for six, offset, lanes in codes:
+                            p = builder.call(maddubs, [six, load(yk_a, ybase, v64, offset)])
+                            acc_i = builder.call(dpwssd, [acc_i, builder.bitcast(p, d16), lanes])
+                        builder.store(builder.call(fma16, [builder.sitofp(acc_i, f16v), splat(scale, f16v),
+                                                           builder.load(total_p)]), total_p)
+
+        if tokens:
+            loop(lambda at: vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN))
+        else:  # one token's long rows ask into L2 (Q6_LONG_ROW_BLOCKS): the loop twice, one for each
+            with builder.if_else(builder.icmp_signed(">=", nblocks, c(Q6_LONG_ROW_BLOCKS))) as (long_row, short):
+                with long_row:
+                    loop(lambda at: vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN, c(Q6_LONG_ROW_AHEAD)))
+                with short:
+                    loop(lambda at: vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._ONCE))
         return [[vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd) for total_p in row_totals]
                 for row_totals in totals]
 

@@ -459,7 +459,7 @@ def _block_locality(tokens):  # type: ignore[no-untyped-def]
 def _prefetch_ahead(builder, flat_a, at, nbytes, locality=_ONCE, ahead=None):  # type: ignore[no-untyped-def]
     """Ask for every cache line of the ``nbytes`` at ``at`` of flat_a ``_ahead(locality)``
     bytes ahead, as the row loops do (``locality``: ``_ONCE``, or ``_AGAIN`` for rows read
-    again), or ``ahead`` bytes where given (an LLVM integer of at's type, chosen at run time)."""
+    again), or ``ahead`` bytes where given (an LLVM integer of at's type)."""
     from llvmlite import ir
 
     i8, i32 = ir.IntType(8), ir.IntType(32)

@@ -1070,10 +1070,11 @@ def test_one_token_rows_prefetch_non_temporally(zen5, monkeypatch):
 
 
 @pytest.mark.skipif(not vnni.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI (or the JIT is off)")
-def test_one_token_q6_k_rows_ask_nearer_where_long():
-    """A one-token q6_k row asks for its weights non-temporally, 8 KB ahead, or ``Q6_LONG_ROW_AHEAD``
-    bytes ahead where it has ``Q6_LONG_ROW_BLOCKS`` super-blocks or more (its activations crowd
-    L1): the distance chosen at run time from the row's length, both in the compiled code."""
+def test_one_token_q6_k_rows_ask_into_l2_where_long():
+    """A one-token q6_k row asks for its weights non-temporally, 8 KB ahead, or into L2
+    ``Q6_LONG_ROW_AHEAD`` bytes ahead where it has ``Q6_LONG_ROW_BLOCKS`` super-blocks or more
+    (its activations crowd L1): the loop compiled for both, chosen at run time from the row's
+    length."""
     import re
 
     from numba import njit
@@ -1086,9 +1087,10 @@ def test_one_token_q6_k_rows_ask_nearer_where_long():
 
     k6_row(np.zeros(4096, np.uint8), 1, np.zeros(1024, np.int8), np.zeros(4, np.float32), np.zeros(64, np.int16))
     asm = next(iter(k6_row.inspect_asm().values()))
-    assert "prefetchnta" in asm and "prefetcht2" not in asm
-    immediates = {int(v) for v in re.findall(r"\$(\d+)", asm)}
-    assert {kquants.Q6_LONG_ROW_AHEAD, vnni._ONCE_PREFETCH_BYTES, kquants.Q6_LONG_ROW_BLOCKS} <= immediates
+    for hint, ahead in (("prefetchnta", vnni._ONCE_PREFETCH_BYTES), ("prefetcht2", kquants.Q6_LONG_ROW_AHEAD)):
+        distances = [int(d) for d in re.findall(hint + r"\s+(\d+)\(", asm)]
+        assert distances and min(distances) == ahead, (hint, distances)
+    assert "$" + str(kquants.Q6_LONG_ROW_BLOCKS) in asm  # the row's length compared with it
 
 
 @pytest.mark.parametrize("row_bytes,rows,threads", [(1152, 151936, 2), (2304, 32000, 2), (1152, 512, 2),
