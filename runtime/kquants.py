@@ -611,7 +611,7 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         else:  # one token's long rows ask into L2 (Q6_LONG_ROW_BLOCKS): the loop twice, one for each
             with builder.if_else(builder.icmp_signed(">=", nblocks, c(Q6_LONG_ROW_BLOCKS))) as (long_row, short):
                 with long_row:
-                    loop(lambda at: vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN, c(Q6_LONG_ROW_AHEAD)))
+                    loop(lambda at: vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._AGAIN, Q6_LONG_ROW_AHEAD))
                 with short:
                     loop(lambda at: vnni._prefetch_ahead(builder, flat_a, at, 210, vnni._ONCE))
         return [[vnni._reduce_lanes(builder, builder.load(total_p), builder.fadd) for total_p in row_totals]
