@@ -359,10 +359,11 @@ def test_a_bundle_read_into_memory_runs_as_the_mapped_one(tmp_path):
     assert want[0] == want[1]
 
 
+@pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("sinks,more", [(False, 0), (True, 0), (False, 8)])
 @pytest.mark.parametrize("heads,kv_heads,start,end", [(8, 2, 0, 1), (8, 2, 0, 37), (4, 4, 3, 300), (6, 1, 10, 700),
                                                      (5, 1, 0, 38)])
-def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, sinks, more):
+def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, sinks, more, dim):
     """A decode step's attention (``_attend``: a key head's spans of positions for the query
     heads that share it, their softmaxes combined after) equals softmax(q K^T * scaling) V over
     the cache positions start..end-1, query head h reading key head h // (heads / kv heads):
@@ -371,9 +372,10 @@ def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, si
     37 and 38 positions: an odd one left of the pairs of positions, and of the eights).
     With sinks, head h's softmax also takes sinks[h] (gpt-oss), some larger than every score.
     With ``more`` values of each query and key kept apart (the latent attention's rotary part),
-    the scores take them too."""
+    the scores take them too. 16 values a head go through the weighted values' loop, 64 through
+    its tiles of four heads by 32 values (``_pv_tile``; a head count not a multiple of four reads
+    its last head again)."""
     rng = np.random.default_rng(end)
-    dim = 16
     q = rng.standard_normal((heads, dim)).astype(np.float32)
     keys = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
     values = rng.standard_normal((kv_heads, 1024, dim)).astype(np.float32)
