@@ -40,7 +40,7 @@ from ktc.errors import KtcError, UnsupportedModelError
 
 from ktc.formats.kernel_args import read_only
 
-from . import rows, vnni
+from . import lanes, rows, vnni
 from .kernels import decode, exact_bf16
 from .moe import MoELayer, _moe_token
 from .projections import Projections, stack_token
@@ -1337,10 +1337,7 @@ def _pv_tile(typingctx, w, wstride, values, vstride, t0, n, acc, astride, h0, he
             halves = [builder.load(vector_at(v_a.data, builder.add(at, ir.Constant(index_t, 16 * half))), align=4)
                       for half in (0, 1)]
             for w_row, pair in zip(w_rows, accs):
-                weight = builder.load(builder.gep(w_a.data, [builder.add(w_row, u)]))
-                spread = builder.insert_element(ir.Constant(floats, ir.Undefined), weight, ir.Constant(ir.IntType(32), 0))
-                spread = builder.shuffle_vector(spread, ir.Constant(floats, ir.Undefined),
-                                                ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+                spread = lanes._splat(builder, builder.load(builder.gep(w_a.data, [builder.add(w_row, u)])), 16)
                 for half, acc_p in zip(halves, pair):
                     builder.store(builder.call(fma, [spread, half, builder.load(acc_p)]), acc_p)
         for pair, target in zip(accs, targets):
