@@ -1231,6 +1231,19 @@ def _weighted_rows(w, values, t0, t1, acc):  # pragma: no cover - compiled
                                                                                + w7 * v7[j])
 
 
+def _clamped_rows(builder, first, bound):  # type: ignore[no-untyped-def]
+    """The four row indices first..first + 3 of a tile, those at or past ``bound`` made bound - 1
+    (computed again as the last row; the tiles store such a row once more, or not at all)."""
+    from llvmlite import ir
+
+    last = builder.sub(bound, ir.Constant(bound.type, 1))
+    rows = []
+    for k in range(4):
+        at = builder.add(first, ir.Constant(first.type, k))
+        rows.append(builder.select(builder.icmp_signed("<", at, bound), at, last))
+    return rows
+
+
 @intrinsic
 def _qk_tile(typingctx, qs, qstride, h0, heads, keys, kstride, t, end, dim, out, ostride,
              u):  # type: ignore[no-untyped-def]
@@ -1254,21 +1267,14 @@ def _qk_tile(typingctx, qs, qstride, h0, heads, keys, kstride, t, end, dim, out,
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
                                              "llvm.fma.v16f32")
 
-        def clamped(first, k, bound):  # type: ignore[no-untyped-def]
-            at = builder.add(first, ir.Constant(index_t, k))
-            return builder.select(builder.icmp_signed("<", at, bound), at, builder.sub(bound, ir.Constant(index_t, 1)))
-
-        q_rows = [builder.mul(clamped(h0_v, k, heads_v), qstride_v) for k in range(4)]
-        k_rows = [builder.mul(clamped(t_v, p, end_v), kstride_v) for p in range(4)]
+        load = lanes._loader(builder)
+        q_rows = [builder.mul(r, qstride_v) for r in _clamped_rows(builder, h0_v, heads_v)]
+        k_rows = [builder.mul(r, kstride_v) for r in _clamped_rows(builder, t_v, end_v)]
         accs = [cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 16)) for _ in range(16)]
-
-        def load(data, at):  # type: ignore[no-untyped-def]
-            return builder.load(builder.bitcast(builder.gep(data, [at]), floats.as_pointer()), align=4)
-
         with cgutils.for_range(builder, builder.udiv(dim_v, ir.Constant(index_t, 16))) as loop:
             c = builder.mul(loop.index, ir.Constant(index_t, 16))
-            qv = [load(q_a.data, builder.add(r, c)) for r in q_rows]
-            kv = [load(k_a.data, builder.add(r, c)) for r in k_rows]
+            qv = [load(q_a, builder.add(r, c), floats, 4) for r in q_rows]
+            kv = [load(k_a, builder.add(r, c), floats, 4) for r in k_rows]
             for k in range(4):
                 for p in range(4):
                     acc_p = accs[4 * k + p]
@@ -1318,31 +1324,23 @@ def _pv_tile(typingctx, w, wstride, values, vstride, t0, n, acc, astride, h0, he
         index_t = t0_v.type
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
                                              "llvm.fma.v16f32")
-        last = builder.sub(heads_v, ir.Constant(index_t, 1))
-        rows = []
-        for k in range(4):
-            h = builder.add(h0_v, ir.Constant(index_t, k))
-            rows.append(builder.select(builder.icmp_signed("<", h, heads_v), h, last))
-
-        def vector_at(data, at):  # type: ignore[no-untyped-def]
-            return builder.bitcast(builder.gep(data, [at]), floats.as_pointer())
-
-        targets = [[vector_at(acc_a.data, builder.add(builder.mul(r, astride_v), builder.add(c_v, ir.Constant(
-            index_t, 16 * half)))) for half in (0, 1)] for r in rows]
-        accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in pair] for pair in targets]
+        load = lanes._loader(builder)
+        rows = _clamped_rows(builder, h0_v, heads_v)
+        targets = [[builder.add(builder.mul(r, astride_v), builder.add(c_v, ir.Constant(index_t, 16 * half)))
+                    for half in (0, 1)] for r in rows]
+        accs = [[cgutils.alloca_once_value(builder, load(acc_a, at, floats, 4)) for at in pair] for pair in targets]
         w_rows = [builder.mul(r, wstride_v) for r in rows]
         with cgutils.for_range(builder, n_v) as loop:
             u = loop.index
             at = builder.add(builder.mul(builder.add(t0_v, u), vstride_v), c_v)
-            halves = [builder.load(vector_at(v_a.data, builder.add(at, ir.Constant(index_t, 16 * half))), align=4)
-                      for half in (0, 1)]
+            halves = [load(v_a, builder.add(at, ir.Constant(index_t, 16 * half)), floats, 4) for half in (0, 1)]
             for w_row, pair in zip(w_rows, accs):
                 spread = lanes._splat(builder, builder.load(builder.gep(w_a.data, [builder.add(w_row, u)])), 16)
                 for half, acc_p in zip(halves, pair):
                     builder.store(builder.call(fma, [spread, half, builder.load(acc_p)]), acc_p)
         for pair, target in zip(accs, targets):
-            for acc_p, p in zip(pair, target):
-                builder.store(builder.load(acc_p), p, align=4)
+            for acc_p, at in zip(pair, target):
+                lanes._store(builder, builder.load(acc_p), acc_a, at)
         return context.get_dummy_value()
 
     return types.void(w, wstride, values, vstride, t0, n, acc, astride, h0, heads, c), codegen
