@@ -111,7 +111,8 @@ def llama_gguf(llama: str, checkpoint: str, shape: str, qtype: str, workdir: str
                         "bf16"], check=True, capture_output=True)
     if not os.path.exists(base):
         folder = checkpoint + "-sp"  # the converter reads a SentencePiece tokenizer.model
-        if not os.path.exists(folder):
+        if not os.path.exists(os.path.join(folder, "tokenizer.model")):  # (a failed run's folder made again)
+            shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
             for name in os.listdir(checkpoint):
                 if name.endswith((".safetensors", ".json")) and not name.startswith("tokenizer"):
