@@ -32,7 +32,8 @@ from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import get_scheme
 
 
-def _host_has_vnni() -> bool:
+def _host_has(wanted: tuple[str, ...]) -> bool:
+    """Whether the code Numba compiles may use the CPU features ``wanted`` (LLVM's names)."""
     if config.DISABLE_JIT or os.environ.get("KTC_NO_VNNI") == "1":
         return False
     try:
@@ -41,17 +42,18 @@ def _host_has_vnni() -> bool:
         features = llvm.get_host_cpu_features()
     except Exception:  # pragma: no cover - no feature query on this platform
         return False
-    wanted = ("avx512vnni", "avx512vl", "avx512bw", "avx512f")
     if not all(features.get(f, False) for f in wanted):
         return False
     # Numba compiles for this CPU unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another
-    # target (portable caches do): then the features must include VNNI explicitly.
+    # target (portable caches do): then the features must be named explicitly.
     if (config.CPU_NAME or "host") != "host" or config.CPU_FEATURES:
         return all(f"+{f}" in (config.CPU_FEATURES or "") for f in wanted)
     return True
 
 
-HAVE_VNNI = _host_has_vnni()
+HAVE_VNNI = _host_has(("avx512vnni", "avx512vl", "avx512bw", "avx512f"))
+# vgf2p8affineqb (kquants' q6_k tile): Ice Lake and Zen 4 on, not Cascade Lake's VNNI
+HAVE_GFNI = HAVE_VNNI and _host_has(("gfni",))
 
 
 def _target_cpu() -> str:
