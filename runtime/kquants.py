@@ -583,11 +583,9 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
                     # moved to bits 4-5 by one vgf2p8affineqb, whose bit matrix is per 64-bit lane:
                     # for the first 64 codes bits 0-1 in the low half and 2-3 in the high half, for
                     # the next 64 bits 4-5 and 6-7. Four vector operations a super-block fewer than
-                    # below: the batched tile (768 x 2048, 128 tokens, two threads, from the
-                    # caches) 1.15-1.2x as fast; one token's rows from L2 on one core 1.04-1.09x,
-                    # but from memory, where they spend their time, 0.95-0.99x (medians of 15
-                    # alternating calls of the 151936 x 2048 output matrix, three orders of the
-                    # variants), so they keep the shifts and masks below.
+                    # below: the tile on one core from L2 1.10-1.28x as fast; one token's rows from
+                    # L2 1.04-1.09x, but from memory, where they spend their time, 0.95-0.99x, so
+                    # they keep the shifts and masks below (docs/runtime.md).
                     twice = shuffle(qh, qh, list(range(32)) * 2)
                     first = builder.or_(builder.and_(ql, const(v64, 15)), builder.call(affine, [twice, tops[0], zero8]))
                     low = builder.bitcast(builder.lshr(builder.bitcast(ql, w32), const(w32, 4)), v64)
