@@ -561,12 +561,14 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
         c, vec, load, const, shuffle, splat, fn = vnni.emitters(builder, at_list[0].type)
         maddubs, dpwssd, fma16, maddwd = _superblock_ops(builder, fn, vec)
         v64, v32, d16, f16v, w32 = vec(i8, 64), vec(i8, 32), vec(i32, 16), vec(f32, 16), vec(i16, 32)
-        affine = fn("llvm.x86.vgf2p8affineqb.512", v64, [v64, v64, i8])
-        zero8 = ir.Constant(i8, 0)
-        # vgf2p8affineqb's matrices: output bit 7 - k of a byte is the parity of the byte and the
-        # matrix's byte k (in its 64-bit lane), so byte 3 picks what goes to bit 4, byte 2 bit 5
-        tops = [const(v64, [b for low, high in halves for b in [0, 0, high, low, 0, 0, 0, 0]])
-                for halves in ([(1, 2)] * 4 + [(4, 8)] * 4, [(16, 32)] * 4 + [(64, 128)] * 4)]
+        matrices = bool(tokens) and vnni.HAVE_GFNI  # the tile's top bits through bit matrices (below)
+        if matrices:
+            affine = fn("llvm.x86.vgf2p8affineqb.512", v64, [v64, v64, i8])
+            zero8 = ir.Constant(i8, 0)
+            # vgf2p8affineqb's matrices: output bit 7 - k of a byte is the parity of the byte and
+            # the matrix's byte k (in its 64-bit lane), so byte 3 picks what goes to bit 4, byte 2 bit 5
+            tops = [const(v64, [b for low, high in halves for b in [0, 0, high, low, 0, 0, 0, 0]])
+                    for halves in ([(1, 2)] * 4 + [(4, 8)] * 4, [(16, 32)] * 4 + [(64, 128)] * 4)]
 
         def unpack(at, ask):  # type: ignore[no-untyped-def]
             # a super-block's d, its 16 int8 scales (as int16) and its codes: (codes, activations'
@@ -578,7 +580,7 @@ def _q6_k_intrinsic(tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-
             for n in range(2):
                 ql = load(flat_a, at, v64, 64 * n)
                 qh = load(flat_a, at, v32, 128 + 32 * n)
-                if tokens and vnni.HAVE_GFNI:
+                if matrices:
                     # the 32 bytes of top bits twice (one broadcast load); each code's two top bits
                     # moved to bits 4-5 by one vgf2p8affineqb, whose bit matrix is per 64-bit lane:
                     # for the first 64 codes bits 0-1 in the low half and 2-3 in the high half, for
