@@ -393,6 +393,16 @@ def test_attention_step_equals_softmax_attention(heads, kv_heads, start, end, si
         np.testing.assert_allclose(got[h], weights @ values[g, start:end], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group,spans,want", [(8, 12, 8), (8, 8, 4), (8, 20, 8), (16, 5, 8), (128, 1, 8), (5, 1, 4),
+                                               (1, 4, 4)])
+def test_attention_items_take_whole_tiles_of_query_heads(group, spans, want):
+    """``_attend``'s work items take whole tiles of four query heads (``_TILE_HEADS``), as many as
+    make 16 items where the spans are fewer, rounded up: Qwen3-30B-A3B's 8 query heads a key head
+    at 513-768 positions (12 spans) one item a span, not 6 and 2 heads whose last tiles compute
+    two heads again; a group of 5 in two items, the second short of a tile."""
+    assert fast_decode._heads_an_item(group, spans) == want
+
+
 def test_attention_step_is_the_same_on_any_number_of_threads():
     """``_attend``'s work items are fixed by the positions and the heads, not the threads: the
     same bits on one thread as on two, for spans of several key heads parted by query heads."""
