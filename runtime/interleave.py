@@ -658,6 +658,12 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
             low_bits = ir.Constant(bytes64, [15] * 64)
             zero_w, zero_f = ir.Constant(words, [0] * 16), ir.Constant(lanes, [0.0] * 16)
             accs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(tokens)] for _ in range(groups)]
+            # One token of one group sums a sub-block's eight products in two chains of four (odd
+            # and even lines), not one of eight: the super-block's longest chain of dependent
+            # vpdpbusd halved, the rows read from memory 1.01-1.30x as fast (median 1.11x, six
+            # runs: 132 MB of rows, two threads, rotated order; one core from L3 1.035x). The
+            # tiles of several tokens or groups have chains enough side by side.
+            chains = 2 if tokens * groups == 1 else 1
             y_bases = [vnni._nth(builder, ybase_v, ystride_v, t) for t in range(tokens)]
             group_bytes = builder.mul(blocks_v, const(GROUP * K_BLOCK))
             with cgutils.for_range(builder, blocks_v) as loop:
@@ -682,7 +688,9 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
                     heads.append((d, dmin, (sc, sh), (mn, mh)))
                 ints = [[zero_w] * tokens for _ in range(groups)]
                 for j in range(4):  # sub-blocks 2j (low nibbles) and 2j + 1 (high)
-                    dots = [[[zero_w, zero_w] for _ in range(tokens)] for _ in range(groups)]
+                    # [group][token][nibbles * chains + line % chains]: each sub-block's eight
+                    # products in ``chains`` sums
+                    dots = [[[zero_w] * (2 * chains) for _ in range(tokens)] for _ in range(groups)]
                     for k in range(8):
                         for g, base in enumerate(bases):
                             line = load(flat_a, builder.add(base, const(64 * (4 + 8 * j + k))), bytes64)
@@ -694,12 +702,17 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
                                                                            const(64 * j + 4 * k)))
                                 for h, codes in enumerate((low, high)):
                                     y4 = splat(load(yk_a, builder.add(y_at, const(32 * h)), i32), words)
-                                    dots[g][t][h] = builder.call(dpbusd, [dots[g][t][h], codes, y4])
+                                    q = chains * h + k % chains
+                                    dots[g][t][q] = builder.call(dpbusd, [dots[g][t][q], codes, y4])
                     for g in range(groups):
                         scales = [picked(heads[g][2][s // 4], s % 4, False) for s in (2 * j, 2 * j + 1)]
                         for t in range(tokens):
-                            ints[g][t] = builder.add(ints[g][t], builder.add(builder.mul(dots[g][t][0], scales[0]),
-                                                                             builder.mul(dots[g][t][1], scales[1])))
+                            sub = [dots[g][t][chains * h] for h in (0, 1)]
+                            for h in (0, 1):
+                                for q in range(1, chains):
+                                    sub[h] = builder.add(sub[h], dots[g][t][chains * h + q])
+                            ints[g][t] = builder.add(ints[g][t], builder.add(builder.mul(sub[0], scales[0]),
+                                                                             builder.mul(sub[1], scales[1])))
                 for t in range(tokens):
                     block = builder.add(builder.mul(dstride_v, const(t)), i)
                     scale = splat(load(dk_a, block, f32), lanes)
