@@ -661,8 +661,10 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
             # One token of one group sums a sub-block's eight products in two chains of four (odd
             # and even lines), not one of eight: the super-block's longest chain of dependent
             # vpdpbusd halved, the rows read from memory 1.01-1.30x as fast (median 1.11x, six
-            # runs: 132 MB of rows, two threads, rotated order; one core from L3 1.035x). The
-            # tiles of several tokens or groups have chains enough side by side.
+            # runs: 132 MB of rows, two threads, rotated order; one core from L3 1.035x); and the
+            # minimums' eight vpdpwssd in two chains too, then the longest: 1.01-1.09x more (median
+            # 1.03x, six runs; 1.09x in the memory's fast phase). The tiles of several tokens or
+            # groups have chains enough side by side.
             chains = 2 if tokens * groups == 1 else 1
             y_bases = [vnni._nth(builder, ybase_v, ystride_v, t) for t in range(tokens)]
             group_bytes = builder.mul(blocks_v, const(GROUP * K_BLOCK))
@@ -720,9 +722,13 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
                     pairs = [splat(load(bsum_a, builder.add(sums_at, const(2 * s)), i32), words) for s in range(8)]
                     for g in range(groups):
                         d, dmin, _, mins = heads[g]
-                        least = zero_w
+                        mins_parts = [zero_w] * chains  # the minimums' products, in chains as the codes'
                         for s in range(8):
-                            least = builder.call(dpwssd, [least, picked(mins[s // 4], s % 4, True), pairs[s]])
+                            mins_parts[s % chains] = builder.call(dpwssd, [mins_parts[s % chains],
+                                                                           picked(mins[s // 4], s % 4, True), pairs[s]])
+                        least = mins_parts[0]
+                        for part in mins_parts[1:]:
+                            least = builder.add(least, part)
                         acc = builder.call(fma, [builder.sitofp(ints[g][t], lanes), builder.fmul(d, scale),
                                                  builder.load(accs[g][t])])
                         acc = builder.call(fma, [builder.sitofp(least, lanes),
