@@ -57,6 +57,7 @@ region).
 
 from __future__ import annotations
 
+from functools import reduce
 from typing import NamedTuple
 
 import numpy as np
@@ -709,10 +710,7 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
                     for g in range(groups):
                         scales = [picked(heads[g][2][s // 4], s % 4, False) for s in (2 * j, 2 * j + 1)]
                         for t in range(tokens):
-                            sub = [dots[g][t][chains * h] for h in (0, 1)]
-                            for h in (0, 1):
-                                for q in range(1, chains):
-                                    sub[h] = builder.add(sub[h], dots[g][t][chains * h + q])
+                            sub = [reduce(builder.add, dots[g][t][chains * h:chains * (h + 1)]) for h in (0, 1)]
                             ints[g][t] = builder.add(ints[g][t], builder.add(builder.mul(sub[0], scales[0]),
                                                                              builder.mul(sub[1], scales[1])))
                 for t in range(tokens):
@@ -726,9 +724,7 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
                         for s in range(8):
                             mins_parts[s % chains] = builder.call(dpwssd, [mins_parts[s % chains],
                                                                            picked(mins[s // 4], s % 4, True), pairs[s]])
-                        least = mins_parts[0]
-                        for part in mins_parts[1:]:
-                            least = builder.add(least, part)
+                        least = reduce(builder.add, mins_parts)
                         acc = builder.call(fma, [builder.sitofp(ints[g][t], lanes), builder.fmul(d, scale),
                                                  builder.load(accs[g][t])])
                         acc = builder.call(fma, [builder.sitofp(least, lanes),
