@@ -40,7 +40,8 @@ q4_k's super-blocks (256 values, 144 bytes a row) go the same way, each group's 
 16 rows' 36 four-byte words word by word (``_k_tile_intrinsic``): the codes a line of 16 rows at a
 time as q4_0's, the 6-bit scales and minimums unpacked for 16 rows at once. From the caches on
 two cores 61-72 GB/s against 25-30 for the stored rows; from memory, a Mixtral-8x7B-shaped
-expert's matrices in the slow phase (34 GB/s) 30-32 against 27-29. Many tokens (from
+expert's matrices in the slow phase (34 GB/s) 30-32 against 27-29; unlike q4_0's, one token's
+tile asks for its lines 8 KB ahead into L2 (``K_ONE_AHEAD``). Many tokens (from
 ``K_LANES_MIN_TOKENS``) go to the stored layout's lanes (``runtime.lanes``), each chunk of rows
 put back in the stored layout in the worker's buffer first: a tile of a few tokens' products
 per line made 0.8x the lanes' GOP/s at 96 tokens.
@@ -612,6 +613,14 @@ def _matvec(code, packed, x, out):  # pragma: no cover - compiled
 # 550-631, hence the lanes from K_LANES_MIN_TOKENS on. At 4 tokens (1536 x 2048) 313 against
 # the stored rows' tiles' 158.
 K_TILE_TOKENS, K_TILE_GROUPS = 3, 2
+# One token's tile of one group asks for its group's super-block K_ONE_AHEAD bytes ahead into L2
+# (prefetcht2), every other line (its neighbour comes in the same pair): one 57344 x 4096 matrix
+# (132 MB, Mixtral's two experts' gate/up) on two threads, the variants compiled side by side and
+# called in rotated order beside a plain read, 15 rounds a run: 1.04-1.14x the tile without it in
+# the memory's slow phase (eight runs; 1.02-1.11x against the same tile through the same driver,
+# three of them) and 1.14-1.20x in the fast phase (two runs). Every line 0.99-1.14x; 4-32 KB ahead
+# gained about alike (1.01-1.19x); non-temporally 0.81x.
+K_ONE_AHEAD = 8192
 # From this many tokens on, q4_k's products take the stored layout's many-token kernel
 # (``lanes``: 16 tokens a vector) over each chunk of rows put back in the stored layout.
 K_LANES_MIN_TOKENS = 12
@@ -673,6 +682,8 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
                 i = loop.index
                 bases = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
                                      builder.mul(i, const(GROUP * K_BLOCK))) for g in range(groups)]
+                if chains == 2:  # one token, one group (K_ONE_AHEAD)
+                    vnni._prefetch_ahead(builder, flat_a, bases[0], GROUP * K_BLOCK, vnni._AGAIN, K_ONE_AHEAD, 128)
                 heads = []
                 for base in bases:
                     halves = builder.bitcast(load(flat_a, base, bytes64), vector(i16, 32))

@@ -458,16 +458,16 @@ def _block_locality(tokens):  # type: ignore[no-untyped-def]
     return _ONCE if not tokens and _NON_TEMPORAL_BLOCKS else _AGAIN
 
 
-def _prefetch_ahead(builder, flat_a, at, nbytes, locality=_ONCE, ahead=None):  # type: ignore[no-untyped-def]
+def _prefetch_ahead(builder, flat_a, at, nbytes, locality=_ONCE, ahead=None, step=64):  # type: ignore[no-untyped-def]
     """Ask for every cache line of the ``nbytes`` at ``at`` of flat_a ``_ahead(locality)``
     bytes ahead, as the row loops do (``locality``: ``_ONCE``, or ``_AGAIN`` for rows read
-    again), or ``ahead`` bytes where given."""
+    again), or ``ahead`` bytes where given; with ``step`` 128, every other line."""
     from llvmlite import ir
 
     i8, i32 = ir.IntType(8), ir.IntType(32)
     prefetch = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-    for line in range(0, nbytes, 64):
+    for line in range(0, nbytes, step):
         offset = ir.Constant(at.type, (_ahead(locality) if ahead is None else ahead) + line)
         builder.call(prefetch, [builder.gep(flat_a.data, [builder.add(at, offset)]), ir.Constant(i32, 0),
                                 ir.Constant(i32, locality), ir.Constant(i32, 1)])
