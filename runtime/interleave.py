@@ -614,7 +614,7 @@ def _matvec(code, packed, x, out):  # pragma: no cover - compiled
 # the stored rows' tiles' 158.
 K_TILE_TOKENS, K_TILE_GROUPS = 3, 2
 # One token's tile of one group asks for its group's super-block K_ONE_AHEAD bytes ahead into L2
-# (prefetcht2), every other line (its neighbour comes in the same pair): one 57344 x 4096 matrix
+# (prefetcht2), every other line: one 57344 x 4096 matrix
 # (132 MB, Mixtral's two experts' gate/up) on two threads, the variants compiled side by side and
 # called in rotated order beside a plain read, 15 rounds a run: 1.04-1.14x the tile without it in
 # the memory's slow phase (eight runs; 1.02-1.11x against the same tile through the same driver,
