@@ -614,12 +614,12 @@ def _matvec(code, packed, x, out):  # pragma: no cover - compiled
 # the stored rows' tiles' 158.
 K_TILE_TOKENS, K_TILE_GROUPS = 3, 2
 # One token's tile of one group asks for its group's super-block K_ONE_AHEAD bytes ahead into L2
-# (prefetcht2), every other line: one 57344 x 4096 matrix
-# (132 MB, Mixtral's two experts' gate/up) on two threads, the variants compiled side by side and
-# called in rotated order beside a plain read, 15 rounds a run: 1.04-1.14x the tile without it in
-# the memory's slow phase (eight runs; 1.02-1.11x against the same tile through the same driver,
-# three of them) and 1.14-1.20x in the fast phase (two runs). Every line 0.99-1.14x; 4-32 KB ahead
-# gained about alike (1.01-1.19x); non-temporally 0.81x.
+# (prefetcht2), every other line: one 57344 x 4096 matrix (132 MB, Mixtral's two experts'
+# gate/up) on two threads, the variants compiled side by side and called in rotated order beside a
+# plain read, 15 rounds a run: 1.04-1.14x the tile without it in the memory's slow phase (eight
+# runs; 1.02-1.11x against the same tile through the same driver, three of them) and 1.14-1.20x in
+# the fast phase (two runs). Every line 0.99-1.14x; 4-32 KB ahead gained about alike
+# (1.01-1.19x); non-temporally 0.81x.
 K_ONE_AHEAD = 8192
 # From this many tokens on, q4_k's products take the stored layout's many-token kernel
 # (``lanes``: 16 tokens a vector) over each chunk of rows put back in the stored layout.
@@ -675,14 +675,15 @@ def _k_tile_intrinsic(tokens: int, groups: int = 1):  # type: ignore[no-untyped-
             # minimums' eight vpdpwssd in two chains too, then the longest: 1.01-1.09x more (median
             # 1.03x, six runs; 1.09x in the memory's fast phase). The tiles of several tokens or
             # groups have chains enough side by side.
-            chains = 2 if tokens * groups == 1 else 1
+            one = tokens * groups == 1  # one token of one group: two chains, and its lines asked for ahead
+            chains = 2 if one else 1
             y_bases = [vnni._nth(builder, ybase_v, ystride_v, t) for t in range(tokens)]
             group_bytes = builder.mul(blocks_v, const(GROUP * K_BLOCK))
             with cgutils.for_range(builder, blocks_v) as loop:
                 i = loop.index
                 bases = [builder.add(builder.add(at_v, builder.mul(group_bytes, const(g))),
                                      builder.mul(i, const(GROUP * K_BLOCK))) for g in range(groups)]
-                if chains == 2:  # one token, one group (K_ONE_AHEAD)
+                if one:  # K_ONE_AHEAD
                     vnni._prefetch_ahead(builder, flat_a, bases[0], GROUP * K_BLOCK, vnni._AGAIN, K_ONE_AHEAD, 128)
                 heads = []
                 for base in bases:
