@@ -38,7 +38,8 @@ def main() -> int:
     from ktc.formats.activation_profile import ActivationProfile
     from ktc.formats.hardware_profile import make_hardware_profile
     from ktc.passes.plan_verify import verify_plan
-    from ktc.passes.planner import PlannerOptions, Workload, plan_placement
+    from ktc.passes.plan import PlannerOptions, Workload
+    from ktc.passes.planner import plan_placement
 
     config = json.load(open(CONFIG)) if os.path.exists(CONFIG) else DEEPSEEK_V3
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,9 +72,8 @@ def plan(model: str | os.PathLike[str] | ModelIR, *, vram: str | int | None = No
     """
     from ktc.formats.activation_profile import ActivationProfile, load_activation_profile
     from ktc.formats.hardware_profile import make_hardware_profile
-    from ktc.passes.planner import (
-        PlannerOptions, Workload, default_expert_schemes, plan_placement,
-    )
+    from ktc.passes.plan import PlannerOptions, Workload
+    from ktc.passes.planner import default_expert_schemes, plan_placement
 
     ir = model if isinstance(model, ModelIR) else load_model(model)
     hw = make_hardware_profile(profile_path=hardware, vram=vram, ram=ram, reserve=reserve,

@@ -19,7 +19,8 @@ from ktc.formats.schemes import DENSE_AUTO, dense_scheme_name, expert_scheme_nam
 from ktc.ir import Device, ExpertPlacement, ModelIR, Placement
 from ktc.passes.emit import BuildOptions, Emit, EmitResult, remove_stale_temporaries
 from ktc.passes.layout import ChooseSchemes, LayOut, RunFile
-from ktc.passes.planner import KV_DTYPE_BYTES, PLAN_FORMAT, UsePlacement, model_facts, placement_from_json
+from ktc.passes.plan import KV_DTYPE_BYTES, PLAN_FORMAT, placement_from_json
+from ktc.passes.planner import UsePlacement, model_facts
 
 HEAD_HASH_BYTES = 16 * 1024 * 1024
 # Plan fields that describe how long solving took: not part of a reproducible bundle.

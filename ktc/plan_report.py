@@ -12,7 +12,7 @@ import numpy as np
 from ktc.errors import KtcError
 from ktc.ir import Device
 from ktc.passes.placement_solver import CPU, GPU, PlacementOption, PlacementProblem, solve_placement
-from ktc.passes.planner import Plan
+from ktc.passes.plan import Plan
 from ktc.summary import format_bytes, format_ranges
 
 
@@ -468,7 +468,7 @@ def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
 
 def _problem_options(plan: Plan) -> tuple[PlacementOption, ...]:
     from ktc.formats.schemes import expert_footprint
-    from ktc.passes.planner import expert_shape_from_facts
+    from ktc.passes.plan import expert_shape_from_facts
 
     shape = expert_shape_from_facts(plan.model)
     out = []

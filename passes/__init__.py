@@ -1,1 +1,2 @@
-"""Compiler passes over the IR: detect experts (plan, quantize, lay out and emit come later)."""
+"""Compiler passes over the IR: detect the experts, plan their placement (and verify it), lay
+out and emit the bundle."""

@@ -15,7 +15,7 @@ from ktc.formats.hardware_profile import HardwareProfile
 from ktc.formats.schemes import ExpertShape, expert_footprint, non_expert_bytes
 from ktc.ir import Device, ModelIR, Placement, TensorRole
 
-from .planner import Plan, PlannerOptions, Workload
+from .plan import Plan, PlannerOptions, Workload, workspace_bytes
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,6 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
             gpu_read += size
     # KV cache, workspace and reserve: the planner's estimate of the workspace is part of its
     # memory model; the verifier recomputes the KV cache and takes the rest as fixed inputs.
-    from .planner import workspace_bytes
-
     if cfg.kv_lora_rank:
         kv_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * workload.kv_element_bytes
     else:

@@ -18,7 +18,8 @@ from ktc.formats.model_config import config_from_hf
 from ktc.formats.schemes import ExpertShape, expert_footprint
 from ktc.ir import Device
 from ktc.passes.plan_verify import recompute, verify_plan
-from ktc.passes.planner import PlannerOptions, Workload, build_context, plan_placement
+from ktc.passes.plan import PlannerOptions, Workload
+from ktc.passes.planner import build_context, plan_placement
 
 
 def test_kv_bytes_per_token_of_published_configs():
