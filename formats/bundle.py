@@ -274,6 +274,17 @@ class Bundle:
         rows = t.shape[0] if len(t.shape) > 1 else 1
         return raw.reshape(rows, -1)
 
+    def tensor_float32(self, name: str) -> np.ndarray:
+        """A stored tensor's values as float32 (a zero-copy view when it is stored as f32)."""
+        from .quantize import dequantize  # the codecs, which opening a bundle does not need
+
+        t = self.tensors[name]
+        raw = self.tensor(name)
+        if t.scheme == "f32":
+            return np.asarray(raw, dtype=np.float32)
+        rows = t.shape[0] if len(t.shape) > 1 else 1
+        return dequantize(raw.view(np.uint8).reshape(rows, -1), t.scheme, t.shape[-1]).reshape(t.shape)
+
     def block_payload(self, block: BundleBlock) -> bytes | memoryview:
         data = memoryview(self._mapped())[block.offset: block.offset + block.length]
         if block.compression == "zstd":

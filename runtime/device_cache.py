@@ -79,9 +79,7 @@ class DeviceSlots:
 
         name = self._names[expert] + part
         if part.endswith("_bias"):
-            from .experts import tensor_float32
-
-            return torch.from_numpy(np.ascontiguousarray(tensor_float32(self._bundle, name)))
+            return torch.from_numpy(np.ascontiguousarray(self._bundle.tensor_float32(name)))
         t = self._bundle.tensors[name]
         return torch.from_numpy(self._bundle.tensor(name).view(np.uint8).reshape(t.shape[0], -1))
 

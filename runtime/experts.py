@@ -20,7 +20,6 @@ import numpy as np
 from ktc.errors import KtcError
 from ktc.formats.bundle import Bundle
 from ktc.formats.kernel_args import read_only
-from ktc.formats.quantize import dequantize
 from ktc.formats.schemes import expert_scheme_name, expert_schemes
 
 from . import interleave as interleaving
@@ -29,18 +28,6 @@ from .device import DEVICE_DECODERS, batched_matmul, check_device, from_host, up
 from .device_cache import DeviceSlots
 from .kernels import LANES_MIN_TOKENS, _act, expert_forward, expert_forward_batch, experts_token, linear
 from .offload import PrefillOffload
-
-
-def tensor_float32(bundle: Bundle, name: str) -> np.ndarray:
-    """A stored tensor's values as float32 (a zero-copy view when it is stored as f32)."""
-    t = bundle.tensors[name]
-    raw = bundle.tensor(name)
-    if t.scheme == "f32":
-        return np.asarray(raw, dtype=np.float32)
-    cols = t.shape[-1]
-    rows = t.shape[0] if len(t.shape) > 1 else 1
-    flat = raw.view(np.uint8).reshape(rows, -1)
-    return dequantize(flat, t.scheme, cols).reshape(t.shape)
 
 
 def _expert_scheme(bundle: Bundle, prefix: str) -> str:
@@ -165,8 +152,8 @@ class ExpertSet:
                 continue
             self.cpu[e] = _CpuExpert(
                 bundle.tensor(name + "gate_up"), bundle.tensor(name + "down"), _expert_scheme(bundle, name),
-                tensor_float32(bundle, name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
-                tensor_float32(bundle, name + "down_bias") if name + "down_bias" in bundle.tensors else None)
+                bundle.tensor_float32(name + "gate_up_bias") if name + "gate_up_bias" in bundle.tensors else None,
+                bundle.tensor_float32(name + "down_bias") if name + "down_bias" in bundle.tensors else None)
         # Every CPU expert in a scheme that has a multi-expert kernel (int8; on a VNNI CPU any
         # mix of int8, q8_0, q4_0, mxfp4, int4, the K-quants and iq4_xs, gate/up and down in
         # different ones too) and uncompressed: one token takes a fused path that runs all its
@@ -337,8 +324,8 @@ class ExpertSet:
                 t = bundle.tensors[name + suffix]
                 target.append(bundle.tensor(name + suffix).view(np.uint8).reshape(t.shape[0], -1))
             if name + "gate_up_bias" in bundle.tensors:
-                gu_bias.append(tensor_float32(bundle, name + "gate_up_bias"))
-                d_bias.append(tensor_float32(bundle, name + "down_bias"))
+                gu_bias.append(bundle.tensor_float32(name + "gate_up_bias"))
+                d_bias.append(bundle.tensor_float32(name + "down_bias"))
         self._device_weights = {scheme: upload(scheme, *lists[1:], device) for scheme, lists in parts.items()}
         self._device_index = {e: (scheme, i) for scheme, lists in parts.items() for i, e in enumerate(lists[0])}
         self.device_bytes = sum(stack.nbytes for stack in self._device_weights.values())

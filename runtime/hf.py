@@ -38,7 +38,7 @@ from ktc.formats.transformers_model import (
 )
 
 from .device import check_device
-from .experts import ExpertSet, disk_tier, tensor_float32
+from .experts import ExpertSet, disk_tier
 
 EXPERTS_IMPLEMENTATION = "ktc"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -528,7 +528,7 @@ def _stream(km: KtcModel, prefetch: bool) -> None:
         prefetch = True
     if not prefetch:
         return
-    routers = [tensor_float32(bundle, f"layers.{e.layer}.router") for e in km.experts]
+    routers = [bundle.tensor_float32(f"layers.{e.layer}.router") for e in km.experts]
     top_k = int(bundle.manifest["model"]["moe_layers"][0]["top_k"])
     km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False)
     if km.fast is not None:  # its steps route inside compiled calls: guessed between layers
@@ -805,8 +805,8 @@ class _Loader:
         config = self.model.config
         heads, lora = config.num_attention_heads, config.kv_lora_rank
         nope, v = config.qk_nope_head_dim, config.v_head_dim
-        k_b = tensor_float32(self.bundle, k_name).reshape(heads, lora, nope)
-        v_b = tensor_float32(self.bundle, v_name).reshape(heads, v, lora)
+        k_b = self.bundle.tensor_float32(k_name).reshape(heads, lora, nope)
+        v_b = self.bundle.tensor_float32(v_name).reshape(heads, v, lora)
         return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, lora),
                                     dtype=np.float32)
 
@@ -836,7 +836,7 @@ class _Loader:
         if int(np.prod(t.shape)) != int(np.prod(shape)):
             raise BundleError(f"tensor '{tensor}' has shape {list(t.shape)}; the model's '{key}' is {list(shape)}",
                               path=self.bundle.path)
-        values = tensor_float32(self.bundle, tensor)
+        values = self.bundle.tensor_float32(tensor)
         order = self._row_order(tensor)
         if order is not None:
             values = values[order]

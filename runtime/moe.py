@@ -15,7 +15,7 @@ from . import vnni
 # Imported by name for the compiled _moe_token: a benchmark's clock may wrap the module's
 # attribute in Python, which compiled code cannot call.
 from .rows import chosen_experts_token
-from .experts import ExpertSet, tensor_float32
+from .experts import ExpertSet
 from .kernels import _matvec_bf16, _matvec_f32, exact_bf16, matmul_t
 
 
@@ -48,14 +48,14 @@ class MoELayer:
         self.num_experts = self.experts.num_experts
         self.top_k = int(info["top_k"])
         prefix = f"layers.{layer}."
-        self.router = tensor_float32(bundle, prefix + "router")
-        self.router_bias = tensor_float32(bundle, prefix + "router_bias") if info["router_bias"] else None
-        self.score_bias = (tensor_float32(bundle, prefix + "score_correction_bias")
+        self.router = bundle.tensor_float32(prefix + "router")
+        self.router_bias = bundle.tensor_float32(prefix + "router_bias") if info["router_bias"] else None
+        self.score_bias = (bundle.tensor_float32(prefix + "score_correction_bias")
                            if info["score_correction_bias"] else None)
         self.shared = None
         if info["shared_experts"] and shared:
-            self.shared = tuple(tensor_float32(bundle, prefix + f"shared_experts.{p}") for p in ("gate", "up", "down"))
-        self.shared_gate = (tensor_float32(bundle, prefix + "shared_expert_gate")
+            self.shared = tuple(bundle.tensor_float32(prefix + f"shared_experts.{p}") for p in ("gate", "up", "down"))
+        self.shared_gate = (bundle.tensor_float32(prefix + "shared_expert_gate")
                             if info["shared_expert_gate"] and shared else None)
         self._one_call_args: tuple | None = None  # type: ignore[type-arg]  # (tables, router, arguments)
 

@@ -47,7 +47,6 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
     ``"trace"``: int array [tokens, MoE layers, k], the sequences one after another)."""
     from tqdm import tqdm
 
-    from .experts import tensor_float32
     from .hf import from_bundle
     from .prefetch import pregate
 
@@ -59,7 +58,7 @@ def record(bundle: str, *, text: str | None = None, prompts: list[str] | None = 
         top_k = int(km.bundle.manifest["model"]["moe_layers"][0]["top_k"])
         routes: list[list[np.ndarray]] = [[] for _ in experts]
         guesses: list[list[np.ndarray]] = [[] for _ in experts]  # the next MoE layer's, from this one's input
-        routers = [tensor_float32(km.bundle, f"layers.{e.layer}.router") for e in experts]
+        routers = [km.bundle.tensor_float32(f"layers.{e.layer}.router") for e in experts]
         for i, e in enumerate(experts):
             e.counts[:] = 0
             e.observers.append(lambda hidden, idx, i=i: routes[i].append(idx.copy()))
