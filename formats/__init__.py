@@ -1,1 +1,2 @@
-"""Readers and writers: SafeTensors, PyTorch, GGUF, model configs (and the bundle, later)."""
+"""Readers and writers: SafeTensors, PyTorch and GGUF checkpoints, model configs, the
+quantization schemes and their codecs, hardware and activation profiles, and the bundle."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .float_bits import f32_to_bf16_bits
-from .schemes import Scheme, register
+from .scheme import Scheme, register
 
 
 def _rows(raw: np.ndarray, cols: int, dtype: type) -> np.ndarray:

@@ -18,7 +18,7 @@ from ktc.errors import FormatError
 from ktc.ir import TensorRef
 
 from .dequant import FP8_E4M3_VALUES
-from .schemes import Scheme, register
+from .scheme import Scheme, register
 
 BLOCK = 128
 BLOCK_BYTES = 4 + BLOCK

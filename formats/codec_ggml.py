@@ -17,7 +17,7 @@ from ktc.errors import FormatError
 from ktc.ir import TensorRef
 
 from .float_bits import store_half
-from .schemes import Scheme, register
+from .scheme import Scheme, register
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from .float_bits import bf16_bits, bf16_value
-from .schemes import Scheme, register
+from .scheme import Scheme, register
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)

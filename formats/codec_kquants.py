@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from .codec_ggml import gguf_dequantize
 from .float_bits import F16_TO_F32, half_bits, store_half
-from .schemes import Scheme, register
+from .scheme import Scheme, register
 
 # Relative RMS error on Gaussian weights [256, 4096] of ggml's own quantizer (ggml_quantize_chunk
 # from llama.cpp's build, without an importance matrix): what a scheme costs in quality where ktc
