@@ -308,7 +308,8 @@ REQUEST_HELP = ("A typical request's prompt and generated tokens, e.g. 4000:300:
 def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Flags shared by the commands that plan: the target machine and the workload."""
     options = [
-        click.option("--vram", help="GPU memory budget, e.g. 24GiB (or give --hardware)."),
+        click.option("--vram", help="GPU memory budget, e.g. 24GiB (or give --hardware); 0: no GPU, every "
+                     "weight and buffer in RAM (with --disk-bandwidth the experts that do not fit stay on disk)."),
         click.option("--ram", help="CPU memory budget, e.g. 256GiB [default: this machine's RAM]."),
         click.option("--hardware", "hardware", type=click.Path(dir_okay=False),
                      help="Hardware profile JSON (ktc doctor --write-profile); flags override it."),
@@ -411,11 +412,13 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
     Everything in VRAM is counted: non-expert weights, the KV cache for --max-tokens, an
     activation workspace, the reserve, and the GPU experts. The placement is solved exactly
     (or with a proven gap) and compared with KTransformers' and llama.cpp's ways of placing
-    experts on the same budget.
+    experts on the same budget. With --vram 0 the model runs on the CPU alone: everything is in
+    RAM, and with --disk-bandwidth the least used experts that do not fit stay on disk.
 
     \b
     Examples:
       ktc plan ./Qwen3-30B-A3B --vram 24GiB --ram 64GiB --max-tokens 32768
+      ktc plan model.gguf --vram 0 --ram 16GiB --disk-bandwidth 2GB/s   # no GPU, RAM short
       ktc plan ./DeepSeek-V3 --vram 80GiB --profile expert_distribution.pt --json
       ktc plan model.gguf --vram 12GiB --export-llamacpp
       ktc plan ./Mixtral-8x7B --vram 24GiB --export-kt kt/ -o plan.json --html plan.html
@@ -453,9 +456,14 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
         click.echo(f"  for {kt_info['targets']}: {kt_info['sglang_command']}")
     if cpp:
         click.echo(f"llama.cpp: {cpp.rules}")
-        click.echo(f"  predicted {cpp.predicted_ms_per_step / result.workload.batch:.3f} ms/token with whole "
-                   f"layers on one device ({len(cpp.cpu_layers)} layers' experts on the CPU); "
-                   f"ktc's per-expert plan is {cpp.predicted_ms_per_step / result.predicted_ms_per_step:.2f}x faster")
+        if result.hardware.vram_bytes == 0:
+            click.echo("  no GPU: every layer on the CPU, as ktc's plan" + (
+                "; the experts ktc keeps on disk llama.cpp reads through its map as the page cache allows "
+                "(not predicted)" if cpp.predicted_ms_per_step is None else ", at the same predicted time"))
+        else:
+            click.echo(f"  predicted {cpp.predicted_ms_per_step / result.workload.batch:.3f} ms/token with whole "
+                       f"layers on one device ({len(cpp.cpu_layers)} layers' experts on the CPU); "
+                       f"ktc's per-expert plan is {cpp.predicted_ms_per_step / result.predicted_ms_per_step:.2f}x faster")
     if output:
         click.echo(f"plan written to {output}")
     if html_path:
@@ -498,7 +506,8 @@ def _given_flags(*names: str) -> list[str]:
 @click.argument("source", type=click.Path(exists=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The bundle to write (.ktb).")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="A plan from `ktc plan -o`.")
-@click.option("--vram", help="Plan for this VRAM budget first (the planner flags below apply).")
+@click.option("--vram", help="Plan for this VRAM budget first (the planner flags below apply); 0 plans for "
+                             "the CPU alone.")
 @click.option("--ram", help="RAM budget for the planner [default: this machine's RAM].")
 @click.option("--hardware", type=click.Path(dir_okay=False), help="Hardware profile JSON for the planner.")
 @click.option("--reserve", help="VRAM reserve for the planner [default: 1GiB].")
@@ -565,6 +574,7 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
       ktc compile ./Qwen3-30B-A3B -o qwen.ktb --vram 24GiB --max-tokens 32768
       ktc plan ./DeepSeek-V3 --vram 80GiB -o plan.json && ktc compile ./DeepSeek-V3 --plan plan.json -o ds3.ktb --jobs 2
       ktc compile model.gguf -o cpu-only.ktb --cpu-scheme q8_0 --compress
+      ktc compile model.gguf -o tiered.ktb --vram 0 --ram 16GiB --disk-bandwidth 2GB/s
       ktc compile ./Qwen3-30B-A3B -o q.ktb --vram 24GiB --stop-after layout --dump-after layout
     """
     from ktc.compile import check_writable_target, compile_bundle

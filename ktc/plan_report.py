@@ -50,8 +50,9 @@ def render_plan_text(plan: Plan) -> str:
         f"plan for {m.family} ({m.architecture}): {len(m.moe_layers)} MoE layers x {m.num_experts} "
         f"experts, top-{m.top_k}; batch {plan.workload.batch}, KV cache {plan.workload.max_tokens} "
         f"tokens at {plan.workload.kv_dtype}",
-        f"VRAM {format_bytes(mem.vram_total)} of {format_bytes(mem.vram_budget)}: " +
-        ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.vram if v),
+        (f"VRAM {format_bytes(mem.vram_total)} of {format_bytes(mem.vram_budget)}: " +
+         ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.vram if v)) if mem.vram_budget else
+        "VRAM: none (--vram 0): the model runs on the CPU, every weight and buffer in RAM",
         f"RAM  {format_bytes(mem.ram_total)} of {format_bytes(mem.ram_budget)}: " +
         ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.ram if v),
     ]
@@ -413,7 +414,7 @@ def export_kt(plan: Plan, folder: str) -> dict[str, object]:
 @dataclass(frozen=True)
 class LlamaCppPlan:
     cpu_layers: tuple[int, ...]
-    predicted_ms_per_step: float
+    predicted_ms_per_step: float | None  # None: not predicted (no GPU, experts that do not fit RAM)
     rules: str
     optimal: bool
 
@@ -421,6 +422,12 @@ class LlamaCppPlan:
 def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
     """The best placement at llama.cpp's granularity: a layer's experts are one tensor each, so
     a whole layer's experts sit on one device. Solved exactly with the same cost model."""
+    if plan.hardware.vram_bytes == 0:
+        # No GPU: llama.cpp keeps every layer on the CPU, as ktc's plan, at the same predicted
+        # time, unless the plan keeps experts on disk: llama.cpp reads those through its map as
+        # the page cache allows, which the cost model does not predict.
+        disk = any(p.device is Device.DISK for row in plan.placement.experts for p in row)
+        return LlamaCppPlan(plan.placement.layers, None if disk else plan.predicted_ms_per_step, "-ngl 0", True)
     usage = plan.usage
     layers, experts = usage.shape
     # One item per layer and device: its usage-weighted expert traffic at the first GPU / CPU

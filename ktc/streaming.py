@@ -240,6 +240,8 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
     if slot_scheme is None:
         return plan, StreamingPlan(0, None, 0, "every expert is on the device", (), None,
                                    "no CPU experts", None, None, disk)
+    if plan.hardware.vram_bytes <= 0:
+        return plan, StreamingPlan(0, None, 0, "no GPU (--vram 0)", (), None, "no GPU", None, None, disk)
     slot_bytes = expert_footprint(expert_shape(ir), slot_scheme).data_bytes  # what a slot holds
     layers = len(plan.placement.layers)
     chosen, splits = plan, []

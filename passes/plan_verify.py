@@ -49,11 +49,15 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
     problems = []
     cfg = ir.config
     vram = ram = 0
-    gpu_read = 0
+    gpu_read = cpu_read = 0
+    cpu_only = hardware.vram_bytes == 0  # no GPU: every weight and buffer in RAM, read by the CPU
     for ref, on_cpu, router in _tensor_refs(ir):
         size = non_expert_bytes(ref.shape, router=router, dense_scheme=options.dense_scheme, source_dtype=ref.dtype)
         if on_cpu:
             ram += size
+        elif cpu_only:
+            ram += size
+            cpu_read += size
         else:
             vram += size
             gpu_read += size
@@ -63,11 +67,14 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
         kv_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * workload.kv_element_bytes
     else:
         kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * workload.kv_element_bytes
-    vram += kv_token * workload.max_tokens + workspace_bytes(ir, workload) + hardware.reserve_bytes
+    if cpu_only:
+        ram += kv_token * workload.max_tokens + workspace_bytes(ir, workload)
+    else:
+        vram += kv_token * workload.max_tokens + workspace_bytes(ir, workload) + hardware.reserve_bytes
 
     pins = {(l, e): Device.GPU for l, e in options.pin_gpu}
     pins.update({(l, e): Device.CPU for l, e in options.pin_cpu})
-    total_seconds = gpu_read / hardware.gpu_bandwidth
+    total_seconds = gpu_read / hardware.gpu_bandwidth + cpu_read / hardware.cpu_bandwidth
     if placement.layers != ir.moe_layer_indices:
         problems.append(f"placement covers layers {placement.layers}, the model {ir.moe_layer_indices}")
     for row, layer in enumerate(ir.moe_layers):
@@ -105,7 +112,7 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
         total_seconds += max(gpu_seconds, cpu_seconds)
         if gpu_used:
             total_seconds += hardware.device_step_seconds
-        if cpu_used:
+        if cpu_used and not cpu_only:
             total_seconds += hardware.sync_seconds + 4 * workload.batch * cfg.hidden_size / hardware.pcie_bandwidth
     if vram > hardware.vram_bytes:
         problems.append(f"VRAM {vram} bytes exceeds the budget {hardware.vram_bytes}")

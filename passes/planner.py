@@ -247,6 +247,20 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         vram["cache_slots"] = opts.cache_vram
     if opts.offload_vram:
         vram["prefill_offload"] = opts.offload_vram
+    cpu_only = hw.vram_bytes == 0
+    if cpu_only:
+        # No GPU (--vram 0): what would live in VRAM lives in RAM beside the CPU experts (the
+        # reserve, VRAM kept free for CUDA, is not needed), the CPU reads every weight, and no
+        # layer hands work to a device. The GPU options stay in the problem and never fit.
+        if opts.cache_vram or opts.offload_vram:
+            raise ConfigError("cache slots and the prefill offload's buffer need a GPU (--vram above 0)")
+        if opts.pin_gpu:
+            layer, expert = opts.pin_gpu[0]
+            raise ConfigError(f"expert {layer}:{expert} is pinned to the GPU, and --vram 0 plans without one",
+                              hint="drop --pin-gpu, or give the GPU's --vram")
+        del vram["reserve"]
+        ram.update((name, nbytes) for name, nbytes in vram.items() if nbytes)
+        vram = {}
     options = _options(ir, hw, opts)
     usage = usage_probability(profile, cfg.top_k, workload.batch)
     allowed = np.ones((len(layers), cfg.num_experts, len(options)), dtype=bool)
@@ -269,7 +283,7 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
             allowed[layers.index(layer), expert] &= device_mask
     # Moving a layer's hidden states to the CPU and the results back, on top of the sync.
     transfer = 2 * workload.batch * cfg.hidden_size * 2 / hw.pcie_bandwidth
-    sync = np.full(len(layers), hw.sync_seconds + transfer)
+    sync = np.full(len(layers), 0.0 if cpu_only else hw.sync_seconds + transfer)
     problem = PlacementProblem(
         usage=usage, options=options, allowed=allowed,
         vram_budget=hw.vram_bytes - sum(vram.values()),
@@ -277,7 +291,8 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         sync_seconds=sync, quality_weight=opts.quality_weight,
         layer_errors=_layer_errors(opts, options, len(layers)),
         device_seconds=np.full(len(layers), hw.device_step_seconds))
-    return PlanningContext(problem, profile, vram, ram, read / hw.gpu_bandwidth, kv_per_token, layers)
+    return PlanningContext(problem, profile, vram, ram, read / (hw.cpu_bandwidth if cpu_only else hw.gpu_bandwidth),
+                           kv_per_token, layers)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,6 +325,8 @@ def budget_error(ctx: PlanningContext, hw: HardwareProfile, workload: Workload) 
     """A ``BudgetError`` that says which budget binds (VRAM, RAM, or the two together), what each
     would need given the other, each component, the flags that change it, and the largest
     ``--max-tokens`` that fits when one does."""
+    if hw.vram_bytes == 0:
+        return _budget_error_without_gpu(ctx, hw)
     problem = ctx.problem
     smallest_cpu = min(o.ram_bytes for o in problem.options if o.device == CPU)
     fixed_vram, fixed_ram = sum(ctx.fixed_vram.values()), sum(ctx.fixed_ram.values())
@@ -344,6 +361,30 @@ def budget_error(ctx: PlanningContext, hw: HardwareProfile, workload: Workload) 
     else:
         hint = f"the largest --max-tokens that fits is {largest}"
     error = BudgetError("\n".join(lines), hint=hint)
+    error.largest_max_tokens = largest  # type: ignore[attr-defined]
+    return error
+
+
+def _budget_error_without_gpu(ctx: PlanningContext, hw: HardwareProfile) -> BudgetError:
+    """``budget_error`` for a plan without a GPU (``--vram 0``): RAM alone binds. It holds the
+    fixed part and every expert (none with a disk tier, which takes the experts that do not fit)."""
+    problem = ctx.problem
+    smallest_cpu = min(o.ram_bytes for o in problem.options if o.device == CPU)
+    disk_tier = any(o.device == DISK for o in problem.options)
+    fixed = sum(ctx.fixed_ram.values())
+    experts = 0 if disk_tier else problem.usage.size * smallest_cpu
+    line = (f"  RAM  {format_bytes(hw.ram_bytes)}: fixed {format_bytes(fixed)} (" +
+            ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ctx.fixed_ram.items() if v) +
+            f"), {format_bytes(smallest_cpu)} per CPU expert; it needs {format_bytes(fixed + experts)} (--ram)")
+    room = hw.ram_bytes - (fixed - ctx.fixed_ram.get("kv_cache", 0)) - experts
+    largest = room // ctx.kv_bytes_per_token if room >= 0 and ctx.kv_bytes_per_token > 0 else None
+    ways = [f"the largest --max-tokens that fits is {largest}" if largest is not None else
+            "more --ram, smaller experts (--cpu-schemes int4_g128) or non-expert weights (--dense-scheme q8_0)"]
+    if not disk_tier:
+        ways.append("--disk-bandwidth RATE (ktc doctor --disk DIR measures it) keeps the least used experts on disk")
+    hint = "; or ".join(ways)
+    what = "what always lives in RAM does not" if disk_tier else "what always lives in RAM and the experts do not"
+    error = BudgetError(f"the model does not fit: RAM binds (no GPU, --vram 0): {what} fit\n{line}", hint=hint)
     error.largest_max_tokens = largest  # type: ignore[attr-defined]
     return error
 

@@ -261,3 +261,21 @@ def test_no_interleave_reads_the_stored_layout_and_gives_the_same_tokens(tmp_pat
         assert result.exit_code == 0, result.output
         tokens.append(json.loads(result.stdout)["generated_tokens"])
     assert seen == [True, False] and tokens[0] == tokens[1]
+
+
+def test_a_bundle_planned_without_a_gpu_runs_with_its_disk_tier(bundle, demo_model, tmp_path):
+    """``ktc compile --vram 0`` plans for the CPU alone; with RAM short and the disk's bandwidth
+    given, the least used experts stay on disk, and ``ktc run`` pins the rest and gives the
+    text of the bundle that holds every expert in RAM."""
+    tiered = str(tmp_path / "tiered.ktb")
+    made = CliRunner().invoke(main, ["compile", demo_model, "-o", tiered, "--vram", "0", "--ram", "8MiB",
+                                     "--max-tokens", "256", "--disk-bandwidth", "2GB/s", "--json"])
+    assert made.exit_code == 0, made.output
+    placement = json.loads(made.stdout[made.stdout.index("{"):])
+    assert placement["gpu_experts"] == 0
+    args = ["-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0", "--json"]
+    want, got = run(bundle, *args), run(tiered, *args)
+    assert got.exit_code == 0, got.output
+    report = json.loads(got.stdout)
+    assert report["text"] == json.loads(want.stdout)["text"]
+    assert report["disk_tier"]["pinned_bytes"] > 0 and report["prefetch_paged_bytes"] > 0

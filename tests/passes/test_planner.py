@@ -17,8 +17,8 @@ from ktc.formats.hardware_profile import GiB, HardwareProfile
 from ktc.formats.model_config import config_from_hf
 from ktc.formats.schemes import ExpertShape, expert_footprint
 from ktc.ir import Device
-from ktc.passes.plan_verify import recompute, verify_plan
 from ktc.passes.plan import PlannerOptions, Workload
+from ktc.passes.plan_verify import recompute, verify_plan
 from ktc.passes.planner import build_context, plan_placement
 
 
@@ -276,6 +276,40 @@ def test_a_calibrated_profile_prices_cpu_experts_at_their_schemes_kernel_rates(d
     for before, after in zip(plain, calibrated):
         factor = 4 if before.device == "cpu" else 1  # GPU experts keep the GPU bandwidth
         assert after.seconds_per_use == pytest.approx(factor * before.seconds_per_use)
+
+
+def test_without_a_gpu_every_weight_lives_in_ram_and_the_disk_tier_takes_what_does_not_fit(demo_model):
+    """--vram 0 plans for the CPU alone: the weights, KV cache and workspace that a GPU would
+    hold are counted in RAM (no reserve), the CPU reads the non-expert weights, no layer pays a
+    device's hand-off, and no expert goes to a GPU; the verifier agrees. Where RAM is short the
+    disk tier takes the least used experts, and without one the refusal names RAM and the flag."""
+    from ktc.plan_report import render_plan_text
+
+    ir = load_model(demo_model)
+    profile = zipf_profile(ir, seed=3)
+    roomy = plan(ir, vram=0, ram="1GiB", profile=profile)
+    verify_plan(ir, roomy)
+    assert roomy.memory.vram_total == 0 and sum(roomy.placement.gpu_experts_per_layer()) == 0
+    ram = dict(roomy.memory.ram)
+    assert ram["kv_cache"] > 0 and ram["workspace"] > 0 and ram["attention"] > 0 and "reserve" not in ram
+    ctx = build_context(ir, roomy.hardware, roomy.workload, profile, roomy.options)
+    read = sum(v for k, v in ram.items() if k not in ("embeddings", "kv_cache", "workspace", "cpu_experts"))
+    assert roomy.constant_ms == pytest.approx(1e3 * read / roomy.hardware.cpu_bandwidth)
+    assert (ctx.problem.sync_seconds == 0).all()
+    assert "VRAM: none (--vram 0)" in render_plan_text(roomy)
+    fixed = sum(v for k, v in ram.items() if k != "cpu_experts")
+    short = fixed + ram["cpu_experts"] // 2
+    with pytest.raises(BudgetError, match=r"RAM binds \(no GPU, --vram 0\)") as refused:
+        plan(ir, vram=0, ram=short, profile=profile)
+    assert "--disk-bandwidth" in refused.value.hint
+    tiered = plan(ir, vram=0, ram=short, profile=profile, disk_bandwidth="2GB/s")
+    verify_plan(ir, tiered)
+    devices = np.array([[p.device.value for p in row] for row in tiered.placement.experts])
+    assert (devices == "disk").sum() > 0 and (devices == "cpu").sum() > 0 and (devices == "gpu").sum() == 0
+    assert tiered.memory.ram_total <= short
+    assert tiered.usage[devices == "disk"].mean() < tiered.usage[devices == "cpu"].mean()
+    with pytest.raises(ConfigError, match="pinned to the GPU"):
+        plan(ir, vram=0, ram="1GiB", pin_gpu=("0:1",))
 
 
 def test_a_disk_tier_keeps_the_least_used_experts_on_disk_where_ram_is_short(demo_model):
