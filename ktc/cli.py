@@ -774,6 +774,10 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
                    "the plan leaves free, and frees them after [default: on a device, as the plan says].")
 @click.option("--no-mmap", "no_mmap", is_flag=True,
               help=_NO_MMAP_HELP + " Refused for a plan that keeps experts on disk.")
+@click.option("--mlock", is_flag=True,
+              help="Where the plan keeps experts on disk: lock what it holds in RAM (its CPU experts and the weights "
+                   "every step reads) with mlock, as llama.cpp's --mlock, instead of only reading it in "
+                   "(MADV_WILLNEED). Under a memory limit here the lock halved decode (docs/runtime.md).")
 @click.option("--no-interleave", "no_interleave", is_flag=True,
               help="On the CPU, multiply q4_0, q8_0, mxfp4 and q4_k matrices (attention, output, the experts of "
                    "layers whose experts share one scheme; int8 experts too, whose copies are q8_0's) in the "
@@ -785,7 +789,8 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
 def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, device: str, threads: int | None,
         ignore_eos: bool, hardware: str | None, cache_slots: int | None, cache_profile: str | None,
-        prefetch: bool, prefill_offload: bool | None, no_mmap: bool, no_interleave: bool, as_json: bool) -> None:
+        prefetch: bool, prefill_offload: bool | None, no_mmap: bool, mlock: bool, no_interleave: bool,
+        as_json: bool) -> None:
     """Generate text from a bundle: the whole model, its experts where the plan put them.
 
     Text streams to stdout as it is generated; the speed follows on stderr: prompt tokens and
@@ -839,7 +844,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
     loaded_at = time.perf_counter()
     with from_bundle(bundle, device=target, threads=threads, tokenizer=tokenizer, cache_slots=cache_slots,
                      cache_prior=prior, prefetch=prefetch, prefill_offload=prefill_offload,
-                     mapped=not no_mmap, interleave=not no_interleave) as model:
+                     mapped=not no_mmap, interleave=not no_interleave, mlock=mlock) as model:
         load_seconds = time.perf_counter() - loaded_at
         echo = None if as_json else (lambda text: click.echo(text, nl=False))
         result = generate(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_text=echo,
@@ -926,8 +931,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         named = "" if guessed is None else f"; the guesses named {100 * guessed:.1f}% of the experts then used"
         click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead{named}", err=True)
     if pinning is not None:
-        click.echo(f"disk tier: the RAM experts ({format_bytes(pinning['pinned_bytes'])}) pinned by "
-                   f"{'mlock' if pinning['method'] == 'mlock' else 'MADV_WILLNEED: ' + pinning['fallback']}; "
+        how = ("locked by mlock" if pinning["method"] == "mlock" else
+               f"read in (MADV_WILLNEED: {pinning['fallback']})" if pinning["fallback"] else
+               "read in (MADV_WILLNEED; --mlock locks them)")
+        click.echo(f"disk tier: the plan's RAM experts and weights ({format_bytes(pinning['pinned_bytes'])}) {how}; "
                    "the disk experts paged in a layer ahead by pre-gating", err=True)
     if offloaded is not None:
         click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of "

@@ -424,6 +424,15 @@ class TensorRole(str, enum.Enum):
     OTHER = "other"
 
 
+# Names of input embedding tables (transformers', llama.cpp's, GPT-2's): a token reads one row of
+# one, unlike ``lm_head``, which the same role covers and every token reads whole.
+INPUT_EMBEDDINGS = ("embed_tokens", "token_embd", "wte")
+
+
+def is_input_embedding(name: str) -> bool:
+    return any(k in name for k in INPUT_EMBEDDINGS)
+
+
 @dataclass(frozen=True)
 class DenseTensor:
     """A tensor that is not part of a routed expert, with its role and layer (None if global)."""

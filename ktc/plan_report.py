@@ -75,7 +75,7 @@ def render_plan_text(plan: Plan) -> str:
     if on_disk:
         lines.append(f"disk tier: {on_disk} experts, the least used where RAM is short, stay in the bundle's map "
                      f"outside the RAM budget, read at {plan.hardware.disk_bandwidth / 1e9:.1f} GB/s when used "
-                     "(ktc run pins the RAM experts and pages these in a layer ahead)")
+                     "(ktc run reads the RAM experts in and pages these in a layer ahead)")
     status = "optimal" if plan.solve.optimal else f"within {100 * plan.solve.gap:.2f}% of optimal (proven)"
     lines.append(f"predicted: {plan.predicted_ms_per_token:.3f} ms/token, {plan.tokens_per_second:.1f} "
                  f"tokens/s ({plan.constant_ms:.3f} ms non-expert weights + {plan.expert_ms:.3f} ms "

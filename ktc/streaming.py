@@ -32,7 +32,7 @@ the predicted decode — is fastest, none unless one gains at least 1%. A reside
 every decode step; a buffer pays once a prompt, so only prompt-heavy requests hold one.
 
 The disk tier is the solve's own (``disk:`` placements); the plan counts it here, and the
-runtime pins the RAM experts and prefetches the disk ones a layer ahead.
+runtime reads the RAM experts in and prefetches the disk ones a layer ahead.
 """
 
 from __future__ import annotations

@@ -31,13 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ktc.formats.hardware_profile import HardwareProfile
+from ktc.ir import is_input_embedding
 
-INPUT_EMBEDDINGS = ("embed_tokens", "token_embd", "wte")  # names of input embedding tables
 KV_BYTES = 4  # the CPU decode step's KV cache is float32
-
-
-def is_input_embedding(name: str) -> bool:
-    return any(k in name for k in INPUT_EMBEDDINGS)
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from ktc.formats.schemes import (
     ExpertShape, expert_footprint, expert_scheme_error, expert_scheme_name, expert_schemes,
     expert_tensor_bytes, non_expert_bytes, source_scheme,
 )
-from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole
+from ktc.ir import Device, ExpertPlacement, ModelIR, Placement, TensorRole, is_input_embedding
 
 from .base import Pass, PassContext
-from .decode_cost import is_input_embedding, rate
+from .decode_cost import rate
 from .placement_solver import (
     CPU, DISK, GPU, PlacementOption, PlacementProblem, PlacementSolution, evaluate, is_feasible,
     solve_placement,

@@ -261,7 +261,7 @@ class KtcModel:
     fast: Any = None  # runtime.fast_decode.FastDecode where it computes the decode steps
     prefetcher: Any = None  # runtime.prefetch.Prefetcher (``prefetch=True``)
     offload: Any = None  # runtime.offload.PrefillOffload (``prefill_offload=True``)
-    pinning: Any = None  # a disk-tier plan: (method, bytes, why the fallback) of the RAM experts' pinning
+    pinning: Any = None  # a disk-tier plan: (method, bytes, why the fallback) of its RAM set's reading in
 
     def __enter__(self) -> KtcModel:
         return self
@@ -451,7 +451,7 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
                 tokenizer: Any = None, cache_slots: int | None = None, cache_prior: Any = None,
                 prefetch: bool = False, prefill_offload: bool | None = None, mapped: bool = True,
-                interleave: bool = True) -> KtcModel:
+                interleave: bool = True, mlock: bool = False) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
     ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
@@ -467,9 +467,9 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     compiled CPU decode steps, which route inside one call a layer, between layers
     (``FastDecode.hooks``: the next layer's guess from this layer's output, a layer's attention
     ahead rather than a layer); always on where the plan keeps experts on disk, whose RAM experts
-    are then pinned (``KtcModel.pinning``: ``mlock`` where the OS allows, else
-    ``MADV_WILLNEED``). ``prefill_offload``: on a device, a forward of the plan's threshold of
-    tokens or more (32 where it has none) copies the CPU experts it uses to the device where
+    and the weights every step reads are then read in (``KtcModel.pinning``: ``MADV_WILLNEED``;
+    with ``mlock`` locked, where the OS allows). ``prefill_offload``: on a device, a forward of
+    the plan's threshold of tokens or more (32 where it has none) copies the CPU experts it uses to the device where
     the cost model says the copy is faster (``offload.PrefillOffload``, with the plan's PCIe
     and CPU bandwidths), within the VRAM the plan and the cache slots leave free; the
     offload's counters are ``KtcModel.offload``. Left None, both follow the plan's
@@ -504,17 +504,18 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
         bundle.close()
         raise
     try:
-        _stream(km, prefetch)
+        _stream(km, prefetch, mlock)
     except BaseException:
         km.close()
         raise
     return km
 
 
-def _stream(km: KtcModel, prefetch: bool) -> None:
-    """A disk-tier plan's pinning (its RAM experts) and the pre-gating prefetcher (``prefetch``,
-    a plan with experts on disk, or the prefill offload, whose copies it starts a layer ahead)."""
-    from .prefetch import Prefetcher, expert_ranges, pin
+def _stream(km: KtcModel, prefetch: bool, mlock: bool = False) -> None:
+    """A disk-tier plan's RAM set read in (locked with ``mlock``) and the pre-gating prefetcher
+    (``prefetch``, a plan with experts on disk, or the prefill offload, whose copies it starts a
+    layer ahead)."""
+    from .prefetch import Prefetcher, dense_ranges, expert_ranges, read_in
 
     if km.offload is not None:
         km.offload.lookahead = True
@@ -522,9 +523,10 @@ def _stream(km: KtcModel, prefetch: bool) -> None:
     bundle = km.bundle
     placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
     if disk_tier(bundle):
+        # What the plan holds in RAM: the CPU experts and the weights every step reads whole.
         in_ram = [r for layer, row in placement.items()
                   for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
-        km.pinning = pin(bundle, in_ram)
+        km.pinning = read_in(bundle, in_ram + dense_ranges(bundle), lock=mlock)
         prefetch = True
     if not prefetch:
         return

@@ -23,6 +23,7 @@ import numpy as np
 
 from ktc.errors import KtcError
 from ktc.formats.bundle import Bundle
+from ktc.ir import is_input_embedding
 
 PAGE = mmap.PAGESIZE
 
@@ -37,6 +38,15 @@ def expert_ranges(bundle: Bundle, layer: int, experts: Iterable[int]) -> list[tu
             if t is not None and t.offset is not None:
                 ranges.append((t.offset, t.nbytes))
     return ranges
+
+
+def dense_ranges(bundle: Bundle) -> list[tuple[int, int]]:
+    """(file offset, bytes) of the tensors every decode step reads whole: all but the experts and
+    an input embedding table of which a token reads one row (one tied to ``lm_head`` is read
+    whole, and kept)."""
+    tied = bool(bundle.manifest["model"]["config"].get("tie_word_embeddings"))
+    return [(t.offset, t.nbytes) for name, t in bundle.tensors.items()
+            if t.role != "expert" and t.offset is not None and (tied or not is_input_embedding(name))]
 
 
 def pregate(hidden: np.ndarray, router: np.ndarray, k: int) -> np.ndarray:
@@ -72,17 +82,24 @@ def page_in(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> int:
     return sum(length for _, length in spans)
 
 
-def pin(bundle: Bundle, ranges: Iterable[tuple[int, int]]) -> tuple[str, int, str]:
-    """Keep the pages of ``ranges`` in memory: ``mlock`` where the OS allows it (it reads them in
-    and keeps them from eviction until the map goes), else ``madvise(MADV_WILLNEED)``, which
-    reads them in but lets the page cache evict them again under pressure (an unprivileged
-    process may lock only ``RLIMIT_MEMLOCK`` bytes, often 8 MiB). Returns (the method, the
-    bytes, why the fallback where it was taken)."""
+def read_in(bundle: Bundle, ranges: Iterable[tuple[int, int]], *, lock: bool = False) -> tuple[str, int, str]:
+    """Read the pages of ``ranges`` in: ``madvise(MADV_WILLNEED)``, which lets the page cache
+    evict them again under pressure, or with ``lock`` ``mlock`` where the OS allows it (it keeps
+    them from eviction until the map goes; an unprivileged process may lock only
+    ``RLIMIT_MEMLOCK`` bytes, often 8 MiB, and is then given the former). Returns (the method,
+    the bytes, why the fallback where it was taken).
+
+    Not locking is the default: under a memory limit that the model's weights did not fit
+    (``benchmarks/ram_short.py``), decode ran about half as fast with the plan's RAM set locked
+    as with it read in alone (``docs/runtime.md``)."""
     view = bundle.file_view()
-    base = view.ctypes.data
-    libc = _libc()
     spans = _spans(view.shape[0], ranges)
     total = sum(length for _, length in spans)
+    if not lock:
+        page_in(bundle, spans)
+        return "willneed", total, ""
+    base = view.ctypes.data
+    libc = _libc()
     for i, (first, length) in enumerate(spans):
         if libc.mlock(ctypes.c_void_p(base + first), ctypes.c_size_t(length)) != 0:
             reason = os.strerror(ctypes.get_errno())

@@ -265,7 +265,7 @@ def test_no_interleave_reads_the_stored_layout_and_gives_the_same_tokens(tmp_pat
 
 def test_a_bundle_planned_without_a_gpu_runs_with_its_disk_tier(bundle, demo_model, tmp_path):
     """``ktc compile --vram 0`` plans for the CPU alone; with RAM short and the disk's bandwidth
-    given, the least used experts stay on disk, and ``ktc run`` pins the rest and gives the
+    given, the least used experts stay on disk, and ``ktc run`` reads the rest in and gives the
     text of the bundle that holds every expert in RAM."""
     tiered = str(tmp_path / "tiered.ktb")
     made = CliRunner().invoke(main, ["compile", demo_model, "-o", tiered, "--vram", "0", "--ram", "8MiB",

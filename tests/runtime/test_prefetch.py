@@ -16,7 +16,8 @@ from ktc.demo import write_sparse_checkpoint
 from ktc.errors import KtcError
 from ktc.formats.bundle import open_bundle
 from ktc.runtime.experts import ExpertSet
-from ktc.runtime.prefetch import Prefetcher, expert_ranges, page_in, resident_share
+from ktc.ir import is_input_embedding
+from ktc.runtime.prefetch import Prefetcher, dense_ranges, expert_ranges, page_in, resident_share
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
 
@@ -118,8 +119,9 @@ def test_prefetch_pages_in_the_next_layers_guessed_experts_before_it_runs(bundle
 
 def test_a_disk_tier_bundle_pins_its_ram_experts_and_prefetches_the_rest(demo_model, tmp_path):
     """A plan with experts on disk compiles (through a plan file, as ktc plan -o writes it) and
-    runs: the CPU experts in RAM pinned (mlock where the OS allows, else MADV_WILLNEED) and
-    resident, the pre-gating prefetcher on, the text the same as with every expert in RAM."""
+    runs: the CPU experts and the weights every step reads read in (MADV_WILLNEED; with mlock,
+    locked where the OS allows, else read in and the refusal said) and resident, the pre-gating
+    prefetcher on, the text the same as with every expert in RAM."""
     from ktc.api import plan
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
@@ -139,14 +141,18 @@ def test_a_disk_tier_bundle_pins_its_ram_experts_and_prefetches_the_rest(demo_mo
     with from_bundle(in_ram) as km:
         assert km.pinning is None and km.prefetcher is None
         want = generate(km, list(range(5, 25)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
-    with from_bundle(on_disk) as km:
+    with from_bundle(on_disk, mlock=True) as km:
         method, pinned, why = km.pinning
         assert method in ("mlock", "willneed") and (method == "mlock") == (why == "")
+    with from_bundle(on_disk) as km:
+        assert km.pinning[0] == "willneed" and km.pinning[2] == ""
         placement = km.bundle.manifest["plan"]["placement"]
         in_memory = [r for layer, row in placement.items()
                      for r in expert_ranges(km.bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
-        assert pinned >= sum(n for _, n in in_memory) > 0
-        assert resident_share(km.bundle, in_memory) == 1.0
+        dense = dense_ranges(km.bundle)
+        assert km.pinning[1] >= sum(n for _, n in in_memory + dense) > sum(n for _, n in in_memory) > 0
+        assert resident_share(km.bundle, in_memory + dense) == 1.0
+        assert not any(is_input_embedding(name) and (t.offset, t.nbytes) in dense for name, t in km.bundle.tensors.items())
         assert km.prefetcher is not None
         got = generate(km, list(range(5, 25)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
         assert km.prefetcher.asked > 0
