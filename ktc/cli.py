@@ -777,7 +777,7 @@ def bench(bundle: str, tokens: str, threads: int | None, steps: int, no_mmap: bo
 @click.option("--mlock", is_flag=True,
               help="Where the plan keeps experts on disk: lock what it holds in RAM (its CPU experts and the weights "
                    "every step reads) with mlock, as llama.cpp's --mlock, instead of only reading it in "
-                   "(MADV_WILLNEED). Under a memory limit here the lock halved decode (docs/runtime.md).")
+                   "(MADV_WILLNEED). Under a memory limit here the lock cut decode to a third (docs/runtime.md).")
 @click.option("--no-interleave", "no_interleave", is_flag=True,
               help="On the CPU, multiply q4_0, q8_0, mxfp4 and q4_k matrices (attention, output, the experts of "
                    "layers whose experts share one scheme; int8 experts too, whose copies are q8_0's) in the "

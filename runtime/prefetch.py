@@ -90,8 +90,8 @@ def read_in(bundle: Bundle, ranges: Iterable[tuple[int, int]], *, lock: bool = F
     the bytes, why the fallback where it was taken).
 
     Not locking is the default: under a memory limit that the model's weights did not fit
-    (``benchmarks/ram_short.py``), decode ran about half as fast with the plan's RAM set locked
-    as with it read in alone (``docs/runtime.md``)."""
+    (``benchmarks/ram_short.py``), decode ran a third as fast with the plan's RAM set locked as
+    with it read in alone (``docs/runtime.md``)."""
     view = bundle.file_view()
     spans = _spans(view.shape[0], ranges)
     total = sum(length for _, length in spans)
