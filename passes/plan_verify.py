@@ -114,6 +114,13 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
             total_seconds += hardware.device_step_seconds
         if cpu_used and not cpu_only:
             total_seconds += hardware.sync_seconds + 4 * workload.batch * cfg.hidden_size / hardware.pcie_bandwidth
+    if any(p.device is Device.DISK for row in placement.experts for p in row):
+        # the disk experts' pages in flight: a step's distinct experts of two layers at the
+        # largest CPU scheme
+        first = ir.moe_layers[0].experts[0]
+        shape = ExpertShape(cfg.hidden_size, first.gate.shape[0], first.gate_bias is not None)
+        largest = max(expert_footprint(shape, name).stored_bytes for name in options.cpu_schemes)
+        ram += 2 * min(cfg.num_experts, cfg.top_k * workload.batch) * largest
     if vram > hardware.vram_bytes:
         problems.append(f"VRAM {vram} bytes exceeds the budget {hardware.vram_bytes}")
     if ram > hardware.ram_bytes:

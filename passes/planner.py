@@ -226,8 +226,20 @@ def usage_probability(profile: ActivationProfile, top_k: int, batch: int) -> np.
     return 1.0 - (1.0 - p) ** batch
 
 
+def disk_staging_bytes(ir: ModelIR, workload: Workload, opts: PlannerOptions) -> int:
+    """RAM for the disk experts' pages in flight where a plan keeps experts on disk: a step's
+    distinct experts of a layer (``top_k`` a token, at most every expert) at the largest CPU
+    scheme, for the layer that runs and the one pre-gating pages in ahead of it."""
+    cfg = ir.config
+    largest = max(expert_footprint(expert_shape(ir), name).stored_bytes for name in opts.cpu_schemes)
+    return 2 * min(cfg.num_experts, cfg.top_k * workload.batch) * largest
+
+
 def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
-                  profile: ActivationProfile | None, opts: PlannerOptions) -> PlanningContext:
+                  profile: ActivationProfile | None, opts: PlannerOptions, *,
+                  disk_staging: bool = False) -> PlanningContext:
+    """The problem to solve; with ``disk_staging``, RAM also holds ``disk_staging_bytes`` (the
+    planner solves again with it where the first solution keeps experts on disk)."""
     if not ir.moe_layers:
         raise ConfigError("the model has no MoE layers to plan")
     cfg = ir.config
@@ -261,6 +273,8 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         del vram["reserve"]
         ram.update((name, nbytes) for name, nbytes in vram.items() if nbytes)
         vram = {}
+    if disk_staging:
+        ram["disk_staging"] = disk_staging_bytes(ir, workload, opts)
     options = _options(ir, hw, opts)
     usage = usage_probability(profile, cfg.top_k, workload.batch)
     allowed = np.ones((len(layers), cfg.num_experts, len(options)), dtype=bool)
@@ -568,8 +582,16 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
     problem = ctx.problem
     if problem.vram_budget < 0 or problem.ram_budget < 0:
         raise budget_error(ctx, hardware, workload)
+    unstaged = problem  # the baselines have no disk tier, and need no RAM for one
     try:
         solution: PlacementSolution = solve_placement(problem, time_limit=options.time_limit)
+        if any(problem.options[i].device == DISK for i in np.unique(solution.choice).tolist()):
+            # experts on disk: their pages in flight need RAM too, which the first solve left out
+            ctx = build_context(ir, hardware, workload, profile, options, disk_staging=True)
+            problem = ctx.problem
+            if problem.ram_budget < 0:
+                raise BudgetError("no RAM left for the disk experts' pages in flight")
+            solution = solve_placement(problem, time_limit=options.time_limit)
     except BudgetError:
         raise budget_error(ctx, hardware, workload) from None
     ev = evaluate(problem, solution.choice)
@@ -586,7 +608,7 @@ def plan_placement(ir: ModelIR, hardware: HardwareProfile, workload: Workload | 
     baselines = []
     baseline_pairs: list[Pair] = []
     for name, description, method in BASELINES:
-        found = best_baseline(problem, method)
+        found = best_baseline(unstaged, method)
         if found is None:
             baselines.append(BaselineResult(name, description, False, None, 0, "does not fit"))
             continue
