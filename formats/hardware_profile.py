@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -78,6 +79,11 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_parts(parts: Iterable[tuple[str, float]]) -> str:
+    """Named byte counts, the empty ones left out: 'kv cache 16.0 MiB, workspace 25.6 MiB'."""
+    return ", ".join(f"{name.replace('_', ' ')} {format_bytes(n)}" for name, n in parts if n)
 
 
 def parse_bandwidth(text: str | int | float) -> float:
@@ -134,6 +140,11 @@ class HardwareProfile:
     cpu_layer_seconds: float = 0.0
     cpu_token_seconds: float = 0.0
     cpu_vocab_seconds: float = 0.0  # a token's cost more per word of the vocabulary
+
+    @property
+    def cpu_only(self) -> bool:
+        """No GPU (``--vram 0``): the plan is for the CPU alone."""
+        return self.vram_bytes == 0
 
     def __post_init__(self) -> None:
         for name in ("vram_bytes", "ram_bytes", "reserve_bytes"):

@@ -456,7 +456,7 @@ def plan(model: str, as_json: bool, html_path: str | None, export_kt_dir: str | 
         click.echo(f"  for {kt_info['targets']}: {kt_info['sglang_command']}")
     if cpp:
         click.echo(f"llama.cpp: {cpp.rules}")
-        if result.hardware.vram_bytes == 0:
+        if result.hardware.cpu_only:
             click.echo("  no GPU: every layer on the CPU, as ktc's plan" + (
                 "; the experts ktc keeps on disk llama.cpp reads through its map as the page cache allows "
                 "(not predicted)" if cpp.predicted_ms_per_step is None else ", at the same predicted time"))

@@ -13,6 +13,7 @@ from ktc.errors import KtcError
 from ktc.ir import Device
 from ktc.passes.placement_solver import CPU, GPU, PlacementOption, PlacementProblem, solve_placement
 from ktc.passes.plan import Plan
+from ktc.formats.hardware_profile import format_parts
 from ktc.summary import format_bytes, format_ranges
 
 
@@ -50,11 +51,10 @@ def render_plan_text(plan: Plan) -> str:
         f"plan for {m.family} ({m.architecture}): {len(m.moe_layers)} MoE layers x {m.num_experts} "
         f"experts, top-{m.top_k}; batch {plan.workload.batch}, KV cache {plan.workload.max_tokens} "
         f"tokens at {plan.workload.kv_dtype}",
-        (f"VRAM {format_bytes(mem.vram_total)} of {format_bytes(mem.vram_budget)}: " +
-         ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.vram if v)) if mem.vram_budget else
+        f"VRAM {format_bytes(mem.vram_total)} of {format_bytes(mem.vram_budget)}: " + format_parts(mem.vram)
+        if not plan.hardware.cpu_only else
         "VRAM: none (--vram 0): the model runs on the CPU, every weight and buffer in RAM",
-        f"RAM  {format_bytes(mem.ram_total)} of {format_bytes(mem.ram_budget)}: " +
-        ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.ram if v),
+        f"RAM  {format_bytes(mem.ram_total)} of {format_bytes(mem.ram_budget)}: " + format_parts(mem.ram),
     ]
     from ktc.formats.model_config import OTHER_ROUTERS
 
@@ -422,7 +422,7 @@ class LlamaCppPlan:
 def llamacpp_plan(plan: Plan) -> LlamaCppPlan:
     """The best placement at llama.cpp's granularity: a layer's experts are one tensor each, so
     a whole layer's experts sit on one device. Solved exactly with the same cost model."""
-    if plan.hardware.vram_bytes == 0:
+    if plan.hardware.cpu_only:
         # No GPU: llama.cpp keeps every layer on the CPU, as ktc's plan, at the same predicted
         # time, unless the plan keeps experts on disk: llama.cpp reads those through its map as
         # the page cache allows, which the cost model does not predict.

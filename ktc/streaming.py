@@ -240,15 +240,13 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
     if slot_scheme is None:
         return plan, StreamingPlan(0, None, 0, "every expert is on the device", (), None,
                                    "no CPU experts", None, None, disk)
-    if plan.hardware.vram_bytes <= 0:
+    if plan.hardware.cpu_only:
         return plan, StreamingPlan(0, None, 0, "no GPU (--vram 0)", (), None, "no GPU", None, None, disk)
     slot_bytes = expert_footprint(expert_shape(ir), slot_scheme).data_bytes  # what a slot holds
     layers = len(plan.placement.layers)
     chosen, splits = plan, []
     if trace is None:
         evidence = "no routing trace (ktc plan --trace FILE, from ktc profile --trace, plans cache slots)"
-    elif plan.hardware.vram_bytes <= 0:
-        evidence = "no VRAM budget"
     elif plan.workload.batch != 1:
         evidence = "a routing trace replays one sequence: cache slots are planned for --batch 1"
     else:
@@ -298,8 +296,6 @@ def _trade_for_offload(plan: Any, shape: Any, slot_scheme: str, decode_ms: Any, 
         return plan, "no request given (--request PROMPT:NEW weighs prefill against decode)", ()
     if not hw.cpu_prefill_ops > 0:
         return plan, "the CPU's prefill rate is not measured (ktc doctor --calibrate)", ()
-    if hw.vram_bytes <= 0:
-        return plan, "no VRAM budget", ()
     chunk = min(workload.prompt_tokens, workload.prefill_chunk)
     layer_bytes = plan.model.num_experts * expert_footprint(shape, slot_scheme).data_bytes
 

@@ -50,7 +50,7 @@ def recompute(ir: ModelIR, placement: Placement, hardware: HardwareProfile, work
     cfg = ir.config
     vram = ram = 0
     gpu_read = cpu_read = 0
-    cpu_only = hardware.vram_bytes == 0  # no GPU: every weight and buffer in RAM, read by the CPU
+    cpu_only = hardware.cpu_only  # no GPU: every weight and buffer in RAM, read by the CPU
     for ref, on_cpu, router in _tensor_refs(ir):
         size = non_expert_bytes(ref.shape, router=router, dense_scheme=options.dense_scheme, source_dtype=ref.dtype)
         if on_cpu:

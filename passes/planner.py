@@ -21,7 +21,7 @@ import numpy as np
 
 from ktc.errors import BudgetError, ConfigError, InternalError
 from ktc.formats.activation_profile import ActivationProfile, uniform_profile
-from ktc.formats.hardware_profile import HardwareProfile, format_bytes
+from ktc.formats.hardware_profile import HardwareProfile, format_bytes, format_parts
 from ktc.formats.schemes import (
     ExpertShape, expert_footprint, expert_scheme_error, expert_scheme_name, expert_schemes,
     expert_tensor_bytes, non_expert_bytes, source_scheme,
@@ -259,7 +259,7 @@ def build_context(ir: ModelIR, hw: HardwareProfile, workload: Workload,
         vram["cache_slots"] = opts.cache_vram
     if opts.offload_vram:
         vram["prefill_offload"] = opts.offload_vram
-    cpu_only = hw.vram_bytes == 0
+    cpu_only = hw.cpu_only
     if cpu_only:
         # No GPU (--vram 0): what would live in VRAM lives in RAM beside the CPU experts (the
         # reserve, VRAM kept free for CUDA, is not needed), the CPU reads every weight, and no
@@ -339,7 +339,7 @@ def budget_error(ctx: PlanningContext, hw: HardwareProfile, workload: Workload) 
     """A ``BudgetError`` that says which budget binds (VRAM, RAM, or the two together), what each
     would need given the other, each component, the flags that change it, and the largest
     ``--max-tokens`` that fits when one does."""
-    if hw.vram_bytes == 0:
+    if hw.cpu_only:
         return _budget_error_without_gpu(ctx, hw)
     problem = ctx.problem
     smallest_cpu = min(o.ram_bytes for o in problem.options if o.device == CPU)
@@ -357,14 +357,12 @@ def budget_error(ctx: PlanningContext, hw: HardwareProfile, workload: Workload) 
         binds = "VRAM and RAM together are too small for the experts; more of either would do"
     lines = [f"the model does not fit: {binds}"]
     vram_line = (f"  VRAM {format_bytes(hw.vram_bytes)}: fixed {format_bytes(fixed_vram)} (" +
-                 ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ctx.fixed_vram.items() if v)
-                 + ")")
+                 format_parts(ctx.fixed_vram.items()) + ")")
     if vram_needed is not None and vram_needed > hw.vram_bytes:
         vram_line += f"; with this RAM it needs {format_bytes(vram_needed)} (--vram)"
     lines.append(vram_line)
     ram_line = (f"  RAM  {format_bytes(hw.ram_bytes)}: fixed {format_bytes(fixed_ram)} (" +
-                ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ctx.fixed_ram.items() if v) +
-                f"), {format_bytes(smallest_cpu)} per CPU expert")
+                format_parts(ctx.fixed_ram.items()) + f"), {format_bytes(smallest_cpu)} per CPU expert")
     if ram_needed > hw.ram_bytes:
         ram_line += f"; with this VRAM it needs {format_bytes(ram_needed)} (--ram)"
     lines.append(ram_line)
@@ -388,7 +386,7 @@ def _budget_error_without_gpu(ctx: PlanningContext, hw: HardwareProfile) -> Budg
     fixed = sum(ctx.fixed_ram.values())
     experts = 0 if disk_tier else problem.usage.size * smallest_cpu
     line = (f"  RAM  {format_bytes(hw.ram_bytes)}: fixed {format_bytes(fixed)} (" +
-            ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ctx.fixed_ram.items() if v) +
+            format_parts(ctx.fixed_ram.items()) +
             f"), {format_bytes(smallest_cpu)} per CPU expert; it needs {format_bytes(fixed + experts)} (--ram)")
     room = hw.ram_bytes - (fixed - ctx.fixed_ram.get("kv_cache", 0)) - experts
     largest = room // ctx.kv_bytes_per_token if room >= 0 and ctx.kv_bytes_per_token > 0 else None

@@ -469,10 +469,10 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     ahead rather than a layer); always on where the plan keeps experts on disk, whose RAM experts
     and the weights every step reads are then read in (``KtcModel.pinning``: ``MADV_WILLNEED``;
     with ``mlock`` locked, where the OS allows). ``prefill_offload``: on a device, a forward of
-    the plan's threshold of tokens or more (32 where it has none) copies the CPU experts it uses to the device where
-    the cost model says the copy is faster (``offload.PrefillOffload``, with the plan's PCIe
-    and CPU bandwidths), within the VRAM the plan and the cache slots leave free; the
-    offload's counters are ``KtcModel.offload``. Left None, both follow the plan's
+    the plan's threshold of tokens or more (32 where it has none) copies the CPU experts it uses
+    to the device where the cost model says the copy is faster (``offload.PrefillOffload``, with
+    the plan's PCIe and CPU bandwidths), within the VRAM the plan and the cache slots leave
+    free; the offload's counters are ``KtcModel.offload``. Left None, both follow the plan's
     ``streaming`` record (``ktc.streaming``: its cache slots, and the offload from its
     threshold) on a device, and are off without one. ``mapped=False`` reads the whole bundle
     into the process's memory (huge pages where Linux gives them) instead of mapping it: the CPU
