@@ -19,8 +19,12 @@ every token about as likely), ``--new`` of them after a warm-up.
 - **ktc disk tier**: compiled with ``--vram 0 --ram R --disk-bandwidth B`` (R: the allowance plus the
   input embedding table, which the plan counts whole and a step reads a row of): the plan's RAM
   set read in at load (``MADV_WILLNEED``), the least used experts on disk, paged in a layer ahead
-  by pre-gating.
-- **ktc disk tier, --mlock**: the same with the RAM set locked.
+  by pre-gating while a layer's guesses of them are used (``prefetch.Prefetcher``).
+- **ktc disk tier, profiled**: the same planned with ``--profile`` the routing counts of 256 random
+  tokens decoded by the mapped bundle with another seed (as a user plans from ``ktc profile``):
+  the experts that routing used least on disk, in both layers (the plan from uniform routing puts
+  them all in the first layer, which no layer before it can guess).
+- **ktc disk tier, --mlock**: the first tier bundle with its RAM set locked.
 
 Interleaved rounds, the sides' order rotated each round; medians of decode tokens/s, and each
 ktc side's ratio to llama.cpp's in the same round. Needs root and cgroup v1's memory controller
@@ -97,7 +101,8 @@ def run_limited(command: list[str], limit: int | None, file: str) -> tuple[str, 
 
 
 def ktc_worker(bundle: str, new: int, mlock: bool, threads: int) -> None:
-    """One ktc side's run (in its cgroup): decode tokens/s of random tokens, as JSON."""
+    """One ktc side's run (in its cgroup): decode tokens/s of random tokens and the prefetcher's
+    figures, as JSON."""
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
 
@@ -105,8 +110,29 @@ def ktc_worker(bundle: str, new: int, mlock: bool, threads: int) -> None:
     with from_bundle(bundle, threads=threads, interleave=False, mlock=mlock) as km:
         generate(km, [100], max_new_tokens=2, sampling=flat, stop_at_eos=False)  # warm, as llama-bench
         result = generate(km, [101], max_new_tokens=new, sampling=flat, stop_at_eos=False)
+        fetch = km.prefetcher
         print(json.dumps({"decode": result.decode_tokens_per_s,
-                          "pinning": list(km.pinning) if km.pinning else None}))
+                          "pinning": list(km.pinning) if km.pinning else None,
+                          "prefetch": None if fetch is None else
+                          {"paged": fetch.asked, "accuracy": fetch.accuracy, "not_paged": fetch.skipped}}))
+
+
+def record_profile(bundle: str, path: str, tokens: int, threads: int) -> None:
+    """The routing counts of ``tokens`` random tokens decoded by ``bundle`` (another seed than
+    the runs'), saved as a profile for ``ktc compile --profile``."""
+    import numpy as np
+
+    from ktc.formats.activation_profile import ActivationProfile
+    from ktc.runtime.generate import Sampling, generate
+    from ktc.runtime.hf import from_bundle
+
+    flat = Sampling(temperature=1000.0, top_k=0, top_p=1.0, seed=1)
+    with from_bundle(bundle, threads=threads, interleave=False) as km:
+        for experts in km.experts:
+            experts.counts[:] = 0
+        generate(km, [7], max_new_tokens=tokens, sampling=flat, stop_at_eos=False)
+        counts = np.stack([experts.counts for experts in km.experts]).astype(np.float64)
+        ActivationProfile(tuple(e.layer for e in km.experts), counts, f"{tokens} random tokens").save(path)
 
 
 def main() -> int:
@@ -145,23 +171,37 @@ def main() -> int:
     allowance = int(args.allowance * os.path.getsize(gguf))
     embedding = next(int(t.n_bytes) for t in GGUFReader(gguf).tensors if t.name == "token_embd.weight")
     tiered = os.path.join(args.workdir, f"qwen3-2l-Q4_0-tier-{allowance}.ktb")
-    if not os.path.exists(tiered):
-        subprocess.run([sys.executable, "-m", "ktc.cli", "compile", gguf, "-o", tiered, "--vram", "0", "--ram",
-                        f"{(allowance + embedding) // 10**6}MB", "--max-tokens", "512", "--disk-bandwidth", args.disk_bandwidth],
-                       check=True, stdout=subprocess.DEVNULL)
+    profiled = os.path.join(args.workdir, f"qwen3-2l-Q4_0-tier-profiled-{allowance}.ktb")
+    profile = os.path.join(args.workdir, "qwen3-2l-Q4_0-random-profile.json")
+    if not os.path.exists(profile):
+        record_profile(mapped, profile, 256, args.threads)
+    for path, extra in ((tiered, []), (profiled, ["--profile", profile])):
+        if not os.path.exists(path):
+            subprocess.run([sys.executable, "-m", "ktc.cli", "compile", gguf, "-o", path, "--vram", "0", "--ram",
+                            f"{(allowance + embedding) // 10**6}MB", "--max-tokens", "512",
+                            "--disk-bandwidth", args.disk_bandwidth, *extra], check=True, stdout=subprocess.DEVNULL)
     worker = [sys.executable, os.path.abspath(__file__), "--threads", str(args.threads), "--ktc-worker"]
     sides = {
         "llama.cpp (mmap, --repack 0)": ([bench, "-m", gguf, "-p", "0", "-n", str(args.new), "-t", str(args.threads),
                                           "-r", "1", "-o", "json", "-lm", "mmap", "--repack", "0"], gguf),
         "ktc mapped": (worker + [mapped, str(args.new)], mapped),
         "ktc disk tier": (worker + [tiered, str(args.new)], tiered),
+        "ktc disk tier, profiled": (worker + [profiled, str(args.new)], profiled),
         "ktc disk tier, --mlock": (worker + [tiered, str(args.new), "--mlock"], tiered),
     }
+
+    fetched: dict[str, list[str]] = {}  # each ktc side's prefetch figures, run by run
 
     def decode(name: str, out: str) -> float:
         if name.startswith("llama.cpp"):
             return next(r["avg_ts"] for r in json.loads(out) if r["n_gen"] > 0)
-        return json.loads(out.strip().splitlines()[-1])["decode"]
+        result = json.loads(out.strip().splitlines()[-1])
+        fetch = result["prefetch"]
+        if fetch is not None:
+            fetched.setdefault(name, []).append(
+                f"{fetch['paged'] / 1e6:.0f} MB paged in, {fetch['not_paged']} guesses not, "
+                f"{100 * (fetch['accuracy'] or 0):.0f}% of the experts used guessed")
+        return result["decode"]
 
     # each side's own anonymous memory, without a limit, from a second run: the first may compile
     # ktc's kernels, whose compiler's memory a run from the cache does not take
@@ -189,6 +229,8 @@ def main() -> int:
             ratios = [a / b for a, b in zip(rows[name], reference)]
             line += (f"; /llama.cpp {gen.median(ratios):.2f}x (rounds {' '.join(f'{r:.2f}' for r in ratios)})")
         print(line)
+    for name, runs in fetched.items():  # the same every round where the reads are: said once then
+        print(f"{name} prefetch: " + (runs[0] if len(set(runs)) == 1 else "; ".join(f"round {i + 1} {r}" for i, r in enumerate(runs))))
     return 0
 
 

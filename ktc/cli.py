@@ -858,6 +858,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         cached = _cache_counters(model.experts) if slots else None
         paged = model.prefetcher.asked if model.prefetcher is not None else None
         guessed = model.prefetcher.accuracy if model.prefetcher is not None else None
+        unpaged = model.prefetcher.skipped if model.prefetcher is not None else None
         offloaded = dataclasses.asdict(model.offload.counters) if model.offload is not None else None
         if offloaded is not None:
             offloaded["copy_bandwidth"] = model.offload.copy_bandwidth
@@ -885,7 +886,8 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
            "plan_prediction_applies": planned[0] is not None and (target is not None or planned[1] == 0),
            # measured by part (ktc's decode steps), and the CPU cost model's prediction (--hardware)
            "decode_parts": parts, "cpu_predicted": predicted, "expert_cache": cached,
-           "prefetch_paged_bytes": paged, "prefetch_accuracy": guessed, "prefill_offload": offloaded,
+           "prefetch_paged_bytes": paged, "prefetch_accuracy": guessed,
+           "prefetch_guesses_not_paged": unpaged, "prefill_offload": offloaded,
            "disk_tier": pinning, "device_token_kernels": token_kernels}
     if as_json:
         _print_json("run", out)
@@ -929,7 +931,9 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                        f"{100 * share:.1f}% of {cached['guessed']} guessed experts were used", err=True)
     if paged is not None:
         named = "" if guessed is None else f"; the guesses named {100 * guessed:.1f}% of the experts then used"
-        click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead{named}", err=True)
+        held = (f"; {unpaged} guesses not paged in (their layer's guessed disk experts used under half the time)"
+                if unpaged else "")
+        click.echo(f"prefetch: {format_bytes(paged)} of experts paged in a layer ahead{named}{held}", err=True)
     if pinning is not None:
         how = ("locked by mlock" if pinning["method"] == "mlock" else
                f"read in (MADV_WILLNEED: {pinning['fallback']})" if pinning["fallback"] else

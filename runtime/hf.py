@@ -522,17 +522,19 @@ def _stream(km: KtcModel, prefetch: bool, mlock: bool = False) -> None:
         prefetch = True
     bundle = km.bundle
     placement = (bundle.manifest.get("plan") or {}).get("placement") or {}
+    paged = None
     if disk_tier(bundle):
         # What the plan holds in RAM: the CPU experts and the weights every step reads whole.
         in_ram = [r for layer, row in placement.items()
                   for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
         km.pinning = read_in(bundle, in_ram + dense_ranges(bundle), lock=mlock)
         prefetch = True
+        paged = {int(layer): np.array([p.startswith("disk:") for p in row]) for layer, row in placement.items()}
     if not prefetch:
         return
     routers = [bundle.tensor_float32(f"layers.{e.layer}.router") for e in km.experts]
     top_k = int(bundle.manifest["model"]["moe_layers"][0]["top_k"])
-    km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False)
+    km.prefetcher = Prefetcher(bundle, km.experts, routers, top_k, keep_guesses=False, paged=paged)
     if km.fast is not None:  # its steps route inside compiled calls: guessed between layers
         km.fast.hooks.append(km.prefetcher.guess)
 

@@ -141,10 +141,26 @@ class Prefetcher:
     buffered across layers). ``asked`` counts the bytes asked for, ``guesses`` the experts a
     layer at a time (``keep_guesses``). ``accuracy`` scores the guesses: of the experts a layer
     used after a guess for it (its ``counts`` moved, until the next guess for it), the share the
-    guess named (``used`` and ``named`` hold the guesses already followed by another)."""
+    guess named (``used`` and ``named`` hold the guesses already followed by another).
+
+    ``paged``: for each layer (decoder index), a boolean mask of the experts whose pages are
+    worth asking for (a disk tier's: those on disk; the rest are in memory already); None asks
+    for every guessed expert. A layer's pages are asked for only while its guesses of them are
+    used often enough: ``precision(layer)``, the share of the pageable experts guessed that the
+    layer then used (decayed by ``DECAY`` a guess, starting at one use of one), at least
+    ``min_precision``. A page-in that is used spares the layer a read in its critical path; one
+    that is not costs as much of the disk's time and evicts as many cached pages: about even at
+    one half. ``benchmarks/ram_short.py``'s random model, whose guesses of its disk experts
+    were used about a quarter of the time, decoded 0.84x as fast paging them in as not
+    (``docs/runtime.md``). The guesses go on being made and scored while a layer is not paged,
+    so it pages again once they are used; ``skipped`` counts the guesses whose pages were not
+    asked for."""
+
+    DECAY = 0.9
 
     def __init__(self, bundle: Bundle, layers: list[Any], routers: list[np.ndarray], top_k: int, *,
-                 page: bool = True, keep_guesses: bool = True) -> None:
+                 page: bool = True, keep_guesses: bool = True, paged: dict[int, np.ndarray] | None = None,
+                 min_precision: float = 0.5) -> None:
         if len(routers) != len(layers):
             raise KtcError(f"{len(routers)} routers for {len(layers)} MoE layers")
         self.bundle = bundle
@@ -154,7 +170,12 @@ class Prefetcher:
         self.asked = 0
         self.guesses: list[tuple[int, np.ndarray]] = []  # (the layer guessed for, its experts)
         self.used = self.named = 0
-        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (its guess, its counts then)
+        self.skipped = 0
+        self.paged = paged
+        self.min_precision = min_precision
+        # layer -> (its guess, its counts then, the guess's pageable experts)
+        self._open: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._hits: dict[int, tuple[float, float]] = {}  # layer -> (decayed uses, decayed guesses) of pageable experts
         self.top_k = top_k
         self._next = {layers[i].layer: layers[i + 1].layer for i in range(len(layers) - 1)}
         self._by_layer = {experts.layer: (experts, router) for experts, router in zip(layers, routers)}
@@ -182,31 +203,52 @@ class Prefetcher:
         per_token = pregate(hidden, router, self.top_k)
         guess = np.unique(per_token)
         self._settle(layer)
-        self._open[layer] = (guess, nxt.counts.copy())
+        pageable = guess if self.paged is None else guess[self.paged[layer][guess]]
+        self._open[layer] = (guess, nxt.counts.copy(), pageable)
         if self.keep_guesses:
             self.guesses.append((layer, guess))
-        if self.page:
-            self.asked += page_in(self.bundle, expert_ranges(self.bundle, layer, guess))
+        if self.page and len(pageable):
+            if self.precision(layer) >= self.min_precision:
+                self.asked += page_in(self.bundle, expert_ranges(self.bundle, layer, pageable))
+            else:
+                self.skipped += 1
         cache = getattr(nxt, "cache", None)
         if cache is not None:
             cache.prefetch(guess)
         if getattr(nxt, "offload", None) is not None:  # a prefill forward: its copies a layer ahead
             nxt.prepare_offload(per_token)
 
-    def _score(self, layer: int) -> tuple[int, int]:
-        """(experts used, of them named) since the open guess for ``layer``."""
+    def _chosen(self, layer: int) -> np.ndarray | None:
+        """The experts ``layer`` used since its open guess (None without one)."""
         opened = self._open.get(layer)
         if opened is None:
+            return None
+        return np.nonzero(self._by_layer[layer][0].counts != opened[1])[0]
+
+    def _score(self, layer: int) -> tuple[int, int]:
+        """(experts used, of them named) since the open guess for ``layer``."""
+        chosen = self._chosen(layer)
+        if chosen is None:
             return 0, 0
-        guess, before = opened
-        chosen = np.nonzero(self._by_layer[layer][0].counts != before)[0]
-        return len(chosen), len(np.intersect1d(chosen, guess))
+        return len(chosen), len(np.intersect1d(chosen, self._open[layer][0]))
 
     def _settle(self, layer: int) -> None:
-        used, named = self._score(layer)
-        self.used += used
-        self.named += named
-        self._open.pop(layer, None)
+        chosen = self._chosen(layer)
+        if chosen is None:
+            return
+        guess, _, pageable = self._open.pop(layer)
+        self.used += len(chosen)
+        self.named += len(np.intersect1d(chosen, guess))
+        if len(pageable) and len(chosen):  # a guess the layer did not run after is not scored
+            hits, tries = self._hits.get(layer, (1.0, 1.0))
+            self._hits[layer] = (self.DECAY * hits + len(np.intersect1d(chosen, pageable)),
+                                 self.DECAY * tries + len(pageable))
+
+    def precision(self, layer: int) -> float:
+        """The decayed share of ``layer``'s guessed pageable experts that it then used (1.0
+        before any is scored)."""
+        hits, tries = self._hits.get(layer, (1.0, 1.0))
+        return hits / tries
 
     @property
     def accuracy(self) -> float | None:

@@ -17,7 +17,7 @@ from ktc.errors import KtcError
 from ktc.formats.bundle import open_bundle
 from ktc.runtime.experts import ExpertSet
 from ktc.ir import is_input_embedding
-from ktc.runtime.prefetch import Prefetcher, dense_ranges, expert_ranges, page_in, resident_share
+from ktc.runtime.prefetch import Prefetcher, _spans, dense_ranges, expert_ranges, page_in, pregate, resident_share
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore")
 
@@ -113,6 +113,43 @@ def test_prefetch_pages_in_the_next_layers_guessed_experts_before_it_runs(bundle
         assert prefetcher.accuracy == 0.5
         prefetcher.close()
         assert layers[0].observers == []
+        for experts in layers:
+            experts.close()
+
+
+def test_only_pageable_experts_are_asked_for_and_a_layer_stops_asking_while_its_guesses_go_unused(bundle_path):
+    """With ``paged`` (a disk tier's experts on disk), a guess asks for the pages of its
+    pageable experts alone; a layer that then uses none of them stops asking (its decayed
+    precision under one half) while its guesses are still made and scored, and asks again once
+    they are used."""
+    rng = np.random.default_rng(1)
+    with open_bundle(bundle_path) as bundle:
+        layers = [ExpertSet(bundle, layer, interleave=False) for layer in (0, 1)]
+        routers = [rng.standard_normal((8, 512)).astype(np.float32) for _ in layers]
+        hidden = rng.standard_normal((1, 512)).astype(np.float32)
+        guess = np.unique(pregate(hidden, routers[1], 2))
+        outside = [e for e in range(8) if e not in guess]
+        on_disk = np.ones(8, dtype=bool)
+        on_disk[guess[1]] = False  # in RAM: never asked for
+        prefetcher = Prefetcher(bundle, layers, routers, top_k=2, paged={0: on_disk, 1: on_disk})
+        one = sum(n for _, n in _spans(bundle.file_view().shape[0], expert_ranges(bundle, 1, guess[:1])))
+        weights = np.full((1, 2), 0.5, dtype=np.float32)
+
+        def run(used):  # type: ignore[no-untyped-def]
+            layers[1].forward(hidden, np.array([used]), weights)
+
+        prefetcher.guess(1, hidden)
+        assert (prefetcher.asked, prefetcher.skipped) == (one, 0)  # the first guess asks
+        run(outside[:2])
+        prefetcher.guess(1, hidden)  # the last one scored: its disk expert unused
+        assert prefetcher.precision(1) < 0.5 < prefetcher.precision(0)
+        assert (prefetcher.asked, prefetcher.skipped) == (one, 1)  # not asked: scored still
+        run([guess[0], outside[0]])
+        prefetcher.guess(1, hidden)
+        assert prefetcher.precision(1) >= 0.5
+        assert (prefetcher.asked, prefetcher.skipped) == (2 * one, 1)
+        assert prefetcher.accuracy == 0.25  # of the four experts used, one named (the open guess unused yet)
+        prefetcher.close()
         for experts in layers:
             experts.close()
 
