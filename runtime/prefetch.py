@@ -150,9 +150,9 @@ class Prefetcher:
     layer then used (decayed by ``DECAY`` a guess, starting at one use of one), at least
     ``min_precision``. A page-in that is used spares the layer a read in its critical path; one
     that is not costs as much of the disk's time and evicts as many cached pages: about even at
-    one half. ``benchmarks/ram_short.py``'s random model, whose guesses of its disk experts
-    were used about a quarter of the time, decoded 0.84x as fast paging them in as not
-    (``docs/runtime.md``). The guesses go on being made and scored while a layer is not paged,
+    one half. ``benchmarks/ram_short.py``'s random model, whose guesses named about a quarter of
+    the experts a layer used, decoded 0.86x as fast asking for every guessed expert's pages as
+    asking for none (``docs/runtime.md``). The guesses go on being made and scored while a layer is not paged,
     so it pages again once they are used; ``skipped`` counts the guesses whose pages were not
     asked for."""
 
