@@ -208,6 +208,8 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
             "segments": m["segments"], "experts": len(experts),
             "gpu_experts": sum(blk.segment == "device" for blk in experts),
             "cpu_experts": sum(blk.segment == "host" for blk in experts),
+            "disk_experts": sum(p.startswith("disk:") for row in (m["plan"].get("placement") or {}).values()
+                                for p in row),
             "schemes": schemes, "compressed_experts": sum(bool(blk.compression) for blk in experts),
             "plan": {k: v for k, v in m["plan"].items() if k != "placement"},
             "provenance": m["provenance"],
@@ -224,7 +226,8 @@ def _inspect_bundle(path: str, as_json: bool, tensors: bool) -> None:
                f"{format_bytes(out['file_bytes'])})")
     click.echo(f"model         {out['family']} ({out['architecture']}), MoE layers "
                f"{out['moe_layers'][0]}-{out['moe_layers'][-1]}")
-    click.echo(f"experts       {out['gpu_experts']} on the GPU, {out['cpu_experts']} on the CPU; " +
+    disk = f" ({out['disk_experts']} of them kept on disk by the plan)" if out["disk_experts"] else ""
+    click.echo(f"experts       {out['gpu_experts']} on the GPU, {out['cpu_experts']} on the CPU{disk}; " +
                ", ".join(f"{k} x{v}" for k, v in sorted(schemes.items())) +
                (f"; {out['compressed_experts']} compressed" if out["compressed_experts"] else ""))
     for seg in out["segments"]:
@@ -626,8 +629,9 @@ def compile_command(source: str, output: str, plan_path: str | None, vram: str |
         from ktc.plan_report import render_plan_text
 
         click.echo(render_plan_text(result.plan))
+    disk = f" ({result.disk_experts} of them on disk)" if result.disk_experts else ""
     click.echo(f"wrote {result.path}: {format_bytes(result.file_bytes)}, {result.gpu_experts} GPU and "
-               f"{result.cpu_experts} CPU experts, from {format_bytes(result.source_bytes)} of source "
+               f"{result.cpu_experts} CPU experts{disk}, from {format_bytes(result.source_bytes)} of source "
                f"in {elapsed:.1f} s ({result.source_bytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
     click.echo(f"sha256 {result.sha256}")
     if result.emit.errors:

@@ -33,11 +33,12 @@ class CompileResult:
     file_bytes: int
     source_bytes: int
     gpu_experts: int
-    cpu_experts: int
+    cpu_experts: int  # computed on the CPU: in RAM, or on disk (disk_experts of them)
     emit: EmitResult
     plan: Any = None  # the planner's Plan when the compile made one (a budget was given)
     # MoE layer -> {scheme its experts use: output error on the calibration text's activations}
     activation_errors: dict[int, dict[str, float]] | None = None
+    disk_experts: int = 0
 
     @property
     def sha256(self) -> str:
@@ -46,7 +47,7 @@ class CompileResult:
     def to_json(self) -> dict[str, Any]:
         out = {"path": self.path, "sha256": self.sha256, "file_bytes": self.file_bytes,
                "source_bytes": self.source_bytes, "gpu_experts": self.gpu_experts,
-               "cpu_experts": self.cpu_experts}
+               "cpu_experts": self.cpu_experts, "disk_experts": self.disk_experts}
         if self.emit.errors:  # an error that could not be measured (NaN/Inf weights) is null
             out["expert_errors"] = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                      for k, v in dataclasses.asdict(e).items()} for e in self.emit.errors]
@@ -324,11 +325,11 @@ def compile_bundle(source: str, out: str, *, plan_path: str | None = None,
         measured = None if calibration_text is None else _activation_errors(source, ir, calibration_text)
     placement = ir.placement
     assert placement is not None
-    gpu = sum(p.device is Device.GPU for row in placement.experts for p in row)
-    cpu = sum(len(row) for row in placement.experts) - gpu
+    devices = [p.device for row in placement.experts for p in row]
     result = emit.result
-    return CompileResult(result.path, result.file_bytes, result.source_bytes, gpu, cpu, result,
-                         made_plan[0] if made_plan else None, measured)
+    return CompileResult(result.path, result.file_bytes, result.source_bytes, devices.count(Device.GPU),
+                         len(devices) - devices.count(Device.GPU), result, made_plan[0] if made_plan else None, measured,
+                         devices.count(Device.DISK))
 
 
 def _activation_errors(source: str, ir: ModelIR, text_path: str) -> dict[int, dict[str, float]]:

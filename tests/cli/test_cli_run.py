@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import model_factory as mf
 from ktc.cli import main
 from ktc.compile import compile_bundle
+from ktc.formats.bundle import open_bundle
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,7 @@ def test_demo_ends_by_generating_text(tmp_path, monkeypatch):
 
 def _rewrite_manifest(path: str, out: str, change, major: int = 2) -> str:  # type: ignore[no-untyped-def]
     """The bundle with its manifest changed by ``change`` and its checksums made to match."""
-    from ktc.formats.bundle import HEADER_SIZE, BundleHeader, manifest_json, open_bundle
+    from ktc.formats.bundle import HEADER_SIZE, BundleHeader, manifest_json
 
     with open_bundle(path) as b:
         manifest = json.loads(json.dumps(b.manifest))
@@ -272,7 +273,12 @@ def test_a_bundle_planned_without_a_gpu_runs_with_its_disk_tier(bundle, demo_mod
                                      "--max-tokens", "256", "--disk-bandwidth", "2GB/s", "--json"])
     assert made.exit_code == 0, made.output
     placement = json.loads(made.stdout[made.stdout.index("{"):])
-    assert placement["gpu_experts"] == 0
+    assert placement["gpu_experts"] == 0 and placement["cpu_experts"] > placement["disk_experts"] > 0
+    with open_bundle(tiered) as made_bundle:
+        rows = made_bundle.manifest["plan"]["placement"].values()
+        assert sum(p.startswith("disk:") for row in rows for p in row) == placement["disk_experts"]
+    inspected = CliRunner().invoke(main, ["inspect", tiered, "--json"])
+    assert json.loads(inspected.stdout)["disk_experts"] == placement["disk_experts"]
     args = ["-p", "A Mixture-of-Experts model", "-n", "8", "--temperature", "0", "--json"]
     want, got = run(bundle, *args), run(tiered, *args)
     assert got.exit_code == 0, got.output
