@@ -112,11 +112,11 @@ class StepClock:
     rest is the layer's own checks and calls."""
 
     def __init__(self, layer) -> None:  # type: ignore[no-untyped-def]
-        from ktc.runtime import kernels, vnni
+        from ktc.runtime import kernels, rows, vnni
 
         self.vnni = vnni
         self.seconds: dict[str, float] = {}
-        self.patched = [(vnni, "quantize_activations", "quantize"), (vnni, "rows_many", "kernels"),
+        self.patched = [(vnni, "quantize_activations", "quantize"), (rows, "experts_rows", "kernels"),
                         (kernels, "_act", "activation"),
                         (kernels, "_combine", "combine"), (type(layer), "route", "routing")]
         self.saved = [getattr(owner, name) for owner, name, _ in self.patched]

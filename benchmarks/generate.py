@@ -212,7 +212,7 @@ class KernelClock:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from ktc.runtime import fast_decode, interleave, kernels, moe, rows, vnni
+        from ktc.runtime import fast_decode, interleave, kernels, moe, rows
         from ktc.runtime.linear import BundleEmbedding
 
         for name in ("matvec", "_int8_rows_many", "_int8_gemm", "_bf16_gemm", "matmul_t", "decode"):
@@ -221,7 +221,7 @@ class KernelClock:
         # output matrix's one-token product of a decode step among them)
         for name in ("matvec", "matmul"):
             setattr(interleave, name, self.wrap(getattr(interleave, name)))
-        setattr(vnni, "rows_many", self.wrap(vnni.rows_many))
+        setattr(rows, "experts_rows", self.wrap(rows.experts_rows))
         for name in ("token", "chosen_experts_token"):
             setattr(rows, name, self.wrap(getattr(rows, name)))
         BundleEmbedding.rows = self.wrap(BundleEmbedding.rows)

@@ -10,6 +10,10 @@ from .kernel_args import read_only
 
 # fp16 bits -> float32 value, every one of the 65536.
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+# e8m0 exponent byte -> 2^(e - 127) (OCP Microscaling v1.0; 0xFF encodes NaN).
+with np.errstate(over="ignore"):
+    E8M0_TO_F32 = np.ldexp(np.float32(1.0), np.arange(256) - 127).astype(np.float32)
+E8M0_TO_F32[255] = np.nan
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -68,6 +72,15 @@ def bf16_bits(f):  # pragma: no cover - compiled
     # float32 -> bf16 bits, round to nearest even (finite values); Numba code calls it too
     n = np.uint64(np.float32(f).view(np.uint32))
     return np.uint16((n + np.uint64(0x7FFF) + ((n >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def put_decoded(bf16, out32, out16, r, j, v):  # pragma: no cover - compiled
+    # a decoder's value v at [r, j]: as float32 into out32, or with bf16 as its bf16 bits into out16
+    if bf16:
+        out16[r, j] = bf16_bits(v)  # decoded weights are finite: no NaN to quiet
+    else:
+        out32[r, j] = v
 
 
 @njit(cache=True, nogil=True, inline="always")

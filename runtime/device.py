@@ -19,6 +19,8 @@ from ktc.errors import KtcError
 from ktc.formats.dequant import FP4_E2M1_VALUES
 from ktc.formats.schemes import get_scheme
 
+from . import fp8, kquants
+
 def check_device(device: Any) -> Any:
     """``device`` as a torch device (None stays None), or a ``KtcError`` that says what to do:
     a CUDA device asked for where torch sees none (a CPU build of torch, or no driver) is not
@@ -187,6 +189,9 @@ register_device("q4_0", _ggml_32(18, _q4_0))
 register_device("mxfp4", _ggml_32(17, _mxfp4))
 for _group in (32, 64, 128):
     register_device(f"int4_g{_group}", _int4(_group))
+register_device("fp8_e4m3", fp8.device_decode)
+for _name in kquants.KINDS:
+    register_device(_name, kquants.device_decoder(_name))
 
 
 @dataclass
@@ -305,5 +310,3 @@ class Staging:
                     self._done[i] = torch.cuda.Event()
                     self._done[i].record(torch.cuda.current_stream(self.device))
 
-
-from . import fp8, kquants  # noqa: E402,F401  (register their decoders)

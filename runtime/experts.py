@@ -26,7 +26,8 @@ from . import interleave as interleaving
 from . import rows, triton_experts, vnni
 from .device import DEVICE_DECODERS, batched_matmul, check_device, from_host, upload
 from .device_cache import DeviceSlots
-from .kernels import LANES_MIN_TOKENS, _act, expert_forward, expert_forward_batch, experts_token, linear
+from .kernels import (LANES_MIN_TOKENS, _act, expert_forward, expert_forward_batch, experts_token, interleaved_linear,
+                      linear)
 from .offload import PrefillOffload
 
 
@@ -280,7 +281,7 @@ class ExpertSet:
         return read_only(copy), gu, dn, which
 
     def _interleaved_forward(self, e: int, x: np.ndarray) -> np.ndarray:
-        """Tokens x [T, hidden] through CPU expert ``e``'s matrices in the copy (``interleave.matmul``
+        """Tokens x [T, hidden] through CPU expert ``e``'s matrices in the copy (``interleaved_linear``
         where interleaved; where the interleaved are q4_k's and the tokens many, ``lanes``' products
         as the stored layout's, over the rows put back a chunk at a time)."""
         copy, gu, dn, which = self._interleaved  # type: ignore[misc]
@@ -298,7 +299,7 @@ class ExpertSet:
                                         limit=self.swiglu_limit, alpha=self.swiglu_alpha, interleaved=which)
 
         def product(x: np.ndarray, matrix: np.ndarray, scheme: str, interleaved: bool) -> np.ndarray:
-            return interleaving.matmul(x, matrix, scheme) if interleaved else linear(x, matrix, scheme)
+            return interleaved_linear(x, matrix, scheme) if interleaved else linear(x, matrix, scheme)
 
         h = product(x, gate_up, parts[0], which[0])
         if ex.gate_up_bias is not None:
@@ -363,8 +364,6 @@ class ExpertSet:
         for several tokens). An expert a time, a decode step's experts cost about 30 kernel
         launches and two host-to-device copies each, which on an H200 took longer than the
         CPU's experts beside them."""
-        import torch
-
         groups: dict[int, tuple[Any, list[tuple[int, Any]]]] = {}
         for item in work:
             stack, i = self._stack(item[0])
@@ -552,8 +551,6 @@ class ExpertSet:
         return host, idx_np, weights_np
 
     def _forward_torch(self, hidden: Any, idx: Any, weights: Any) -> Any:
-        import torch
-
         host, idx_np, weights_np = self._host_inputs(hidden, idx, weights)
         if self._fused is not None and not self._on_device and idx_np.shape[0] == 1:
             # One token, every expert on the CPU (a decode step): straight to the fused kernel.

@@ -1,9 +1,9 @@
 """Kernels for ``fp8_e4m3`` (e4m3 codes in blocks of 128 with a float32 scale each; layout in
 ``ktc.formats.codec_fp8``): the CPU's one-token kernel (``vnni.fp8_rows``, also what a MoE
-layer's fused call and a layer's projections read fp8 rows with: ``rows.FP8``), several tokens
-through AMX where the CPU has it (``amx.matmul``), its decode kernel (Numba, each code's value
-from its bits) and the device decoder (torch's ``float8_e4m3fn``), registered under the scheme's
-name."""
+layer's fused call and a layer's projections read fp8 rows with: ``rows.FP8``), its decode kernel
+(Numba, each code's value from its bits) and the device decoder (torch's ``float8_e4m3fn``);
+``kernels`` registers them under the scheme's name with several tokens through AMX where the CPU
+has it (``amx.matmul``), and ``device`` the device decoder."""
 
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from ktc.formats.codec_fp8 import BLOCK, BLOCK_BYTES
 from ktc.formats.float_bits import bf16_bits
 from ktc.formats.kernel_args import read_only
 
-from . import amx, vnni
-from .device import register_device
-from .kernels import AMX_MIN_TOKENS, CpuKernels, block_decoder, register_cpu, stepwise
+from . import vnni
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
@@ -47,7 +45,8 @@ def _value(code):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _decode(raw, cols, bf16, out32, out16):  # pragma: no cover - compiled
+def decode_rows(raw, cols, bf16, out32, out16):  # pragma: no cover - compiled
+    # the decode kernel (``kernels.block_decoder``)
     # A block's scale from its four bytes (a copy of them, viewed, allocated an array a block),
     # each output's loop apart.
     for r in prange(raw.shape[0]):
@@ -64,33 +63,16 @@ def _decode(raw, cols, bf16, out32, out16):  # pragma: no cover - compiled
                     out32[r, b * 128 + j] = _value(raw[r, at + 4 + j]) * s
 
 
-def _matvec_rows(raw, x, out, scales):  # type: ignore[no-untyped-def]
+def matvec_rows(raw, x, out, scales):  # type: ignore[no-untyped-def]
+    """One token (``kernels.CpuKernels.matvec``)."""
     _matvec(read_only(np.ascontiguousarray(raw, dtype=np.uint8)), np.ascontiguousarray(x, dtype=np.float32), out)
     return out
 
 
-def _device_decode(raw: Any, cols: int) -> Any:
+def device_decode(raw: Any, cols: int) -> Any:
+    """The values of fp8 rows on a device (``device.register_device``)."""
     import torch
 
     blocks = raw.reshape(raw.shape[0], cols // BLOCK, BLOCK_BYTES)
     scales = blocks[..., :4].contiguous().view(torch.float32)
     return (blocks[..., 4:].contiguous().view(torch.float8_e4m3fn).float() * scales).reshape(raw.shape[0], cols)
-
-
-def _amx_fits(scheme: str, cols: int) -> bool:
-    return amx.fits(scheme, cols)
-
-
-def _amx_multiply(x: np.ndarray, raw: np.ndarray, scheme: str) -> np.ndarray:
-    """Several tokens: through AMX from ``kernels.AMX_MIN_TOKENS`` (each worker decodes a chunk of
-    rows to bf16, ``amx.fp8_intrinsic``), fewer token by token."""
-    if x.shape[0] >= AMX_MIN_TOKENS[scheme]:
-        return amx.matmul(x, raw, scheme)
-    return stepwise(x, raw, scheme)
-
-
-# On a CPU with AMX, several tokens multiply in place (``CpuKernels.in_place``); elsewhere 16 or
-# more decode the matrix to bf16 for torch's GEMM and fewer go token by token.
-register_cpu("fp8_e4m3", CpuKernels(_matvec_rows, block_decoder(_decode),
-                                    in_place=(_amx_fits, _amx_multiply)))
-register_device("fp8_e4m3", _device_decode)

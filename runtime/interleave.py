@@ -42,8 +42,9 @@ time as q4_0's, the 6-bit scales and minimums unpacked for 16 rows at once. From
 two cores 61-72 GB/s against 25-30 for the stored rows; from memory, a Mixtral-8x7B-shaped
 expert's matrices in the slow phase (34 GB/s) 30-32 against 27-29; unlike q4_0's, one token's
 tile asks for its lines 8 KB ahead into L2 (``K_ONE_AHEAD``). Many tokens (from
-``K_LANES_MIN_TOKENS``) go to the stored layout's lanes (``runtime.lanes``), each chunk of rows
-put back in the stored layout in the worker's buffer first: a tile of a few tokens' products
+``K_LANES_MIN_TOKENS``) go to the stored layout's lanes (``runtime.lanes``, through
+``kernels.interleaved_linear``), each chunk of rows put back in the stored layout in the worker's
+buffer first: a tile of a few tokens' products
 per line made 0.8x the lanes' GOP/s at 96 tokens.
 
 ``repack`` makes the copy (``HostLinear`` does when it loads a matrix of these on a VNNI CPU:
@@ -985,13 +986,10 @@ def matmul(x: np.ndarray, packed: np.ndarray, scheme: str) -> np.ndarray:
     """``x @ W.T`` (float32 [n, rows]) for tokens x [n, cols] and an interleaved matrix
     ``packed`` of ``scheme``, each token's activations quantized to int8 per 32, or per 256 from
     ``PER_256_MIN_TOKENS`` tokens on where the rows are whole 256s (as the stored layout's
-    products of as many tokens: ``kernels.LANES_MIN_TOKENS``)."""
+    products of as many tokens: ``kernels.LANES_MIN_TOKENS``). Many tokens of q4_k's copies are
+    faster through the stored layout's lanes: ``kernels.interleaved_linear`` sends them there."""
     code = _checked(packed, scheme, x.shape[-1])
     x = writable(np.ascontiguousarray(x, dtype=np.float32))
-    if scheme in K_SCHEMES and x.shape[0] >= K_LANES_MIN_TOKENS:
-        from . import lanes  # (lanes imports this module)
-
-        return lanes.matmul(x, packed, scheme, interleaved=True)
     out = np.empty((x.shape[0], packed.shape[0]), dtype=np.float32)
     if scheme in K_SCHEMES:
         _k_matmul(read_only(packed), x, out)

@@ -20,16 +20,16 @@ import numpy as np
 from numba import njit, prange
 
 from ktc.formats.dequant import FP4_E2M1_VALUES
-from ktc.formats.float_bits import F16_TO_F32, bf16_bits, bf16_value, f32_to_bf16_bits
+from ktc.formats.float_bits import E8M0_TO_F32, F16_TO_F32, bf16_value, f32_to_bf16_bits, put_decoded
 from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import expert_schemes
 
+from . import amx, fp8, interleave, kquants, lanes, rows, vnni
+
 _F16_TO_F32 = F16_TO_F32
-# e2m1 code -> value, and e8m0 exponent byte -> 2^(e - 127) (OCP Microscaling v1.0).
+# e2m1 code -> value, and e8m0 exponent byte -> 2^(e - 127)
 _FP4 = FP4_E2M1_VALUES
-with np.errstate(over="ignore"):
-    _E8M0 = np.ldexp(np.float32(1.0), np.arange(256) - 127).astype(np.float32)
-_E8M0[255] = np.nan  # 0xFF encodes NaN
+_E8M0 = E8M0_TO_F32
 
 _OPTS = dict(cache=True, nogil=True, parallel=True, fastmath=True)
 
@@ -381,14 +381,14 @@ def _experts_token_rows(file: np.ndarray, gu_schemes: tuple[str, ...], dn_scheme
                         gate_up_offsets: np.ndarray, down_offsets: np.ndarray, hidden: int, inter: int,
                         x: np.ndarray, weights: np.ndarray, activation: str, gate_up_bias: np.ndarray | None,
                         down_bias: np.ndarray | None, limit: float | None, alpha: float | None) -> np.ndarray:
-    """``experts_token`` through ``vnni.rows_many``: the gate/up matrices of every expert in one
+    """``experts_token`` through ``rows.experts_rows``: the gate/up matrices of every expert in one
     call, then the down matrices (each in its expert's own scheme)."""
     xs = np.ascontiguousarray(x, dtype=np.float32).reshape(1, hidden)  # quantized once for all k
-    h = vnni.rows_many(file, gu_schemes, gate_up_offsets, 2 * inter, xs)
+    h = rows.experts_rows(file, gu_schemes, gate_up_offsets, 2 * inter, xs)
     if gate_up_bias is not None:
         h += gate_up_bias
     a = np.ascontiguousarray(_act(h, inter, activation, limit, alpha), dtype=np.float32)
-    y = vnni.rows_many(file, dn_schemes, down_offsets, hidden, a)
+    y = rows.experts_rows(file, dn_schemes, down_offsets, hidden, a)
     if down_bias is not None:
         y += down_bias
     return _combine(weights, y)
@@ -585,6 +585,16 @@ def _by_lanes(raw: np.ndarray, scheme: str, n: int, cols: int) -> bool:
             and not (amx.fits(scheme, cols) and n >= AMX_MIN_TOKENS[scheme]))
 
 
+def interleaved_linear(x: np.ndarray, packed: np.ndarray, scheme: str) -> np.ndarray:
+    """``x @ W.T`` (float32 [T, rows]) for tokens ``x`` [T, cols] and a matrix's interleaved copy
+    ``packed`` (``interleave.repack``): ``interleave.matmul``'s tiles, but q4_k's copies from
+    ``interleave.K_LANES_MIN_TOKENS`` tokens on through the stored layout's lanes, each chunk of
+    rows put back in the stored layout in the worker's buffer first (``lanes.matmul``)."""
+    if scheme in interleave.K_SCHEMES and x.shape[0] >= interleave.K_LANES_MIN_TOKENS:
+        return lanes.matmul(writable(np.ascontiguousarray(x, dtype=np.float32)), packed, scheme, interleaved=True)
+    return interleave.matmul(x, packed, scheme)
+
+
 def linear(x: np.ndarray, raw: np.ndarray, scheme: str, scales: np.ndarray | None = None) -> np.ndarray:
     """``x @ W.T`` (float32 [T, rows]) for tokens ``x`` [T, cols] and a weight stored in
     ``scheme`` as raw rows (uint8 [rows, row_bytes], or the plain dtype for f32/f16/bf16).
@@ -766,10 +776,10 @@ AMX_MIN_TOKENS = {"q8_0": 16, "q4_0": 16, "mxfp4": 16, "iq4_nl": 16, "q4_k": 24,
 
 def in_place(tiles_fit: Callable[[str, int], bool], tiles: Callable[..., np.ndarray]) -> tuple[
         Callable[[str, int], bool], Callable[..., np.ndarray]]:
-    """``CpuKernels.in_place`` for a scheme of ``lanes.KINDS`` whose row tiles are ``tiles``
-    (``tiles_fit``; iq4_xs has none and passes ``stepwise``): the tiles below
-    ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on and wherever the tiles do not fit, and
-    ``amx.matmul`` from ``AMX_MIN_TOKENS`` on a CPU with AMX."""
+    """``CpuKernels.in_place`` for a scheme whose row tiles are ``tiles`` (``tiles_fit``;
+    iq4_xs, int4 and fp8_e4m3 have none and pass ``stepwise``): the tiles below
+    ``LANES_MIN_TOKENS``, ``lanes.matmul`` from there on and wherever the tiles do not fit (the
+    schemes of ``lanes.KINDS``), and ``amx.matmul`` from ``AMX_MIN_TOKENS`` on a CPU with AMX."""
 
     def fits(scheme: str, cols: int) -> bool:
         return lanes.fits(scheme, cols) or tiles_fit(scheme, cols)
@@ -838,20 +848,12 @@ def _one_thread(kernel):  # type: ignore[no-untyped-def]
     return njit(cache=True, nogil=True, fastmath=True)(twin)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _put(bf16, out32, out16, r, j, v):  # pragma: no cover - compiled
-    if bf16:
-        out16[r, j] = bf16_bits(v)  # decoded weights are finite: no NaN to quiet
-    else:
-        out32[r, j] = v
-
-
 @njit(**_OPTS)
 def _decode_int8(raw, cols, bf16, out32, out16):  # pragma: no cover - compiled
     for r in prange(raw.shape[0]):
         scale = raw[r, cols:cols + 4].copy().view(np.float32)[0]
         for j in range(cols):
-            _put(bf16, out32, out16, r, j, np.float32(np.int8(raw[r, j])) * scale)
+            put_decoded(bf16, out32, out16, r, j, np.float32(np.int8(raw[r, j])) * scale)
 
 
 @njit(**_OPTS)
@@ -860,7 +862,7 @@ def _decode_q8_0(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
         for b in range(cols // 32):
             d = _half(raw, r, b * 34, table)
             for j in range(32):
-                _put(bf16, out32, out16, r, b * 32 + j, d * np.float32(np.int8(raw[r, b * 34 + 2 + j])))
+                put_decoded(bf16, out32, out16, r, b * 32 + j, d * np.float32(np.int8(raw[r, b * 34 + 2 + j])))
 
 
 @njit(**_OPTS)
@@ -870,8 +872,8 @@ def _decode_q4_0(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
             d = _half(raw, r, b * 18, table)
             for j in range(16):
                 c = np.int32(raw[r, b * 18 + 2 + j])
-                _put(bf16, out32, out16, r, b * 32 + j, d * np.float32((c & 15) - 8))
-                _put(bf16, out32, out16, r, b * 32 + 16 + j, d * np.float32((c >> 4) - 8))
+                put_decoded(bf16, out32, out16, r, b * 32 + j, d * np.float32((c & 15) - 8))
+                put_decoded(bf16, out32, out16, r, b * 32 + 16 + j, d * np.float32((c >> 4) - 8))
 
 
 @njit(**_OPTS)
@@ -881,8 +883,8 @@ def _decode_mxfp4(raw, cols, fp4, e8m0, bf16, out32, out16):  # pragma: no cover
             d = e8m0[raw[r, b * 17]]
             for j in range(16):
                 c = np.int32(raw[r, b * 17 + 1 + j])
-                _put(bf16, out32, out16, r, b * 32 + j, fp4[c & 15] * d)
-                _put(bf16, out32, out16, r, b * 32 + 16 + j, fp4[c >> 4] * d)
+                put_decoded(bf16, out32, out16, r, b * 32 + j, fp4[c & 15] * d)
+                put_decoded(bf16, out32, out16, r, b * 32 + 16 + j, fp4[c >> 4] * d)
 
 
 @njit(**_OPTS)
@@ -896,8 +898,8 @@ def _decode_int4(raw, cols, group, bf16, out32, out16):  # pragma: no cover - co
             m = bf16_value(params[groups + g])
             for k in range(half):
                 c = np.int32(raw[r, g * half + k])
-                _put(bf16, out32, out16, r, g * group + k, np.float32(c & 15) * d + m)
-                _put(bf16, out32, out16, r, g * group + half + k, np.float32(c >> 4) * d + m)
+                put_decoded(bf16, out32, out16, r, g * group + k, np.float32(c & 15) * d + m)
+                put_decoded(bf16, out32, out16, r, g * group + half + k, np.float32(c >> 4) * d + m)
 
 
 @dataclass(frozen=True)
@@ -987,5 +989,20 @@ for _group in (32, 64, 128):
     register_cpu(f"int4_g{_group}", CpuKernels(_matvec_int4_rows(_group), block_decoder(_decode_int4, _group),
                                                in_place=_INT4_IN_PLACE))
 
-# the VNNI kernels, used above; the K-quants and fp8 register themselves
-from . import amx, fp8, kquants, lanes, rows, vnni  # noqa: E402,F401
+# fp8: on a CPU with AMX, several tokens multiply in place from AMX_MIN_TOKENS (each worker
+# decodes a chunk of rows to bf16, ``amx.fp8_intrinsic``), fewer token by token; elsewhere 16 or
+# more decode the matrix to bf16 for torch's GEMM and fewer go token by token.
+register_cpu("fp8_e4m3", CpuKernels(fp8.matvec_rows, block_decoder(fp8.decode_rows),
+                                    in_place=in_place(amx.fits, stepwise)))
+
+
+def _kquant_kernels(parts: kquants.CpuParts) -> CpuKernels:
+    decode = block_decoder(parts.decoder, *parts.tables)
+    if parts.tiles is None:
+        return CpuKernels(parts.matvec, decode)
+    fits, multiply = parts.tiles
+    return CpuKernels(parts.matvec, decode, in_place=in_place(fits, multiply or stepwise))
+
+
+for _name in kquants.KINDS:
+    register_cpu(_name, _kquant_kernels(kquants.cpu_parts(_name)))

@@ -1,6 +1,6 @@
 """Kernels for ggml's K-quants and IQ4 types (q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs), kept
 at the bytes a GGUF stores (layouts in ``ktc.formats.codec_kquants``): the CPU's one-token and
-decode kernels (Numba) and the device decoder (torch), each registered in the runtime's tables
+decode kernels (Numba) and the device decoder (torch), which ``kernels`` and ``device`` register
 under the scheme's name.
 
 One token on the CPU: the K-quants and iq4_xs through AVX-512 VNNI where the CPU has it, a row
@@ -14,19 +14,20 @@ tests check.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ktc.formats.float_bits import F16_TO_F32 as _F16_TO_F32
+from ktc.formats.float_bits import put_decoded
 from ktc.formats.kernel_args import read_only, writable
 from ktc.formats.schemes import get_scheme
 
 from . import vnni
-from .device import register_device
-from .kernels import _F16_TO_F32, CpuKernels, _put, block_decoder, in_place, register_cpu, stepwise
 
 KINDS = {"q2_k": 0, "q3_k": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "iq4_nl": 5, "iq4_xs": 6}
 # the kinds that read the activations per 256: q4_k and q5_k in one layout, q6_k in order
@@ -153,7 +154,7 @@ def _decode(raw, cols, kind, elems, block_bytes, table, levels, bf16, out32, out
         for b in range(cols // elems):
             _block(kind, raw, r, b * block_bytes, table, levels, buf)
             for j in range(elems):
-                _put(bf16, out32, out16, r, b * elems + j, buf[j])
+                put_decoded(bf16, out32, out16, r, b * elems + j, buf[j])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def _decode_q45_k(raw, cols, five, table, bf16, out32, out16):  # pragma: no cov
                     q = (codes[l] >> shift) & np.uint8(15)
                     if five:
                         q |= ((high[l] >> np.uint8(j)) & np.uint8(1)) << np.uint8(4)
-                    _put(bf16, out32, out16, r, b * 256 + j * 32 + l, dl * np.float32(q) - ml)
+                    put_decoded(bf16, out32, out16, r, b * 256 + j * 32 + l, dl * np.float32(q) - ml)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -208,7 +209,7 @@ def _decode_q6_k(raw, cols, table, bf16, out32, out16):  # pragma: no cover - co
                             l = 16 * half + k
                             u = ((ql[32 * (s % 2) + l] >> shift_l) & np.uint8(15)) | \
                                 (((qh[l] >> shift_h) & np.uint8(3)) << np.uint8(4))
-                            _put(bf16, out32, out16, r, b * 256 + n * 128 + s * 32 + l,
+                            put_decoded(bf16, out32, out16, r, b * 256 + n * 128 + s * 32 + l,
                                  dl * np.float32(np.int32(u) - 32))
 
 
@@ -862,7 +863,20 @@ def vnni_matvec(name: str):  # type: ignore[no-untyped-def]
     return run
 
 
-def _cpu(name: str) -> CpuKernels:
+class CpuParts(NamedTuple):
+    """What ``kernels`` registers for a type of ``KINDS``: the one-token ``matvec``, the
+    ``decoder`` kernel with its ``tables`` (``kernels.block_decoder``), and ``tiles``, the
+    (fits, multiply) of its kernels for a few tokens (``kernels.in_place``), multiply None where a
+    few tokens go one at a time, or None without them."""
+
+    matvec: Callable[..., np.ndarray]
+    decoder: Callable[..., None]
+    tables: tuple[Any, ...]
+    tiles: tuple[Callable[[str, int], bool], Callable[..., np.ndarray] | None] | None
+
+
+def cpu_parts(name: str) -> CpuParts:
+    """The CPU kernels of ``name``, one of ``KINDS``."""
     scheme = get_scheme(name)
     kind, elems, block_bytes = KINDS[name], scheme.block_elems, scheme.block_bytes
     if not vnni.HAVE_VNNI:
@@ -881,18 +895,19 @@ def _cpu(name: str) -> CpuKernels:
         return out
 
     if name in ("q4_k", "q5_k"):
-        decode = block_decoder(_decode_q45_k, name == "q5_k", _F16_TO_F32)
+        decoder, tables = _decode_q45_k, (name == "q5_k", _F16_TO_F32)
     elif name == "q6_k":
-        decode = block_decoder(_decode_q6_k, _F16_TO_F32)
+        decoder, tables = _decode_q6_k, (_F16_TO_F32,)
     else:
-        decode = block_decoder(_decode, kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS)
+        decoder, tables = _decode, (kind, elems, block_bytes, _F16_TO_F32, IQ4_LEVELS)
+    tiles: tuple[Callable[[str, int], bool], Callable[..., np.ndarray] | None] | None = None
     if name == "iq4_nl":  # q4_0's layout, multiplied in place as q4_0 is
-        return CpuKernels(matvec, decode, in_place=in_place(vnni.batched_fits, vnni.matmul_blocks))
-    if name in PER_256:
-        return CpuKernels(matvec, decode, in_place=in_place(batched_fits, matmul_k))
-    if name == "iq4_xs":  # no row tiles: the one-token kernel for a few tokens, then 16 a vector
-        return CpuKernels(matvec, decode, in_place=in_place(lambda scheme, cols: vnni.HAVE_VNNI, stepwise))
-    return CpuKernels(matvec, decode)
+        tiles = (vnni.batched_fits, vnni.matmul_blocks)
+    elif name in PER_256:
+        tiles = (batched_fits, matmul_k)
+    elif name == "iq4_xs":  # no row tiles: the one-token kernel for a few tokens, then 16 a vector
+        tiles = (lambda scheme, cols: vnni.HAVE_VNNI, None)
+    return CpuParts(matvec, decoder, tables, tiles)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -921,7 +936,8 @@ def _scale_min(scales: Any) -> tuple[Any, Any]:
     return sc.float(), mn.float()
 
 
-def _device_decode(name: str) -> Any:
+def device_decoder(name: str) -> Any:
+    """The device decoder of ``name``, one of ``KINDS`` (``device.register_device``)."""
     scheme = get_scheme(name)
 
     def decode(raw: Any, cols: int) -> Any:
@@ -976,8 +992,3 @@ def _device_decode(name: str) -> Any:
         return values.reshape(rows, cols)
 
     return decode
-
-
-for _name in KINDS:
-    register_cpu(_name, _cpu(_name))
-    register_device(_name, _device_decode(_name))

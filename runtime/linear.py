@@ -23,7 +23,7 @@ from ktc.formats.kernel_args import read_only
 from .device import matmul
 from . import interleave as interleaving
 from . import kernels, vnni
-from .kernels import decode, int8_row_scales, linear
+from .kernels import decode, int8_row_scales, interleaved_linear, linear
 
 
 SMALL_LOOKUP = 64  # rows up to which an embedding lookup decodes on the calling thread
@@ -84,7 +84,7 @@ class HostLinear(torch.nn.Module):
                                                                                        self.out_features)
         flat = x.detach().reshape(-1, self.in_features).to(torch.float32)
         if self.interleaved is not None:
-            y = torch.from_numpy(interleaving.matmul(flat.numpy(), self.interleaved, self.scheme))
+            y = torch.from_numpy(interleaved_linear(flat.numpy(), self.interleaved, self.scheme))
         else:
             y = torch.from_numpy(linear(flat.numpy(), self.raw, self.scheme, self._scales))
         if self.bias is not None:

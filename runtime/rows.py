@@ -13,6 +13,7 @@ q8_0 attention beside q4_0 experts), so one code path serves every mix instead o
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 from numba import njit, prange
@@ -203,6 +204,31 @@ def rows_many(flat, f32, f16, e8m0, kinds, offsets, row_bytes, cols, act, out): 
             first = (item - e * chunks) * ROWS_PER_ITEM
             rows(kinds[e], flat, f32, f16, e8m0, offsets[e], row_bytes[e], first,
                  min(n_rows, first + ROWS_PER_ITEM), cols, act, 0 if shared else e, out[e], acc)
+
+
+def experts_rows(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray, rows: int,
+                 x: np.ndarray) -> np.ndarray:
+    """[k, rows]: the matrix stored at byte ``offsets[e]`` of ``file`` (the bundle mapped as
+    uint8, of a length that is a multiple of 4) times x[e], for the k selected experts of a layer
+    at once; ``x`` of one row is every expert's (quantized once). ``scheme``: one of
+    ``vnni.FUSED`` for all k, or one each, mixed in one parallel region (``rows_many``)."""
+    vectors, cols = x.shape
+    k = offsets.shape[0]
+    file = read_only(file)
+    kinds, row_bytes = _fused_layout((scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols)
+    f16, e8m0 = vnni._tables()
+    act = activations(writable(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1), vectors, cols, kinds)
+    out = np.empty((k, rows), dtype=np.float32)
+    rows_many(file, file.view(np.float32), f16, e8m0, kinds, offsets, row_bytes, cols, act, out)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _fused_layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """``layout`` of the selected experts' schemes, each checked to be one of ``vnni.FUSED``."""
+    if not set(schemes) <= vnni.FUSED:
+        raise ValueError(f"no multi-expert kernel for {sorted(set(schemes) - vnni.FUSED)}")
+    return layout(schemes, cols)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)

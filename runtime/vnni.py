@@ -10,7 +10,7 @@ int8, q8_0, q4_0, mxfp4 or iq4_nl as one LLVM loop (``_row_intrinsic``: two or f
 512-bit step, mxfp4's e2m1 codes and iq4_nl's levels made unsigned integers with one
 ``pshufb``); int4 (codes, then bf16 scales and minimums) as one LLVM loop too
 (``_int4_row_intrinsic``); each for one matrix, for
-the same matrix of all the selected experts of a layer at once (``rows_many``, schemes mixed),
+the same matrix of all the selected experts of a layer at once (``rows.experts_rows``, schemes mixed),
 for one token through a layer's experts in one call (``rows.experts_token``, with the
 K-quants), and for several tokens at once in tiles of rows x tokens (``matmul_blocks``). Used
 when the CPU has AVX-512 VNNI and the JIT is on; otherwise ``kernels.py``'s float kernels run.
@@ -18,9 +18,7 @@ when the CPU has AVX-512 VNNI and the JIT is on; otherwise ``kernels.py``'s floa
 """
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Sequence
 
 import numpy as np
 from numba import config, njit, prange, types
@@ -28,8 +26,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ktc.formats.dequant import FP8_E4M3_VALUES
+from ktc.formats.float_bits import E8M0_TO_F32, F16_TO_F32
 from ktc.formats.kernel_args import read_only, writable
-from ktc.formats.schemes import get_scheme
 
 
 def _host_has(wanted: tuple[str, ...]) -> bool:
@@ -552,7 +550,7 @@ _Q4_PERMUTE = _q4_blocks_by_permute()
 def _row_intrinsic(kind: int, tokens: int = 0, rows: int = 1):  # type: ignore[no-untyped-def]
     """``row(flat, at, steps, xq, lanes, lbase, lspan, e8m0) -> float32``: the dot product of the ``steps`` * n
     blocks of BLOCK_KINDS ``kind`` at byte ``at`` of ``flat`` with the int8 activations xq (block
-    j's scale dx[j], sum xsum[j]; e8m0: kernels._E8M0), n blocks a step in one
+    j's scale dx[j], sum xsum[j]; e8m0: E8M0_TO_F32), n blocks a step in one
     512-bit product: int8 and q8_0 two blocks of 32 codes (their sign bits flipped), q4_0 and
     mxfp4 four blocks of 32 4-bit codes (activations in ``quad_layout``: the four blocks' first
     16 values, then their last 16, as their low and high nibbles lie). Each lane l adds
@@ -1303,41 +1301,9 @@ KQUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"})
 FUSED = set(BLOCK_KINDS) | KQUANTS | {"fp8_e4m3", "int4_g32", "int4_g64", "int4_g128"}
 
 
-def rows_many(file: np.ndarray, scheme: str | Sequence[str], offsets: np.ndarray, rows: int,
-              x: np.ndarray) -> np.ndarray:
-    """[k, rows]: the matrix stored at byte ``offsets[e]`` of ``file`` (the bundle mapped as
-    uint8, of a length that is a multiple of 4) times x[e], for the k selected experts of a layer
-    at once; ``x`` of one row is every expert's (quantized once). ``scheme``: one of ``FUSED``
-    for all k, or one each, mixed in one parallel region (``rows.rows_many``)."""
-    from . import rows as kinds_rows
-
-    vectors, cols = x.shape
-    k = offsets.shape[0]
-    file = read_only(file)
-    kinds, row_bytes = _fused_layout((scheme,) * k if isinstance(scheme, str) else tuple(scheme), cols)
-    f16, e8m0 = _tables()
-    act = kinds_rows.activations(writable(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1), vectors, cols, kinds)
-    out = np.empty((k, rows), dtype=np.float32)
-    kinds_rows.rows_many(file, file.view(np.float32), f16, e8m0, kinds, offsets, row_bytes, cols, act, out)
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _fused_layout(schemes: tuple[str, ...], cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """``rows.layout`` of the selected experts' schemes, each checked to be one of ``FUSED``."""
-    from . import rows as kinds_rows
-
-    if not set(schemes) <= FUSED:
-        raise ValueError(f"no multi-expert kernel for {sorted(set(schemes) - FUSED)}")
-    return kinds_rows.layout(schemes, cols)
-
-
-@functools.lru_cache(maxsize=1)
 def _tables() -> tuple[np.ndarray, np.ndarray]:
-    """kernels' fp16 and e8m0 value tables (kernels imports this module: looked up once)."""
-    from .kernels import _E8M0, _F16_TO_F32
-
-    return _F16_TO_F32, _E8M0
+    """The fp16 and e8m0 value tables the kernels take."""
+    return F16_TO_F32, E8M0_TO_F32
 
 
 # Set to an int64 array of STAMP_COUNT (benchmarks/expert_kernels.py does) to have each compiled

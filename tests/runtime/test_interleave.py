@@ -216,16 +216,17 @@ def test_q4_k_one_token_matches_the_definition_and_the_row_major_kernel(shape):
 @pytest.mark.parametrize("shape", [(64, 256), (80, 2048), (48, 768)])
 def test_q4_k_several_tokens_equal_the_definition_and_each_token_alone(shape, tokens):
     """Tiles of K_TILE_TOKENS tokens by K_TILE_GROUPS groups, and the groups and tokens past them
-    (80 and 48 rows: five and three groups) one at a time; from K_LANES_MIN_TOKENS tokens on the
-    stored layout's lanes over the rows put back a chunk at a time, which give exactly what they
-    give the stored rows: each token what the definition gives, and what it gives alone (the
-    same activations per 256)."""
+    (80 and 48 rows: five and three groups) one at a time; from K_LANES_MIN_TOKENS tokens on
+    (``kernels.interleaved_linear``) the stored layout's lanes over the rows put back a chunk at a
+    time, which give exactly what they give the stored rows: each token what the definition
+    gives, and what it gives alone (the same activations per 256)."""
     from ktc.runtime import lanes
+    from ktc.runtime.kernels import interleaved_linear
 
     raw, _ = _case(*shape, seed=tokens, scheme="q4_k")
     x = np.random.default_rng(tokens).standard_normal((tokens, shape[1])).astype(np.float32)
     packed = interleave.repack(raw, "q4_k")
-    got = interleave.matmul(x, packed, "q4_k")
+    got = interleaved_linear(x, packed, "q4_k")
     want = np.stack([_k_definition(raw, row) for row in x])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     alone = np.stack([interleave.matvec(packed, "q4_k", row) for row in x])

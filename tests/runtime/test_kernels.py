@@ -17,6 +17,7 @@ from ktc.formats.kernel_args import read_only
 from ktc.formats.quantize import dequantize, quantize
 from ktc.runtime import vnni
 from ktc.runtime.kernels import expert_forward, expert_forward_batch, matvec
+from ktc.runtime.rows import experts_rows
 
 SCHEMES = ["f32", "bf16", "f16", "int8", "q8_0", "q4_0", "mxfp4", "int4_g32", "int4_g64", "int4_g128", "fp8_e4m3"]
 SHAPES = [(8, 128), (40, 256), (3, 384)]
@@ -61,7 +62,7 @@ def test_fp8_rows_take_denormal_activations_as_zeros():
     np.testing.assert_array_equal(matvec(raw, "fp8_e4m3", x), matvec(raw, "fp8_e4m3", zeroed))
     file = np.zeros(raw.nbytes + 8, np.uint8)
     file[4:4 + raw.nbytes] = raw.reshape(-1)
-    both = [vnni.rows_many(file, "fp8_e4m3", np.array([4], dtype=np.int64), 70, v[None, :]) for v in (x, zeroed)]
+    both = [experts_rows(file, "fp8_e4m3", np.array([4], dtype=np.int64), 70, v[None, :]) for v in (x, zeroed)]
     np.testing.assert_array_equal(both[0], both[1])
 
 
@@ -641,7 +642,7 @@ def test_batched_blocks_outside_their_tiles(monkeypatch):
     """Rows that are not whole steps of the row tiles' loop (q4_0 at 96 columns) go 16 tokens a
     vector even for a few tokens; whole steps take the tiles below LANES_MIN_TOKENS and the
     lanes from there; each gives the same products."""
-    from ktc.runtime import kernels, lanes
+    from ktc.runtime import lanes
     from ktc.runtime.kernels import LANES_MIN_TOKENS, linear
 
     taken = []
@@ -760,7 +761,7 @@ def test_fused_experts_equal_one_by_one(scheme, cols, shared):
     for e, raw in enumerate(mats):
         file[offsets[e]:offsets[e] + raw.nbytes] = raw.reshape(-1)
     x = rng.standard_normal((1 if shared else k, cols)).astype(np.float32)
-    got = vnni.rows_many(file, scheme, offsets, rows, x)
+    got = experts_rows(file, scheme, offsets, rows, x)
     for e, raw in enumerate(mats):
         want = matvec(raw, scheme, x[0 if shared else e])
         np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -784,7 +785,7 @@ def test_fused_experts_of_mixed_schemes(cols, shared):
     for off, raw in zip(offsets, mats):
         file[off:off + raw.nbytes] = raw.reshape(-1)
     x = rng.standard_normal((1 if shared else len(schemes), cols)).astype(np.float32)
-    got = vnni.rows_many(file, schemes, np.array(offsets, dtype=np.int64), rows, x)
+    got = experts_rows(file, schemes, np.array(offsets, dtype=np.int64), rows, x)
     for e, (scheme, raw) in enumerate(zip(schemes, mats)):
         want = matvec(raw, scheme, x[0 if shared else e])
         np.testing.assert_allclose(got[e], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=scheme)
