@@ -466,9 +466,10 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     It watches the forwards that go through the experts (``ExpertSet.observers``), and ktc's
     compiled CPU decode steps, which route inside one call a layer, between layers
     (``FastDecode.hooks``: the next layer's guess from this layer's output, a layer's attention
-    ahead rather than a layer); always on where the plan keeps experts on disk, whose RAM experts
-    and the weights every step reads are then read in (``KtcModel.pinning``: ``MADV_WILLNEED``;
-    with ``mlock`` locked, where the OS allows). ``prefill_offload``: on a device, a forward of
+    ahead rather than a layer); on where the plan keeps experts on disk in a MoE layer after the
+    first (no layer guesses the first), and asking only for those (``Prefetcher.paged``); the
+    plan's RAM experts and the weights every step reads are then read in (``KtcModel.pinning``:
+    ``MADV_WILLNEED``; with ``mlock`` locked, where the OS allows). ``prefill_offload``: on a device, a forward of
     the plan's threshold of tokens or more (32 where it has none) copies the CPU experts it uses
     to the device where the cost model says the copy is faster (``offload.PrefillOffload``, with
     the plan's PCIe and CPU bandwidths), within the VRAM the plan and the cache slots leave
@@ -513,8 +514,8 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
 
 def _stream(km: KtcModel, prefetch: bool, mlock: bool = False) -> None:
     """A disk-tier plan's RAM set read in (locked with ``mlock``) and the pre-gating prefetcher
-    (``prefetch``, a plan with experts on disk, or the prefill offload, whose copies it starts a
-    layer ahead)."""
+    (``prefetch``, a plan with experts on disk in a layer a guess reaches, or the prefill
+    offload, whose copies it starts a layer ahead)."""
     from .prefetch import Prefetcher, dense_ranges, expert_ranges, read_in
 
     if km.offload is not None:
@@ -528,8 +529,10 @@ def _stream(km: KtcModel, prefetch: bool, mlock: bool = False) -> None:
         in_ram = [r for layer, row in placement.items()
                   for r in expert_ranges(bundle, int(layer), [e for e, p in enumerate(row) if p.startswith("cpu:")])]
         km.pinning = read_in(bundle, in_ram + dense_ranges(bundle), lock=mlock)
-        prefetch = True
         paged = {int(layer): np.array([p.startswith("disk:") for p in row]) for layer, row in placement.items()}
+        # the first MoE layer has no layer before it to guess it: with disk experts there alone the
+        # prefetcher has nothing to do, and its hooks would split ktc's compiled decode step
+        prefetch = prefetch or any(paged[e.layer].any() for e in km.experts[1:])
     if not prefetch:
         return
     routers = [bundle.tensor_float32(f"layers.{e.layer}.router") for e in km.experts]
