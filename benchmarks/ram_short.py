@@ -230,7 +230,8 @@ def main() -> int:
             line += (f"; /llama.cpp {gen.median(ratios):.2f}x (rounds {' '.join(f'{r:.2f}' for r in ratios)})")
         print(line)
     for name, runs in fetched.items():  # the same every round where the reads are: said once then
-        print(f"{name} prefetch: " + (runs[0] if len(set(runs)) == 1 else "; ".join(f"round {i + 1} {r}" for i, r in enumerate(runs))))
+        said = runs[0] if len(set(runs)) == 1 else "; ".join(f"round {i + 1} {r}" for i, r in enumerate(runs))
+        print(f"{name} prefetch: {said}")
     return 0
 
 

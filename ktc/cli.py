@@ -942,8 +942,10 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         how = ("locked by mlock" if pinning["method"] == "mlock" else
                f"read in (MADV_WILLNEED: {pinning['fallback']})" if pinning["fallback"] else
                "read in (MADV_WILLNEED; --mlock locks them)")
+        ahead = ("the disk experts paged in a layer ahead by pre-gating" if paged is not None else
+                 "the disk experts read as used (all in the first MoE layer, which no layer guesses)")
         click.echo(f"disk tier: the plan's RAM experts and weights ({format_bytes(pinning['pinned_bytes'])}) {how}; "
-                   "the disk experts paged in a layer ahead by pre-gating", err=True)
+                   f"{ahead}", err=True)
     if offloaded is not None:
         click.echo(f"prefill offload: {offloaded['offloaded']} of {offloaded['forwards']} layer forwards of "
                    f"{model_min_tokens} tokens or more ran {offloaded['experts']} experts on the device, "

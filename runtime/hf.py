@@ -454,36 +454,35 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
                 interleave: bool = True, mlock: bool = False) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
 
-    ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the
-    plan's device experts and the KV cache (the plan's ``max_tokens``) on the GPU. ``threads``
-    sets the CPU threads of ktc's kernels and torch (default: all cores). ``tokenizer``: the
-    bundle's tokenizer when the caller loaded it already (``load_tokenizer``). ``cache_slots``:
-    on a device, that many device slots per MoE layer for CPU experts, filled on demand
-    (``ExpertSet``), refused where they do not fit the VRAM the plan leaves free; ``cache_prior``:
-    an ``ActivationProfile`` of the model (the slots' policy's prior; uniform without one).
-    ``prefetch``: pre-gating one MoE layer ahead (``prefetch.Prefetcher``): the experts the next
-    layer's router picks for this layer's input are paged in, and copied into its cache slots.
-    It watches the forwards that go through the experts (``ExpertSet.observers``), and ktc's
-    compiled CPU decode steps, which route inside one call a layer, between layers
-    (``FastDecode.hooks``: the next layer's guess from this layer's output, a layer's attention
-    ahead rather than a layer); on where the plan keeps experts on disk in a MoE layer after the
-    first (no layer guesses the first), and asking only for those (``Prefetcher.paged``); the
-    plan's RAM experts and the weights every step reads are then read in (``KtcModel.pinning``:
-    ``MADV_WILLNEED``; with ``mlock`` locked, where the OS allows). ``prefill_offload``: on a device, a forward of
-    the plan's threshold of tokens or more (32 where it has none) copies the CPU experts it uses
-    to the device where the cost model says the copy is faster (``offload.PrefillOffload``, with
-    the plan's PCIe and CPU bandwidths), within the VRAM the plan and the cache slots leave
-    free; the offload's counters are ``KtcModel.offload``. Left None, both follow the plan's
-    ``streaming`` record (``ktc.streaming``: its cache slots, and the offload from its
-    threshold) on a device, and are off without one. ``mapped=False`` reads the whole bundle
-    into the process's memory (huge pages where Linux gives them) instead of mapping it: the CPU
-    kernels read faster there where the map reads slowly (``formats.bundle.open_bundle``);
-    refused for a plan that keeps experts on disk (they are there because RAM cannot hold them).
-    ``interleave``: on the CPU, q4_0, q8_0, mxfp4 and q4_k matrices (attention, the output matrix,
-    and the experts of layers whose experts share one scheme where nothing runs on a device and
-    none are on disk; int8 experts too, as q8_0 blocks) are
-    multiplied from copies with their rows interleaved (``runtime.interleave``, as llama.cpp's
-    ``--repack``), made at load; False reads them in the bundle's own layout.
+    ``device=None`` runs everything on the CPU; ``"cuda"`` puts the non-expert weights, the plan's
+    device experts and the KV cache (the plan's ``max_tokens``) on the GPU. ``threads`` sets the CPU
+    threads of ktc's kernels and torch (default: all cores). ``tokenizer``: the bundle's tokenizer
+    when the caller loaded it already (``load_tokenizer``). ``cache_slots``: on a device, that many
+    device slots per MoE layer for CPU experts, filled on demand (``ExpertSet``), refused where they
+    do not fit the VRAM the plan leaves free; ``cache_prior``: an ``ActivationProfile`` of the model
+    (the slots' policy's prior; uniform without one). ``prefetch``: pre-gating one MoE layer ahead
+    (``prefetch.Prefetcher``): the experts the next layer's router picks for this layer's input are
+    paged in, and copied into its cache slots. It watches the forwards that go through the experts
+    (``ExpertSet.observers``), and ktc's compiled CPU decode steps, which route inside one call a
+    layer, between layers (``FastDecode.hooks``: the next layer's guess from this layer's output, a
+    layer's attention ahead rather than a layer); on where the plan keeps experts on disk in a MoE
+    layer after the first (no layer guesses the first), and asking only for those
+    (``Prefetcher.paged``); the plan's RAM experts and the weights every step reads are then read in
+    (``KtcModel.pinning``: ``MADV_WILLNEED``; with ``mlock`` locked, where the OS allows).
+    ``prefill_offload``: on a device, a forward of the plan's threshold of tokens or more (32 where
+    it has none) copies the CPU experts it uses to the device where the cost model says the copy is
+    faster (``offload.PrefillOffload``, with the plan's PCIe and CPU bandwidths), within the VRAM
+    the plan and the cache slots leave free; the offload's counters are ``KtcModel.offload``. Left
+    None, both follow the plan's ``streaming`` record (``ktc.streaming``: its cache slots, and the
+    offload from its threshold) on a device, and are off without one. ``mapped=False`` reads the
+    whole bundle into the process's memory (huge pages where Linux gives them) instead of mapping
+    it: the CPU kernels read faster there where the map reads slowly
+    (``formats.bundle.open_bundle``); refused for a plan that keeps experts on disk (they are there
+    because RAM cannot hold them). ``interleave``: on the CPU, q4_0, q8_0, mxfp4 and q4_k matrices
+    (attention, the output matrix, and the experts of layers whose experts share one scheme where
+    nothing runs on a device and none are on disk; int8 experts too, as q8_0 blocks) are multiplied
+    from copies with their rows interleaved (``runtime.interleave``, as llama.cpp's ``--repack``),
+    made at load; False reads them in the bundle's own layout.
     """
     transformers = require_transformers()
     dev = check_device(device)

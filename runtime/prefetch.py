@@ -155,16 +155,16 @@ class Prefetcher:
     ``paged``: for each layer (decoder index), a boolean mask of the experts whose pages are
     worth asking for (a disk tier's: those on disk; the rest are in memory already); None asks
     for every guessed expert. With it, a layer with none of them, no cache slots and no offload
-    is not guessed, and its routing not scored. A layer's pages are asked for only while its guesses of them are
-    used often enough: ``precision(layer)``, the share of the pageable experts guessed that the
-    layer then used (decayed by ``DECAY`` a guess, starting at one use of one), at least
-    ``min_precision``. A page-in that is used spares the layer a read in its critical path; one
-    that is not costs as much of the disk's time and evicts as many cached pages: about even at
-    one half. ``benchmarks/ram_short.py``'s random model, whose guesses named about a quarter of
-    the experts a layer used, decoded 0.86x as fast asking for every guessed expert's pages as
-    asking for none (``docs/runtime.md``). The guesses go on being made and scored while a layer is not paged,
-    so it pages again once they are used; ``skipped`` counts the guesses whose pages were not
-    asked for."""
+    is not guessed, and its routing not scored. A layer's pages are asked for only while its
+    guesses of them are used often enough: ``precision(layer)``, the share of the pageable
+    experts guessed that the layer then used (decayed by ``DECAY`` a guess, starting at one use
+    of one), at least ``min_precision``. A page-in that is used spares the layer a read in its
+    critical path; one that is not costs as much of the disk's time and evicts as many cached
+    pages: about even at one half. ``benchmarks/ram_short.py``'s random model, whose guesses
+    named about a quarter of the experts a layer used, decoded 0.86x as fast asking for every
+    guessed expert's pages as asking for none (``docs/runtime.md``). The guesses go on being
+    made and scored while a layer does not ask, so it asks again once they are used;
+    ``skipped`` counts the guesses whose pages were not asked for."""
 
     DECAY = 0.9
 
@@ -184,8 +184,8 @@ class Prefetcher:
         self.paged = paged
         self.min_precision = min_precision
         # layer -> (its guess, its counts then, the guess's pageable experts), the guesses as masks
-        # over the layer's experts (a decode step guesses every layer: numpy's set operations
-        # took 85 us a guess, 4 ms a token of a 48-layer model)
+        # over the layer's experts (a decode step guesses every layer but the first: numpy's set
+        # operations on the experts' numbers took about 15 us of a guess)
         self._open: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._hits: dict[int, tuple[float, float]] = {}  # layer -> (decayed uses, decayed guesses) of pageable experts
         self.top_k = top_k
@@ -193,9 +193,10 @@ class Prefetcher:
         self._by_layer = {experts.layer: (experts, router) for experts, router in zip(layers, routers)}
         # One token's guess through the CPU kernels, from the router's bf16 bits where they hold
         # it exactly (a trained router's, as a GGUF widens to f32): numpy's product of a
-        # Qwen3-30B-A3B-shaped float32 router (1 MB) from memory took 76 us, the bf16 kernel 14.
+        # Qwen3-30B-A3B-shaped float32 router (1 MB) from memory took 70-79 us, the bf16
+        # kernel's 22-27 (benchmarks/pregate.py).
         self._one_token = {}
-        for experts, router in zip(layers[1:], routers[1:]):
+        for experts, router in zip(layers, routers):
             weights = exact_bf16(router)
             self._one_token[experts.layer] = (weights, "bf16" if weights.dtype == np.uint16 else "f32")
         self._installed = []

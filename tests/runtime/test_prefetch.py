@@ -158,7 +158,8 @@ def test_a_disk_tier_bundle_pins_its_ram_experts_and_prefetches_the_rest(demo_mo
     """A plan with experts on disk compiles (through a plan file, as ktc plan -o writes it) and
     runs: the CPU experts and the weights every step reads read in (MADV_WILLNEED; with mlock,
     locked where the OS allows, else read in and the refusal said) and resident, the pre-gating
-    prefetcher on, the text the same as with every expert in RAM."""
+    prefetcher on (off where only the first MoE layer has disk experts), the text the same as
+    with every expert in RAM."""
     from ktc.api import plan
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
@@ -196,6 +197,21 @@ def test_a_disk_tier_bundle_pins_its_ram_experts_and_prefetches_the_rest(demo_mo
     assert got.generated_tokens == want.generated_tokens
     with pytest.raises(KtcError, match="keeps experts on disk"):  # ktc run --no-mmap: RAM cannot hold them
         from_bundle(on_disk, mapped=False)
+    # disk experts in the first MoE layer alone, which no layer guesses: no prefetcher (its hooks
+    # would split the compiled decode step for nothing), the RAM set read in all the same
+    first = json.loads((tmp_path / "plan.json").read_text())
+    layers = sorted(first["placement"], key=int)
+    for layer in layers[1:]:
+        first["placement"][layer] = [p.replace("disk:", "cpu:") for p in first["placement"][layer]]
+    first["placement"][layers[0]] = [p.replace("cpu:", "disk:") for p in first["placement"][layers[0]]]
+    first["hardware"]["ram_bytes"] = 2**30
+    (tmp_path / "first.json").write_text(json.dumps(first))
+    first_only = str(tmp_path / "first.ktb")
+    compile_bundle(demo_model, first_only, plan_path=str(tmp_path / "first.json"))
+    with from_bundle(first_only) as km:
+        assert km.pinning is not None and km.prefetcher is None
+        alone = generate(km, list(range(5, 25)), max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+    assert alone.generated_tokens == want.generated_tokens
 
 
 def test_the_disk_read_bandwidth_is_measured_where_asked(tmp_path):
