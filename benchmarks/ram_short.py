@@ -30,9 +30,11 @@ Interleaved rounds, the sides' order rotated each round; medians of decode token
 ktc side's ratio to llama.cpp's in the same round. Needs root and cgroup v1's memory controller
 (``/sys/fs/cgroup/memory``); says so and stops without them. The routing of these random models
 is about uniform: no expert is much hotter than another, which is where a plan's RAM set can gain
-least over the page cache's own choice.
+least over the page cache's own choice. ``--routing guessable`` runs the same on a copy of the
+model whose routing is skewed and which pre-gating guesses as well as a trained model's
+(``guessable_checkpoint``), where the tier's prefetch is built to gain.
 
-    python benchmarks/ram_short.py [--rounds 5] [--allowance 0.6] [--new 64]
+    python benchmarks/ram_short.py [--rounds 5] [--allowance 0.6] [--new 64] [--routing guessable]
 """
 
 from __future__ import annotations
@@ -117,6 +119,37 @@ def ktc_worker(bundle: str, new: int, mlock: bool, threads: int) -> None:
                           {"paged": fetch.asked, "accuracy": fetch.accuracy, "not_paged": fetch.skipped}}))
 
 
+def guessable_checkpoint(checkpoint: str, folder: str) -> str:
+    """``checkpoint`` (the two-layer model) with routing that is skewed and that pre-gating
+    guesses: both layers take the first layer's router with expert e's row scaled by
+    1 + 2 exp(-e / 16) (a larger row wins its token's top k more often: the first 32 of 128
+    experts take about two thirds of the choices), and the second layer's attention output
+    projection is scaled by 0.05, so that the residual changes little between the first layer's
+    output and the second's experts, as in a trained model (pre-gating then names about 90% of
+    the second layer's experts, as on the trained demo; on the random model 23%)."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(folder, exist_ok=True)
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    router = weights["model.layers.0.mlp.gate.weight"].float()
+    scale = 1 + 2 * torch.exp(-torch.arange(router.shape[0], dtype=torch.float32) / 16)
+    for layer in (0, 1):
+        weights[f"model.layers.{layer}.mlp.gate.weight"] = (router * scale[:, None]).to(torch.bfloat16)
+    projection = "model.layers.1.self_attn.o_proj.weight"
+    weights[projection] = (weights[projection].float() * 0.05).to(torch.bfloat16)
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    # the tokenizer's files, then the config: the folder's mark of being whole
+    for name in sorted(os.listdir(checkpoint), key=lambda n: n == "config.json"):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(checkpoint, name), folder)
+    return folder
+
+
 def record_profile(bundle: str, path: str, tokens: int, threads: int) -> None:
     """The routing counts of ``tokens`` random tokens decoded by ``bundle`` (another seed than
     the runs'), saved as a profile for ``ktc compile --profile``."""
@@ -140,6 +173,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
     parser.add_argument("--allowance", type=float, default=0.6, help="the page cache's share of the GGUF's bytes")
     parser.add_argument("--new", type=int, default=64, help="decoded tokens a run")
+    parser.add_argument("--routing", choices=("random", "guessable"), default="random",
+                        help="the model's routers as initialised, or made skewed and guessable a layer ahead "
+                             "(guessable_checkpoint)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--disk-bandwidth", default="0.67GB/s",
                         help="the disk's read bandwidth for the tier's plan (ktc doctor --disk DIR measures it)")
@@ -164,15 +200,19 @@ def main() -> int:
 
     os.makedirs(args.workdir, exist_ok=True)
     checkpoint = gen.build_checkpoint("qwen3", os.path.join(args.workdir, "qwen3-2l"), 2)
-    gguf = gen.llama_gguf(args.llamacpp, checkpoint, "qwen3-2l", "Q4_0", args.workdir, True)
-    mapped = os.path.join(args.workdir, "qwen3-2l-Q4_0-pure-from-gguf.ktb")
+    name = "qwen3-2l"
+    if args.routing == "guessable":
+        name = "qwen3-2l-guessable"
+        checkpoint = guessable_checkpoint(checkpoint, os.path.join(args.workdir, name))
+    gguf = gen.llama_gguf(args.llamacpp, checkpoint, name, "Q4_0", args.workdir, True)
+    mapped = os.path.join(args.workdir, f"{name}-Q4_0-pure-from-gguf.ktb")
     if not os.path.exists(mapped):
         compile_bundle(gguf, mapped, cpu_scheme="q4_0", dense_scheme="q4_0", max_tokens=4096)
     allowance = int(args.allowance * os.path.getsize(gguf))
     embedding = next(int(t.n_bytes) for t in GGUFReader(gguf).tensors if t.name == "token_embd.weight")
-    tiered = os.path.join(args.workdir, f"qwen3-2l-Q4_0-tier-{allowance}.ktb")
-    profiled = os.path.join(args.workdir, f"qwen3-2l-Q4_0-tier-profiled-{allowance}.ktb")
-    profile = os.path.join(args.workdir, "qwen3-2l-Q4_0-random-profile.json")
+    tiered = os.path.join(args.workdir, f"{name}-Q4_0-tier-{allowance}.ktb")
+    profiled = os.path.join(args.workdir, f"{name}-Q4_0-tier-profiled-{allowance}.ktb")
+    profile = os.path.join(args.workdir, f"{name}-Q4_0-random-profile.json")
     if not os.path.exists(profile):
         record_profile(mapped, profile, 256, args.threads)
     for path, extra in ((tiered, []), (profiled, ["--profile", profile])):
