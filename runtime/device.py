@@ -21,6 +21,7 @@ from ktc.formats.schemes import get_scheme
 
 from . import fp8, kquants
 
+
 def check_device(device: Any) -> Any:
     """``device`` as a torch device (None stays None), or a ``KtcError`` that says what to do:
     a CUDA device asked for where torch sees none (a CPU build of torch, or no driver) is not
