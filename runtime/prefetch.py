@@ -182,6 +182,8 @@ class Prefetcher:
         self.used = self.named = 0
         self.skipped = 0
         self.paged = paged
+        # the layers a disk mask leaves nothing to ask for (looked up each guess, not recomputed)
+        self._nothing_paged = frozenset(layer for layer, mask in (paged or {}).items() if not mask.any())
         self.min_precision = min_precision
         # layer -> (its guess, its counts then, the guess's pageable experts), the guesses as masks
         # over the layer's experts (a decode step guesses every layer but the first: numpy's set
@@ -220,7 +222,7 @@ class Prefetcher:
         if found is None:
             return
         nxt, router = found
-        if self.paged is not None and not self.paged[layer].any() and getattr(nxt, "cache", None) is None \
+        if layer in self._nothing_paged and getattr(nxt, "cache", None) is None \
                 and getattr(nxt, "offload", None) is None:
             return  # nothing to ask for or to copy: not guessed (nor scored)
         if hidden.shape[0] == 1:
