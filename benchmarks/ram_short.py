@@ -153,19 +153,16 @@ def guessable_checkpoint(checkpoint: str, folder: str) -> str:
 def record_profile(bundle: str, path: str, tokens: int, threads: int) -> None:
     """The routing counts of ``tokens`` random tokens decoded by ``bundle`` (another seed than
     the runs'), saved as a profile for ``ktc compile --profile``."""
-    import numpy as np
-
-    from ktc.formats.activation_profile import ActivationProfile
     from ktc.runtime.generate import Sampling, generate
     from ktc.runtime.hf import from_bundle
+    from ktc.runtime.moe import routing_profile
 
     flat = Sampling(temperature=1000.0, top_k=0, top_p=1.0, seed=1)
     with from_bundle(bundle, threads=threads, interleave=False) as km:
         for experts in km.experts:
             experts.counts[:] = 0
         generate(km, [7], max_new_tokens=tokens, sampling=flat, stop_at_eos=False)
-        counts = np.stack([experts.counts for experts in km.experts]).astype(np.float64)
-        ActivationProfile(tuple(e.layer for e in km.experts), counts, f"{tokens} random tokens").save(path)
+        routing_profile(km.experts).save(path)  # each ExpertSet's layer and counts, as a MoE layer's
 
 
 def main() -> int:
