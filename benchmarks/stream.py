@@ -77,17 +77,22 @@ SCALES = (Scale("mixtral-8x7b", 32, 8, 2, 3 * 4096 * 14336 * 9 // 16),
           Scale("qwen3-30b-a3b", 48, 128, 8, 3 * 2048 * 768 * 9 // 16))
 
 
+def popularity(scale: Scale, rng: np.random.Generator) -> np.ndarray:
+    """[layers, experts]: each layer's experts from the most chosen to the least."""
+    return np.stack([rng.permutation(scale.experts) for _ in range(scale.layers)])
+
+
 def trace(scale: Scale, tokens: int, zipf: float, period: int | None, rng: np.random.Generator,
-          start: int = 0) -> np.ndarray:
+          start: int = 0, orders: np.ndarray | None = None) -> np.ndarray:
     """[tokens, layers, top_k] experts: each token's top k of a Zipf popularity (one order per
-    layer, drawn anew every ``period`` tokens after ``start`` when given), sampled without
-    replacement."""
+    layer, ``orders`` or drawn first, drawn anew every ``period`` tokens after ``start`` when
+    given), sampled without replacement."""
     weights = 1.0 / np.arange(1, scale.experts + 1) ** zipf
     out = np.empty((tokens, scale.layers, scale.top_k), dtype=np.int64)
-    orders = np.stack([rng.permutation(scale.experts) for _ in range(scale.layers)])
+    orders = popularity(scale, rng) if orders is None else orders
     for t in range(tokens):
         if period and t > start and (t - start) % period == 0:
-            orders = np.stack([rng.permutation(scale.experts) for _ in range(scale.layers)])
+            orders = popularity(scale, rng)
         # Gumbel top-k: k draws without replacement in proportion to the weights
         keys = np.log(weights)[None, :] + rng.gumbel(size=(scale.layers, scale.experts))
         ranks = np.argsort(-keys, axis=1)[:, : scale.top_k]
@@ -107,25 +112,33 @@ def static_plan(profile: np.ndarray, scale: Scale, budget: float) -> list[tuple[
 
 
 def replay(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profile: np.ndarray, hw,
-           cached: bool, slots: int | None = None) -> tuple[float, float, int]:
+           cached: bool, slots: int | tuple[int, ...] | None = None) -> tuple[float, float, int]:
     """(tokens/s, hit rate, bytes uploaded) of the trace under the plan, with the cache or not:
     the plan's experts as the cache's slots at the start, or with ``slots``, the plan's experts
-    resident and that many slots a layer beside them (the planner's split)."""
+    resident and that many slots a layer beside them (or each layer's, a tuple: the planner's
+    split)."""
+    result = timed(routes, scale, plan, profile, hw, cached, slots)
+    return len(routes) / result.seconds, result.hits / result.uses, result.uploaded * scale.expert_bytes
+
+
+def timed(routes: np.ndarray, scale: Scale, plan: list[tuple[int, ...]], profile: np.ndarray, hw,
+          cached: bool, slots: int | tuple[int, ...] | None = None):  # type: ignore[no-untyped-def]
+    """``replay``'s ``expert_cache.Replay`` (each layer's seconds too)."""
     from ktc.runtime.expert_cache import LayerCache, replay_trace
 
     if slots is not None:
-        caches = ([LayerCache(scale.experts, slots, scale.expert_bytes, resident=plan[li], prior=profile[li])
-                   for li in range(scale.layers)] if slots else None)
+        layer_slots = (slots,) * scale.layers if isinstance(slots, int) else slots
+        caches = ([LayerCache(scale.experts, layer_slots[li], scale.expert_bytes, resident=plan[li],
+                              prior=profile[li]) for li in range(scale.layers)] if any(layer_slots) else None)
     else:
         caches = ([LayerCache(scale.experts, len(plan[li]), scale.expert_bytes, prior=profile[li],
                               initial=plan[li]) for li in range(scale.layers)] if cached else None)
     shape = (scale.layers, scale.experts)
-    result = replay_trace(routes, caches, [frozenset(p) for p in plan],
-                          np.full(shape, scale.expert_bytes / hw.gpu_bandwidth),
-                          np.full(shape, scale.expert_bytes / hw.cpu_bandwidth), np.full(scale.layers, hw.sync_seconds),
-                          scale.expert_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth,
-                          hw.device_step_seconds)
-    return len(routes) / result.seconds, result.hits / result.uses, result.uploaded * scale.expert_bytes
+    return replay_trace(routes, caches, [frozenset(p) for p in plan],
+                        np.full(shape, scale.expert_bytes / hw.gpu_bandwidth),
+                        np.full(shape, scale.expert_bytes / hw.cpu_bandwidth), np.full(scale.layers, hw.sync_seconds),
+                        scale.expert_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth,
+                        hw.device_step_seconds)
 
 
 def counts(routes: np.ndarray, scale: Scale) -> np.ndarray:
@@ -147,28 +160,38 @@ def hindsight(run: np.ndarray, scale: Scale, budget: float, window: int, hw) -> 
 
 
 PLAN_TOKENS = 1024  # the planner's trace (ktc.streaming.REPLAY_TOKENS: what it replays at most)
-SPLITS = (0, 1, 2, 4, 8)  # slots a layer the planner tries (ktc.streaming: none and CANDIDATE_SLOTS)
 
 
 def planned(scale: Scale, profile: np.ndarray, budget: float, plan_routes: np.ndarray, run: np.ndarray,
-            hw) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+            hw) -> tuple[str, float]:  # type: ignore[no-untyped-def]
     """The planner's split of the budget between residents and cache slots (as ``ktc plan
-    --trace`` makes it: each of ``SPLITS`` slots a layer, the residents chosen again from the
-    profile under what the slots leave, replayed on the planning trace ``plan_routes``, the
-    fastest kept), then replayed on ``run``: (slots a layer, tokens/s)."""
-    best, chosen = 0.0, 0
-    for slots in SPLITS:
-        left = int(budget * scale.layers * scale.experts) - slots * scale.layers
-        if left < 0 or slots > scale.experts - scale.top_k:
-            break
+    --trace`` makes it, ``ktc.streaming``: none, one slot in a quarter, half and three quarters of
+    the layers, those whose replay gains most from one, and 1, 2, 4 and 8 slots a layer, the
+    residents chosen again from the profile under what the slots leave, replayed on the planning
+    trace ``plan_routes``, the fastest kept), then replayed on ``run``: (the split, tokens/s)."""
+    from ktc.streaming import CANDIDATE_SLOTS, SPARSE_SHARES, sparse_slots
+
+    total = int(budget * scale.layers * scale.experts)
+    whole = static_plan(profile, scale, budget)
+    gains = (timed(plan_routes, scale, whole, profile, hw, False).layer_seconds
+             - timed(plan_routes, scale, whole, profile, hw, False, slots=1).layer_seconds)
+    tries = [(0,) * scale.layers] + [sparse_slots(gains, share) for share in SPARSE_SHARES]
+    tries += [(n,) * scale.layers for n in CANDIDATE_SLOTS if n <= scale.experts - scale.top_k]
+    best, chosen = 0.0, tries[0]
+    for layer_slots in dict.fromkeys(tries):
+        left = total - sum(layer_slots)
+        if left < 0:
+            continue
         rate, _, _ = replay(plan_routes, scale, static_plan(profile, scale, left / (scale.layers * scale.experts)),
-                            profile, hw, cached=False, slots=slots)
+                            profile, hw, cached=False, slots=layer_slots)
         if rate > best:
-            best, chosen = rate, slots
-    left = int(budget * scale.layers * scale.experts) - chosen * scale.layers
-    plan = static_plan(profile, scale, left / (scale.layers * scale.experts))
+            best, chosen = rate, layer_slots
+    plan = static_plan(profile, scale, (total - sum(chosen)) / (scale.layers * scale.experts))
     rate, _, _ = replay(run, scale, plan, profile, hw, cached=False, slots=chosen)
-    return chosen, rate
+    held = sum(n > 0 for n in chosen)
+    label = (f"{max(chosen)} slot{'s' * (max(chosen) != 1)} a layer" if held in (0, scale.layers)
+             else f"1 slot in {held} layers")
+    return label, rate
 
 
 def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str, window: int,
@@ -192,9 +215,9 @@ def compare(scale: Scale, routes: np.ndarray, profile_tokens: int, kind: str, wi
             worst, its_ceiling = c_rate / s_rate, ceiling / s_rate
         split = ""
         if plan_routes is not None:
-            slots, p_rate = planned(scale, profile, budget, plan_routes, run, hw)
+            label, p_rate = planned(scale, profile, budget, plan_routes, run, hw)
             worst_planned = min(worst_planned, p_rate / s_rate)
-            split = f"; planned {slots} slot{'s' * (slots != 1)} a layer {p_rate:7.1f} tok/s ({p_rate / s_rate:.4f}x)"
+            split = f"; planned {label} {p_rate:7.1f} tok/s ({p_rate / s_rate:.4f}x)"
         print(f"{scale.name:<14} {kind:<9} {100 * budget:3.0f}% in VRAM: static {s_rate:7.1f} tok/s "
               f"(hits {100 * s_hit:5.1f}%), cache {c_rate:7.1f} tok/s (hits {100 * c_hit:5.1f}%, "
               f"{moved / len(run) / 1e6:6.1f} MB uploaded a token): {c_rate / s_rate:.2f}x; hindsight "
@@ -506,8 +529,11 @@ def synthetic(args, hw) -> None:  # type: ignore[no-untyped-def]
             routes = trace(scale, args.profile_tokens + args.tokens, args.zipf, period,
                            np.random.default_rng(args.seed), start=args.profile_tokens)
             # the planner's trace: another draw of the same kind (another seed), as ktc profile
-            # --trace records one on other text of the workload; drifting from its start
-            plan_routes = trace(scale, PLAN_TOKENS, args.zipf, period, np.random.default_rng(args.seed + 1))
+            # --trace records one of the same model on other text of the workload: the same
+            # popularity at its start (steady routing: throughout), drifting from its start
+            first = popularity(scale, np.random.default_rng(args.seed))  # the replayed trace's first
+            plan_routes = trace(scale, PLAN_TOKENS, args.zipf, period, np.random.default_rng(args.seed + 1),
+                                orders=first)
             worst = compare(scale, routes, args.profile_tokens, kind, args.period if period else args.tokens, hw,
                             plan_routes)
             planned_worst[kind] = min(planned_worst[kind], worst[2])

@@ -343,8 +343,9 @@ def _hardware_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "distribution .pt. Default: uniform routing."),
         click.option("--trace", type=click.Path(dir_okay=False),
                      help="A routing trace (ktc profile --trace FILE): the planner replays it through the device "
-                          "expert cache's policy and trades residents for cache slots (0, 1, 2, 4 or 8 a layer) "
-                          "where that predicts a faster decode; ktc run keeps the slots the plan chose."),
+                          "expert cache's policy and trades residents for cache slots (0, 1, 2, 4 or 8 a layer, or "
+                          "one in a quarter, half or three quarters of the MoE layers) where that predicts a faster "
+                          "decode; ktc run keeps the slots the plan chose."),
         click.option("--request", metavar="PROMPT:NEW", callback=_request, help=REQUEST_HELP),
         click.option("--gpu-schemes",
                      help="Comma list of schemes GPU experts may use, e.g. bf16,int8,int4. "
@@ -859,6 +860,7 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
         used_threads = model.threads
         decode_steps = "ktc" if model.fast is not None else "transformers"
         slots = max((e.cache.policy.slots for e in model.experts if e.cache is not None), default=0)
+        slot_layers = sum(e.cache is not None and e.cache.policy.slots > 0 for e in model.experts)
         cached = _cache_counters(model.experts) if slots else None
         paged = model.prefetcher.asked if model.prefetcher is not None else None
         guessed = model.prefetcher.accuracy if model.prefetcher is not None else None
@@ -925,9 +927,12 @@ def run(bundle: str, prompt: str | None, prompt_file: str | None, chat: bool, ma
                    + ("" if token_kernels["fused"] else " (the fused kernels need Triton and CUDA: ktc doctor)"),
                    err=True)
     if cached is not None:
-        click.echo(f"expert cache: {slots} slots a layer ({format_bytes(cached['device_bytes'])}); "
+        every = slot_layers == len(model.experts)
+        where = "a layer" if every else f"a layer in {slot_layers} of the {len(model.experts)} MoE layers"
+        click.echo(f"expert cache: {slots} slot{'s' * (slots != 1)} {where} ({format_bytes(cached['device_bytes'])}); "
                    f"{cached['hits']} hits, {cached['misses']} misses ({cached['late']} while their copy was on its "
-                   f"way), hit rate {100 * cached['hit_rate']:.1f}% of {cached['uses']} uses; {cached['uploads']} "
+                   f"way), hit rate {100 * cached['hit_rate']:.1f}% of {cached['uses']} uses"
+                   f"{'' if every else ' in those layers'}; {cached['uploads']} "
                    f"copies ({format_bytes(cached['bytes_uploaded'])}), {cached['evictions']} evictions", err=True)
         if prefetch:
             share = cached["guess_used"] / cached["guessed"] if cached["guessed"] else 0.0

@@ -120,10 +120,13 @@ def cache_lines(plan: Plan) -> list[str]:
     lines = []
     if st.splits:
         static, chosen = st.static, st.chosen
-        tried = ", ".join(f"{s.slots}: {s.ms_per_token:.3f}" for s in st.splits)
+        tried = ", ".join(f"{s.label}: {s.ms_per_token:.3f}" for s in st.splits)
         lines.append(f"device cache: {st.evidence}; predicted ms/token by slots a layer: {tried}")
         if st.cache_slots and chosen is not None and static is not None:
-            lines.append(f"  chosen: {st.cache_slots} slots a layer at {st.slot_scheme} "
+            held = sum(n > 0 for n in chosen.layer_slots)
+            where = ("a layer" if held == len(chosen.layer_slots)
+                     else f"a layer in {held} of the {len(chosen.layer_slots)} MoE layers")
+            lines.append(f"  chosen: {st.cache_slots} slot{'s' * (st.cache_slots != 1)} {where} at {st.slot_scheme} "
                          f"({format_bytes(plan.options.cache_vram)}), {static.gpu_experts - chosen.gpu_experts} "
                          f"residents fewer; {chosen.ms_per_token:.3f} ms/token, {100 * chosen.hit_rate:.1f}% of "
                          f"expert uses on the device, against the static plan's {static.ms_per_token:.3f} "

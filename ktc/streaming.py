@@ -6,7 +6,9 @@ expert cache (``runtime/device_cache.py``) take VRAM the residents would otherwi
 they pay only where routing moves: a profile's frequencies say nothing of that (under them the
 slots would end up holding the experts a static plan places anyway, and pay the uploads on top).
 A recorded routing trace (``ktc profile --trace``) does, so with one the planner tries each
-split of the experts' VRAM — 0, 1, 2, 4 and 8 slots a MoE layer, the residents solved again
+split of the experts' VRAM — 0, 1, 2, 4 and 8 slots a MoE layer, and one slot in a quarter, a half
+and three quarters of the MoE layers (those whose replay gains most from one: where the budget
+holds under one expert a layer, the uniform splits cannot start), the residents solved again
 under what the slots leave — and replays the trace through the cache's own policy
 (``runtime.expert_cache``) under the plan's cost model: per layer and token the device's experts
 (residents and slots that hit) at their device time, the others at their CPU time, the slower of
@@ -49,6 +51,7 @@ from ktc.ir import Device
 from ktc.runtime.offload import LLAMA_CPP_MIN_TOKENS as DEFAULT_PREFILL_MIN_TOKENS  # where unmeasured
 
 CANDIDATE_SLOTS = (1, 2, 4, 8)  # slots a MoE layer the split tries beside none
+SPARSE_SHARES = (0.25, 0.5, 0.75)  # shares of the MoE layers the split also tries one slot in
 REPLAY_TOKENS = 1024  # at most this many of a trace's tokens are replayed
 # Offload buffers tried beside none, in MoE layers' worth of CPU experts' bytes: with copies made
 # a layer ahead a forward's own take half the buffer, so 2 copies a whole layer.
@@ -60,11 +63,18 @@ OFFLOAD_MIN_GAIN = 0.01  # a buffer is held only where the request is at least t
 class SplitResult:
     """One split of the experts' VRAM between residents and slots, replayed."""
 
-    slots: int  # a MoE layer
+    slots: int  # a MoE layer, of the layers that hold any
     gpu_experts: int  # residents
     ms_per_token: float  # predicted decode: the plan's constant part plus the replayed experts
     hit_rate: float  # expert uses on the device (residents and slot hits)
     uploaded_per_token: float  # bytes
+    layer_slots: tuple[int, ...] = ()  # each MoE layer's
+
+    @property
+    def label(self) -> str:
+        """``4`` (a layer), or ``1 in 8 layers`` where some layers hold none."""
+        held = sum(n > 0 for n in self.layer_slots)
+        return str(self.slots) if not self.slots or held == len(self.layer_slots) else f"{self.slots} in {held} layers"
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ class OffloadSplit:
 
 @dataclass(frozen=True)
 class StreamingPlan:
-    cache_slots: int  # device slots a MoE layer the runtime keeps (0: none)
+    cache_slots: int  # device slots a MoE layer the runtime keeps (0: none), in the layers that hold any
     slot_scheme: str | None  # the CPU experts' most common scheme: what a slot holds
     slot_bytes: int  # one slot
     evidence: str  # what the choice of slots rests on
@@ -93,10 +103,13 @@ class StreamingPlan:
     offload_vram: int = 0  # VRAM held for the offload's copies in place of residents
     offload_evidence: str = ""  # what the buffer's size rests on
     offload_splits: tuple[OffloadSplit, ...] = ()  # no buffer first, then each tried
+    layer_slots: tuple[int, ...] = ()  # each MoE layer's slots (empty: ``cache_slots`` in every layer)
 
     @property
     def chosen(self) -> SplitResult | None:
-        return next((s for s in self.splits if s.slots == self.cache_slots), None)
+        if not self.cache_slots:
+            return self.static
+        return next((s for s in self.splits if s.layer_slots == self.layer_slots), None)
 
     @property
     def static(self) -> SplitResult | None:
@@ -111,7 +124,8 @@ class StreamingPlan:
                 "prefill_offload_tokens_per_s": self.prefill_offload_tokens_per_s,
                 "disk_experts": self.disk_experts,
                 "prefill_offload_vram_bytes": self.offload_vram, "offload_evidence": self.offload_evidence,
-                "offload_splits": [dataclasses.asdict(s) for s in self.offload_splits]}
+                "offload_splits": [dataclasses.asdict(s) for s in self.offload_splits],
+                "layer_slots": list(self.layer_slots)}
 
 
 def load_trace(path: str, moe_layers: int, num_experts: int) -> np.ndarray:
@@ -152,22 +166,29 @@ def _seconds(ctx: Any, placement: Any) -> tuple[np.ndarray, np.ndarray]:
     return seconds, on_gpu
 
 
-def replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int, slot_scheme: str | None,
+def replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int | tuple[int, ...], slot_scheme: str | None,
            slot_bytes: int) -> SplitResult:
-    """The trace under ``plan``'s placement with ``slots`` cache slots a layer (see the module's
-    docstring for the time model)."""
+    """The trace under ``plan``'s placement with ``slots`` cache slots a layer (or each MoE
+    layer's, a tuple; see the module's docstring for the time model)."""
+    return _replay(routes, plan, ctx, slots, slot_scheme, slot_bytes)[0]
+
+
+def _replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int | tuple[int, ...], slot_scheme: str | None,
+            slot_bytes: int) -> tuple[SplitResult, Any]:
+    """``replay``, and the ``expert_cache.Replay`` it rests on (each layer's seconds too)."""
     from ktc.runtime.expert_cache import LayerCache, replay_trace
 
     hw = plan.hardware
     seconds, on_gpu = _seconds(ctx, plan.placement)
+    layer_slots = (slots,) * len(on_gpu) if isinstance(slots, int) else tuple(slots)
     caches = None
-    if slots:
+    if any(layer_slots):
         usage = ctx.problem.usage
         caches = []
         for li, row in enumerate(plan.placement.experts):
             resident = tuple(int(e) for e in np.flatnonzero(on_gpu[li]))
             eligible = tuple(e for e, p in enumerate(row) if p.device is Device.CPU and p.scheme == slot_scheme)
-            caches.append(LayerCache(len(row), slots, slot_bytes, resident=resident, prior=usage[li],
+            caches.append(LayerCache(len(row), layer_slots[li], slot_bytes, resident=resident, prior=usage[li],
                                      eligible=eligible))
     device_seconds = np.where(on_gpu, seconds, slot_bytes / hw.gpu_bandwidth)
     cpu_seconds = np.where(on_gpu, 0.0, seconds)
@@ -176,8 +197,19 @@ def replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int, slot_scheme: str
                           slot_bytes / hw.pcie_bandwidth, hw.cpu_bandwidth, hw.pcie_bandwidth,
                           hw.device_step_seconds)
     tokens = len(routes)
-    return SplitResult(slots, int(on_gpu.sum()), plan.constant_ms + 1e3 * result.seconds / tokens,
-                       result.hits / max(result.uses, 1), result.uploaded * slot_bytes / tokens)
+    return SplitResult(max(layer_slots, default=0), int(on_gpu.sum()), plan.constant_ms + 1e3 * result.seconds / tokens,
+                       result.hits / max(result.uses, 1), result.uploaded * slot_bytes / tokens, layer_slots), result
+
+
+def sparse_slots(gains: np.ndarray, share: float) -> tuple[int, ...]:
+    """One slot in ``share`` of the layers (rounded; at least one), those of the largest
+    ``gains`` (seconds a layer saves with one slot) and only where it saves any: each layer's
+    slots (all none where no layer gains)."""
+    count = min(max(round(share * len(gains)), 1), int((gains > 0).sum()))
+    chosen = np.argsort(-gains, kind="stable")[:count]
+    out = np.zeros(len(gains), dtype=np.int64)
+    out[chosen] = 1
+    return tuple(int(n) for n in out)
 
 
 def _prefill(plan: Any, shape: Any, slot_scheme: str, free_vram: int, chunk: int | None = None
@@ -252,27 +284,39 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
     else:
         routes = load_trace(trace, layers, plan.model.num_experts)[:REPLAY_TOKENS]
         ctx = build_context(ir, plan.hardware, plan.workload, plan.profile, plan.options)
-        splits.append(replay(routes, plan, ctx, 0, slot_scheme, slot_bytes))
-        best = splits[0]
-        for slots in CANDIDATE_SLOTS:
-            if slots > plan.model.num_experts - plan.model.top_k:
-                break
+        base, base_run = _replay(routes, plan, ctx, 0, slot_scheme, slot_bytes)
+        splits.append(base)
+        best = base
+        tries: list[tuple[int, ...]] = []
+        if plan.model.num_experts - plan.model.top_k >= 1:
+            # each layer's seconds saved by one slot of its own, under the static placement
+            gains = base_run.layer_seconds - _replay(routes, plan, ctx, 1, slot_scheme, slot_bytes)[1].layer_seconds
+            tries += [sparse_slots(gains, share) for share in SPARSE_SHARES]
+        tries += [(slots,) * layers for slots in CANDIDATE_SLOTS if slots <= plan.model.num_experts - plan.model.top_k]
+        seen = {base.layer_slots}
+        for layer_slots in tries:
+            if layer_slots in seen:
+                continue
+            seen.add(layer_slots)
             try:
-                candidate = replan(slots * layers * slot_bytes)
+                candidate = replan(sum(layer_slots) * slot_bytes)
             except BudgetError:
-                break
-            result = replay(routes, candidate, ctx, slots, slot_scheme, slot_bytes)
+                if len(set(layer_slots)) == 1:
+                    break  # the uniform splits come in growing order
+                continue
+            result = replay(routes, candidate, ctx, layer_slots, slot_scheme, slot_bytes)
             splits.append(result)
             if result.ms_per_token < best.ms_per_token:
                 best, chosen = result, candidate
         evidence = f"the routing trace {trace} ({len(routes)} tokens replayed)"
-    slots = 0 if chosen is plan else best.slots
+    layer_slots = best.layer_slots if chosen is not plan else ()
+    slots = max(layer_slots, default=0)
     shape = expert_shape(ir)
 
     def decode_ms(candidate: Any) -> float:  # a step: the replay where slots are kept
         if not slots:
             return candidate.predicted_ms_per_step
-        return replay(routes, candidate, ctx, slots, slot_scheme, slot_bytes).ms_per_token
+        return replay(routes, candidate, ctx, layer_slots, slot_scheme, slot_bytes).ms_per_token
 
     cache_vram = chosen.options.cache_vram
     chosen, offload_evidence, offload_splits = _trade_for_offload(
@@ -281,7 +325,7 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
     min_tokens, basis, static, offloaded = _prefill(chosen, shape, slot_scheme, max(free, 0))
     return chosen, StreamingPlan(slots, slot_scheme, slot_bytes, evidence, tuple(splits), min_tokens, basis,
                                  static, offloaded, disk, chosen.options.offload_vram, offload_evidence,
-                                 offload_splits)
+                                 offload_splits, layer_slots)
 
 
 def _trade_for_offload(plan: Any, shape: Any, slot_scheme: str, decode_ms: Any, replan: Any

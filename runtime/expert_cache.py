@@ -226,12 +226,14 @@ class LayerCache:
 
 @dataclass
 class Replay:
-    """What ``replay_trace`` found: seconds in the experts, uses on the device, all uses, uploads."""
+    """What ``replay_trace`` found: seconds in the experts, uses on the device, all uses, uploads,
+    and the seconds each layer took."""
 
     seconds: float
     hits: int
     uses: int
     uploaded: int  # experts
+    layer_seconds: np.ndarray
 
 
 def replay_trace(routes: np.ndarray, caches: list[LayerCache] | None, resident: list[frozenset[int]],
@@ -249,6 +251,7 @@ def replay_trace(routes: np.ndarray, caches: list[LayerCache] | None, resident: 
     slowed = cpu_bandwidth / max(cpu_bandwidth - pcie_bandwidth, 0.1 * cpu_bandwidth)
     clock, link_free, hits, uses, uploaded = 0.0, 0.0, 0, 0, 0
     device_rows, cpu_rows, syncs = device_seconds.tolist(), cpu_seconds.tolist(), np.asarray(sync_seconds).tolist()
+    per_layer = [0.0] * len(syncs)
     for token in routes:
         for li, experts in enumerate(token):
             if caches is not None:
@@ -264,6 +267,8 @@ def replay_trace(routes: np.ndarray, caches: list[LayerCache] | None, resident: 
             hits += len(on_device)
             uses += len(experts)
             cpu = sum(cpu_rows[li][e] for e in on_cpu) * (slowed if link_free > clock else 1.0)
-            clock += max(sum(device_rows[li][e] for e in on_device), cpu) + (syncs[li] if on_cpu else 0.0) \
+            spent = max(sum(device_rows[li][e] for e in on_device), cpu) + (syncs[li] if on_cpu else 0.0) \
                 + (device_step_seconds if on_device else 0.0)
-    return Replay(clock, hits, uses, uploaded)
+            clock += spent
+            per_layer[li] += spent
+    return Replay(clock, hits, uses, uploaded, np.array(per_layer))

@@ -449,7 +449,7 @@ def tokenizer_from_bundle(path: str | os.PathLike[str]) -> Any:
 
 
 def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int | None = None, *,
-                tokenizer: Any = None, cache_slots: int | None = None, cache_prior: Any = None,
+                tokenizer: Any = None, cache_slots: int | dict[int, int] | None = None, cache_prior: Any = None,
                 prefetch: bool = False, prefill_offload: bool | None = None, mapped: bool = True,
                 interleave: bool = True, mlock: bool = False) -> KtcModel:
     """The bundle at ``path`` as a runnable transformers model with its tokenizer.
@@ -458,7 +458,8 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
     device experts and the KV cache (the plan's ``max_tokens``) on the GPU. ``threads`` sets the CPU
     threads of ktc's kernels and torch (default: all cores). ``tokenizer``: the bundle's tokenizer
     when the caller loaded it already (``load_tokenizer``). ``cache_slots``: on a device, that many
-    device slots per MoE layer for CPU experts, filled on demand (``ExpertSet``), refused where they
+    device slots per MoE layer for CPU experts (or a dict: each MoE layer's, by its number), filled
+    on demand (``ExpertSet``), refused where they
     do not fit the VRAM the plan leaves free; ``cache_prior``: an ``ActivationProfile`` of the model
     (the slots' policy's prior; uniform without one). ``prefetch``: pre-gating one MoE layer ahead
     (``prefetch.Prefetcher``): the experts the next layer's router picks for this layer's input are
@@ -494,7 +495,7 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
                        hint="run it mapped (without --no-mmap)")
     streaming = (bundle.manifest.get("plan") or {}).get("streaming") or {}
     if cache_slots is None:
-        cache_slots = int(streaming.get("cache_slots") or 0) if dev is not None else 0
+        cache_slots = _planned_slots(bundle) if dev is not None else 0
     if prefill_offload is None:
         prefill_offload = dev is not None and streaming.get("prefill_min_tokens") is not None
     try:
@@ -509,6 +510,21 @@ def from_bundle(path: str | os.PathLike[str], device: Any = None, threads: int |
         km.close()
         raise
     return km
+
+
+def _planned_slots(bundle: Bundle) -> int | dict[int, int]:
+    """The cache slots the plan's ``streaming`` record keeps: each MoE layer's, or (a plan made
+    before it recorded them by layer) one count for every layer."""
+    plan = bundle.manifest.get("plan") or {}
+    streaming = plan.get("streaming") or {}
+    by_layer = streaming.get("layer_slots") or []
+    if not by_layer:
+        return int(streaming.get("cache_slots") or 0)
+    layers = [int(layer) for layer in plan.get("placement") or {}]
+    if len(layers) != len(by_layer):
+        raise BundleError(f"the plan records cache slots for {len(by_layer)} MoE layers and places the experts of "
+                          f"{len(layers)}", path=bundle.path)
+    return {layer: int(n) for layer, n in zip(layers, by_layer)}
 
 
 def _stream(km: KtcModel, prefetch: bool, mlock: bool = False) -> None:
@@ -542,7 +558,7 @@ def _stream(km: KtcModel, prefetch: bool, mlock: bool = False) -> None:
 
 
 def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, tokenizer: Any,
-          cache_slots: int = 0, cache_prior: Any = None, prefill_offload: bool = False,
+          cache_slots: int | dict[int, int] = 0, cache_prior: Any = None, prefill_offload: bool = False,
           interleave: bool = True) -> KtcModel:
     import torch
 
@@ -567,6 +583,8 @@ def _load(transformers: Any, bundle: Bundle, device: Any, threads: int | None, t
 
         model.set_attn_implementation(register())
     loader = _Loader(transformers, bundle, model, device, dtype, interleave=interleave)
+    if isinstance(cache_slots, dict) and not any(cache_slots.values()):
+        cache_slots = 0
     if (cache_slots or prefill_offload) and device is None:
         raise KtcError("cache slots and prefill offload use device memory: they need a device (--device cuda)")
     offload = _prefill_offload(bundle) if prefill_offload else None
@@ -683,7 +701,10 @@ class _Loader:
 
     # -- experts -------------------------------------------------------------------------------
 
-    def attach_experts(self, cache_slots: int = 0, cache_prior: Any = None, offload: Any = None) -> list[ExpertSet]:
+    def attach_experts(self, cache_slots: int | dict[int, int] = 0, cache_prior: Any = None,
+                       offload: Any = None) -> list[ExpertSet]:
+        """An ``ExpertSet`` for each of the model's experts modules; ``cache_slots``: the device
+        slots of every MoE layer, or of each by layer number."""
         info = {i["layer"]: i for i in self.bundle.manifest["model"]["moe_layers"]}
         priors = {} if cache_prior is None else dict(zip(cache_prior.layers, cache_prior.counts))
         found: list[ExpertSet] = []
@@ -701,7 +722,9 @@ class _Loader:
             compute = None if self.device is None else self.dtype
             try:
                 experts = ExpertSet(self.bundle, layer, device=self.device, compute_dtype=compute,
-                                    cache_slots=cache_slots, cache_prior=priors.get(layer), offload=offload,
+                                    cache_slots=(cache_slots.get(layer, 0) if isinstance(cache_slots, dict)
+                                                 else cache_slots),
+                                    cache_prior=priors.get(layer), offload=offload,
                                     interleave=self.interleave)
             except BaseException:
                 for done in found:

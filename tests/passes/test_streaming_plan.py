@@ -18,7 +18,7 @@ from ktc.formats.bundle import open_bundle
 from ktc.formats.hardware_profile import HardwareProfile
 from ktc.formats.schemes import ExpertShape, expert_footprint
 from ktc.runtime.expert_cache import LayerCache, replay_trace
-from ktc.streaming import DEFAULT_PREFILL_MIN_TOKENS, load_trace
+from ktc.streaming import DEFAULT_PREFILL_MIN_TOKENS, load_trace, sparse_slots
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,7 @@ def test_replay_times_a_static_plan_as_the_planner_does():
     cpu = np.full((1, 4), 3.0)
     static = replay_trace(routes, None, [frozenset({0})], device, cpu, np.array([0.5]), 2.0, 60e9, 25e9)
     assert static.seconds == pytest.approx(6 * (3.0 + 0.5)) and (static.hits, static.uses) == (6, 12)
+    assert static.layer_seconds.tolist() == [static.seconds]
     caches = [LayerCache(4, 1, 100, resident=(0,), initial=())]
     cached = replay_trace(routes, caches, [frozenset({0})], device, cpu, np.array([0.5]), 2.0, 60e9, 25e9)
     # token 1 misses and starts the copy (lands at 2.0 s), its CPU expert read beside the copy
@@ -107,6 +108,44 @@ def test_a_trace_trades_residents_for_slots_only_where_its_replay_gains(source, 
     np.save(tmp_path / "steady.npy", np.tile(np.array([[[1, 2]] * mf.LAYERS]), (300, 1, 1)))
     steady = plan(source, vram=budget, reserve=0, cpu_schemes=("bf16",), trace=str(tmp_path / "steady.npy"))
     assert steady.streaming.chosen.ms_per_token <= min(s.ms_per_token for s in steady.streaming.splits)
+
+
+def test_sparse_slots_go_to_the_layers_that_gain_most_and_only_where_they_gain():
+    gains = np.array([0.3, -0.1, 0.5, 0.0, 0.2, 0.4, 0.1, 0.0])
+    assert sparse_slots(gains, 0.25) == (0, 0, 1, 0, 0, 1, 0, 0)
+    assert sparse_slots(gains, 0.5) == (1, 0, 1, 0, 1, 1, 0, 0)
+    assert sparse_slots(gains, 0.75) == (1, 0, 1, 0, 1, 1, 1, 0)  # six asked, five gain
+    assert sparse_slots(np.zeros(4), 0.5) == (0, 0, 0, 0) and sparse_slots(np.ones(4), 0.01) == (1, 0, 0, 0)
+
+
+def test_a_budget_under_one_expert_a_layer_keeps_slots_in_some_layers(source, tmp_path):
+    """Where the VRAM left for experts holds fewer than the MoE layers, one slot a layer does not
+    fit; the planner tries one slot in some layers instead, the bundle records each layer's and
+    the runtime keeps them there alone."""
+    from ktc.plan_report import render_plan_text
+    from ktc.runtime.hf import from_bundle
+
+    np.save(tmp_path / "routes.npy", _drifting(400, 50))
+    budget = _budget(source, mf.LAYERS - 1)
+    made = plan(source, vram=budget, reserve=0, cpu_schemes=("bf16",), trace=str(tmp_path / "routes.npy"),
+                **SLOW_CPU)
+    st = made.streaming
+    assert all(max(s.layer_slots) <= 1 for s in st.splits)  # a slot in every layer does not fit
+    assert st.cache_slots == 1 and 0 < sum(st.layer_slots) < mf.LAYERS
+    assert st.chosen.layer_slots == st.layer_slots and st.chosen.ms_per_token < st.static.ms_per_token
+    slot_bytes = 3 * mf.HIDDEN * 32 * 2
+    assert dict(made.memory.vram)["cache_slots"] == sum(st.layer_slots) * slot_bytes and made.memory.vram_total <= budget
+    held = sum(st.layer_slots)
+    assert f"chosen: 1 slot a layer in {held} of the {mf.LAYERS} MoE layers at bf16" in render_plan_text(made)
+    assert made.to_json()["streaming"]["layer_slots"] == list(st.layer_slots)
+    out = str(tmp_path / "m.ktb")
+    compile_bundle(source, out, cpu_scheme="bf16",
+                   plan_kwargs={"vram": budget, "reserve": 0, "trace": str(tmp_path / "routes.npy"), **SLOW_CPU})
+    with open_bundle(out) as bundle:
+        recorded = bundle.manifest["plan"]["streaming"]["layer_slots"]
+    assert recorded == list(st.layer_slots)
+    with from_bundle(out, device="cpu", prefill_offload=False) as km:
+        assert [0 if e.cache is None else e.cache.policy.slots for e in km.experts] == recorded
 
 
 def test_traces_that_do_not_fit_the_model_are_refused(source, tmp_path):

@@ -109,4 +109,5 @@ def test_demo_runs_the_loop(demo, tmp_path, monkeypatch):
     streaming = out["streaming_plan"]  # the recorded trace replayed: the split chosen is the fastest
     assert os.path.exists(out["profile"]["trace"]) and streaming["splits"]
     assert min(s["ms_per_token"] for s in streaming["splits"]) == next(
-        s["ms_per_token"] for s in streaming["splits"] if s["slots"] == streaming["cache_slots"])
+        s["ms_per_token"] for s in streaming["splits"]
+        if (s["layer_slots"] == streaming["layer_slots"] if streaming["cache_slots"] else not s["slots"]))
