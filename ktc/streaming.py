@@ -74,7 +74,9 @@ class SplitResult:
     def label(self) -> str:
         """``4`` (a layer), or ``1 in 8 layers`` where some layers hold none."""
         held = sum(n > 0 for n in self.layer_slots)
-        return str(self.slots) if not self.slots or held == len(self.layer_slots) else f"{self.slots} in {held} layers"
+        if not self.slots or held == len(self.layer_slots):
+            return str(self.slots)
+        return f"{self.slots} in {held} layer{'s' * (held != 1)}"
 
 
 @dataclass(frozen=True)
