@@ -169,16 +169,14 @@ def planned(scale: Scale, profile: np.ndarray, budget: float, plan_routes: np.nd
     the layers, those whose replay gains most from one, and 1, 2, 4 and 8 slots a layer, the
     residents chosen again from the profile under what the slots leave, replayed on the planning
     trace ``plan_routes``, the fastest kept), then replayed on ``run``: (the split, tokens/s)."""
-    from ktc.streaming import CANDIDATE_SLOTS, SPARSE_SHARES, sparse_slots
+    from ktc.streaming import candidate_splits
 
     total = int(budget * scale.layers * scale.experts)
     whole = static_plan(profile, scale, budget)
     gains = (timed(plan_routes, scale, whole, profile, hw, False).layer_seconds
              - timed(plan_routes, scale, whole, profile, hw, False, slots=1).layer_seconds)
-    tries = [(0,) * scale.layers] + [sparse_slots(gains, share) for share in SPARSE_SHARES]
-    tries += [(n,) * scale.layers for n in CANDIDATE_SLOTS if n <= scale.experts - scale.top_k]
-    best, chosen = 0.0, tries[0]
-    for layer_slots in dict.fromkeys(tries):
+    best, chosen = 0.0, (0,) * scale.layers
+    for layer_slots in [chosen] + candidate_splits(gains, scale.experts - scale.top_k):
         left = total - sum(layer_slots)
         if left < 0:
             continue

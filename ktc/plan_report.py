@@ -123,9 +123,8 @@ def cache_lines(plan: Plan) -> list[str]:
         tried = ", ".join(f"{s.label}: {s.ms_per_token:.3f}" for s in st.splits)
         lines.append(f"device cache: {st.evidence}; predicted ms/token by slots a layer: {tried}")
         if st.cache_slots and chosen is not None and static is not None:
-            held = sum(n > 0 for n in chosen.layer_slots)
-            where = ("a layer" if held == len(chosen.layer_slots)
-                     else f"a layer in {held} of the {len(chosen.layer_slots)} MoE layers")
+            where = ("a layer" if chosen.held == len(chosen.layer_slots)
+                     else f"a layer in {chosen.held} of the {len(chosen.layer_slots)} MoE layers")
             lines.append(f"  chosen: {st.cache_slots} slot{'s' * (st.cache_slots != 1)} {where} at {st.slot_scheme} "
                          f"({format_bytes(plan.options.cache_vram)}), {static.gpu_experts - chosen.gpu_experts} "
                          f"residents fewer; {chosen.ms_per_token:.3f} ms/token, {100 * chosen.hit_rate:.1f}% of "

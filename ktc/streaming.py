@@ -71,9 +71,14 @@ class SplitResult:
     layer_slots: tuple[int, ...] = ()  # each MoE layer's
 
     @property
+    def held(self) -> int:
+        """The MoE layers that hold slots."""
+        return sum(n > 0 for n in self.layer_slots)
+
+    @property
     def label(self) -> str:
         """``4`` (a layer), or ``1 in 8 layers`` where some layers hold none."""
-        held = sum(n > 0 for n in self.layer_slots)
+        held = self.held
         if not self.slots or held == len(self.layer_slots):
             return str(self.slots)
         return f"{self.slots} in {held} layer{'s' * (held != 1)}"
@@ -203,6 +208,17 @@ def _replay(routes: np.ndarray, plan: Any, ctx: Any, slots: int | tuple[int, ...
                        result.hits / max(result.uses, 1), result.uploaded * slot_bytes / tokens, layer_slots), result
 
 
+def candidate_splits(gains: np.ndarray, room: int) -> list[tuple[int, ...]]:
+    """Each MoE layer's slots in every split tried beside none, each once: one slot in
+    ``SPARSE_SHARES`` of the layers (``sparse_slots`` of each layer's ``gains``), then
+    ``CANDIDATE_SLOTS`` in every layer, growing; ``room``: the most slots a layer may take (its
+    experts less the ones a token uses)."""
+    layers = len(gains)
+    tries = [sparse_slots(gains, share) for share in SPARSE_SHARES] if room >= 1 else []
+    tries += [(n,) * layers for n in CANDIDATE_SLOTS if n <= room]
+    return [t for t in dict.fromkeys(tries) if any(t)]
+
+
 def sparse_slots(gains: np.ndarray, share: float) -> tuple[int, ...]:
     """One slot in ``share`` of the layers (rounded; at least one), those of the largest
     ``gains`` (seconds a layer saves with one slot) and only where it saves any: each layer's
@@ -289,17 +305,11 @@ def plan_streaming(ir: Any, plan: Any, trace: str | None, *, replan: Any) -> tup
         base, base_run = _replay(routes, plan, ctx, 0, slot_scheme, slot_bytes)
         splits.append(base)
         best = base
-        tries: list[tuple[int, ...]] = []
-        if plan.model.num_experts - plan.model.top_k >= 1:
-            # each layer's seconds saved by one slot of its own, under the static placement
-            gains = base_run.layer_seconds - _replay(routes, plan, ctx, 1, slot_scheme, slot_bytes)[1].layer_seconds
-            tries += [sparse_slots(gains, share) for share in SPARSE_SHARES]
-        tries += [(slots,) * layers for slots in CANDIDATE_SLOTS if slots <= plan.model.num_experts - plan.model.top_k]
-        seen = {base.layer_slots}
-        for layer_slots in tries:
-            if layer_slots in seen:
-                continue
-            seen.add(layer_slots)
+        room = plan.model.num_experts - plan.model.top_k
+        # each layer's seconds saved by one slot of its own, under the static placement
+        gains = (base_run.layer_seconds - _replay(routes, plan, ctx, 1, slot_scheme, slot_bytes)[1].layer_seconds
+                 if room >= 1 else np.zeros(layers))
+        for layer_slots in candidate_splits(gains, room):
             try:
                 candidate = replan(sum(layer_slots) * slot_bytes)
             except BudgetError:
